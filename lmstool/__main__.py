@@ -1,0 +1,3 @@
+from lmstool.cli import main
+
+raise SystemExit(main())
