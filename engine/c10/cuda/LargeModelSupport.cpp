@@ -1,0 +1,1181 @@
+#include <c10/cuda/LargeModelSupport.h>
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/LargeModelSupportHostPool.h>
+#include <c10/util/Exception.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <vector>
+
+namespace c10::cuda::lms {
+
+namespace {
+
+constexpr size_t kMiB = 1024 * 1024;
+constexpr size_t kDefaultSizeThreshold = 1 * kMiB;
+// Default limit: this share of (free + reserved) device memory at first use.
+constexpr double kDefaultLimitFraction = 0.95;
+
+std::atomic<bool> g_enabled{false};
+std::atomic<size_t> g_size_threshold{kDefaultSizeThreshold};
+std::atomic<int> g_prefetch_depth{0};
+std::atomic<size_t> g_speculative_margin{0};
+// Limit set through PYTORCH_CUDA_ALLOC_CONF for every device (0: default).
+std::atomic<size_t> g_conf_limit{0};
+std::atomic<DeviceMemoryBackend*> g_backend{nullptr};
+
+// Makes a device current for a scope. (CUDAGuard would pull in the caching
+// allocator's headers, which include this one.)
+class DeviceScope {
+ public:
+  explicit DeviceScope(c10::DeviceIndex device)
+      : device_(device), previous_(c10::cuda::ExchangeDevice(device)) {}
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+  ~DeviceScope() {
+    if (previous_ != device_) {
+      C10_CUDA_CHECK_WARN(c10::cuda::SetDevice(previous_));
+    }
+  }
+
+ private:
+  c10::DeviceIndex device_;
+  c10::DeviceIndex previous_;
+};
+
+enum class State : uint8_t {
+  Allocated,
+  Active,
+  Inactive,
+  PagedOut,
+};
+
+enum class Trigger { Limit, Speculative, AllocFailure, Explicit };
+
+struct DeviceEngine;
+
+// The LMS record of one storage allocation. It is the context of the
+// storage's DataPtr, so it lives exactly as long as the allocation.
+struct Record {
+  DeviceEngine* engine = nullptr;
+  size_t size = 0;
+  void* device_ptr = nullptr; // resident memory; null while paged out
+  HostBuffer host; // paged-out contents
+  // Page-out copy done: the host buffer holds the contents after it.
+  cudaEvent_t host_ready = nullptr;
+  // Prefetch copy done: the device memory holds the contents after it.
+  cudaEvent_t device_ready = nullptr;
+  // Stream the device memory was allocated on: the caching allocator reuses
+  // the memory in this stream's order once freed.
+  cudaStream_t stream = nullptr;
+  // Other streams that used the memory; a page-out is ordered after them.
+  std::vector<cudaStream_t> users;
+  State state = State::Allocated;
+  int pins = 0;
+  bool busy = false; // a copy is being set up outside the engine lock
+  bool prefetched = false;
+  bool graph_owned = false; // used during CUDA graph capture: never paged
+  // Intrusive list links (reclaim list or paged-out list).
+  Record* prev = nullptr;
+  Record* next = nullptr;
+  struct List* list = nullptr;
+};
+
+struct List {
+  Record* head = nullptr; // least recently used / earliest paged out
+  Record* tail = nullptr;
+
+  void push_back(Record* r) {
+    TORCH_INTERNAL_ASSERT(r->list == nullptr);
+    r->list = this;
+    r->prev = tail;
+    r->next = nullptr;
+    (tail ? tail->next : head) = r;
+    tail = r;
+  }
+  void remove(Record* r) {
+    TORCH_INTERNAL_ASSERT(r->list == this);
+    (r->prev ? r->prev->next : head) = r->next;
+    (r->next ? r->next->prev : tail) = r->prev;
+    r->prev = r->next = nullptr;
+    r->list = nullptr;
+  }
+};
+
+// Events are created lazily and reused; one pool per device because an event
+// must be recorded on a stream of the device it was created on.
+class EventPool {
+ public:
+  explicit EventPool(c10::DeviceIndex device) : device_(device) {}
+
+  cudaEvent_t get(bool timing) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& free = timing ? timing_ : plain_;
+      if (!free.empty()) {
+        cudaEvent_t ev = free.back();
+        free.pop_back();
+        return ev;
+      }
+    }
+    DeviceScope guard(device_);
+    cudaEvent_t ev = nullptr;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(
+        &ev, timing ? cudaEventDefault : cudaEventDisableTiming));
+    std::lock_guard<std::mutex> lock(mutex_);
+    is_timing_.push_back({ev, timing});
+    return ev;
+  }
+
+  void put(cudaEvent_t ev) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [e, timing] : is_timing_) {
+      if (e == ev) {
+        (timing ? timing_ : plain_).push_back(ev);
+        return;
+      }
+    }
+    TORCH_INTERNAL_ASSERT(false, "LMS: event not from this pool");
+  }
+
+ private:
+  c10::DeviceIndex device_;
+  std::mutex mutex_;
+  std::vector<cudaEvent_t> plain_;
+  std::vector<cudaEvent_t> timing_;
+  std::vector<std::pair<cudaEvent_t, bool>> is_timing_;
+};
+
+// A pair of timing events whose distance is time a compute stream waited.
+struct PendingStall {
+  cudaEvent_t start;
+  cudaEvent_t end;
+};
+
+void add(LmsStat& stat, int64_t delta) {
+  stat.current += delta;
+  stat.peak = std::max(stat.peak, stat.current);
+}
+
+struct DeviceEngine {
+  explicit DeviceEngine(c10::DeviceIndex d) : device(d), events(d) {}
+
+  const c10::DeviceIndex device;
+  std::mutex mutex;
+  std::condition_variable settled; // a busy record finished its copy
+  List reclaim_list; // inactive, resident
+  List pagedout_list; // paged out, in page-out order
+  size_t user_limit = 0;
+  size_t default_limit = 0;
+  LmsStats stats;
+  cudaStream_t copy_stream = nullptr;
+  EventPool events;
+  std::mutex stall_mutex;
+  std::deque<PendingStall> stalls;
+  double stall_ms = 0.0;
+
+  cudaStream_t copyStream() {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (copy_stream == nullptr) {
+      // A stream of our own rather than one from PyTorch's pool, so LMS copies
+      // never serialize with user work that happens to share a pool stream.
+      DeviceScope guard(device);
+      int least = 0;
+      int greatest = 0;
+      C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      C10_CUDA_CHECK(cudaStreamCreateWithPriority(
+          &copy_stream, cudaStreamNonBlocking, greatest));
+    }
+    return copy_stream;
+  }
+};
+
+std::mutex g_engines_mutex;
+std::vector<DeviceEngine*> g_engines; // never freed: used by late deleters
+
+DeviceEngine& engineFor(c10::DeviceIndex device) {
+  std::lock_guard<std::mutex> lock(g_engines_mutex);
+  TORCH_CHECK(device >= 0, "LMS: invalid CUDA device index ", int(device));
+  if (static_cast<size_t>(device) >= g_engines.size()) {
+    g_engines.resize(device + 1, nullptr);
+  }
+  if (g_engines[device] == nullptr) {
+    g_engines[device] = new DeviceEngine(device);
+  }
+  return *g_engines[device];
+}
+
+DeviceMemoryBackend& backend() {
+  DeviceMemoryBackend* b = g_backend.load();
+  TORCH_CHECK(
+      b != nullptr,
+      "LMS: no device memory backend is installed; the CUDA caching allocator "
+      "must call c10::cuda::lms::setBackend() before LMS allocations");
+  return *b;
+}
+
+void deleteRecord(void* ctx);
+
+Record* recordOf(const c10::DataPtr& dp) {
+  if (dp.get_deleter() != &deleteRecord) {
+    return nullptr;
+  }
+  return static_cast<Record*>(dp.get_context());
+}
+
+Record* recordOf(c10::StorageImpl& storage) {
+  return recordOf(storage._mutable_data_ptr_no_checks());
+}
+
+bool isCapturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+cudaStream_t currentStream(c10::DeviceIndex device) {
+  return c10::cuda::getCurrentCUDAStream(device).stream();
+}
+
+void addUser(Record& r, cudaStream_t stream) {
+  if (stream != r.stream &&
+      std::find(r.users.begin(), r.users.end(), stream) == r.users.end()) {
+    r.users.push_back(stream);
+  }
+}
+
+// Storage hook (patched builds): armed while the storage is inactive or paged
+// out, so raw data access comes to the engine first.
+void arm(c10::StorageImpl& storage, bool armed) {
+#ifdef C10_LMS_STORAGE_HOOK
+  storage.set_lms_armed(armed);
+#else
+  (void)storage;
+  (void)armed;
+#endif
+}
+
+// The storage's DataPtr keeps the record as context while the memory moves:
+// after a page-in, point it at the new device memory.
+void refreshDataPtr(c10::StorageImpl& storage, Record& r) {
+  c10::DataPtr& dp = storage._mutable_data_ptr_no_checks();
+  if (dp.get() == r.device_ptr) {
+    return;
+  }
+  const c10::Device device = dp.device();
+  void* ctx = dp.release_context();
+  dp = c10::DataPtr(r.device_ptr, ctx, &deleteRecord, device);
+}
+
+// ---------------------------------------------------------------------------
+// Stall accounting
+// ---------------------------------------------------------------------------
+
+void pollStalls(DeviceEngine& e, bool wait) {
+  std::lock_guard<std::mutex> lock(e.stall_mutex);
+  while (!e.stalls.empty()) {
+    PendingStall s = e.stalls.front();
+    if (wait) {
+      C10_CUDA_CHECK(cudaEventSynchronize(s.end));
+      C10_CUDA_CHECK(cudaEventSynchronize(s.start));
+    } else {
+      cudaError_t err = cudaEventQuery(s.end);
+      if (err == cudaSuccess) {
+        err = cudaEventQuery(s.start);
+      }
+      if (err == cudaErrorNotReady) {
+        (void)cudaGetLastError(); // not an error: clear the sticky state
+        break;
+      }
+      C10_CUDA_CHECK(err);
+    }
+    float ms = 0.f;
+    C10_CUDA_CHECK(cudaEventElapsedTime(&ms, s.start, s.end));
+    // Negative: the copy finished before the compute stream got there.
+    e.stall_ms += std::max(0.f, ms);
+    e.events.put(s.start);
+    e.events.put(s.end);
+    e.stalls.pop_front();
+  }
+}
+
+void addStall(DeviceEngine& e, cudaEvent_t start, cudaEvent_t end) {
+  constexpr size_t kMaxPending = 4096;
+  bool flush = false;
+  {
+    std::lock_guard<std::mutex> lock(e.stall_mutex);
+    e.stalls.push_back({start, end});
+    flush = e.stalls.size() > kMaxPending;
+  }
+  pollStalls(e, /*wait=*/flush);
+}
+
+// ---------------------------------------------------------------------------
+// Limit and reclaim
+// ---------------------------------------------------------------------------
+
+size_t limitOf(DeviceEngine& e) {
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    if (e.user_limit != 0) {
+      return e.user_limit;
+    }
+    if (const size_t conf = g_conf_limit.load(); conf != 0) {
+      return conf;
+    }
+    if (e.default_limit != 0) {
+      return e.default_limit;
+    }
+  }
+  DeviceScope guard(e.device);
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const size_t reserved = backend().reservedBytes(e.device);
+  std::lock_guard<std::mutex> lock(e.mutex);
+  if (e.default_limit == 0) {
+    e.default_limit = static_cast<size_t>(
+        kDefaultLimitFraction * static_cast<double>(free_bytes + reserved));
+  }
+  return e.default_limit;
+}
+
+// Copies a victim's contents to pinned host memory and returns its device
+// memory to the allocator. The victim is busy and on no list; the engine lock
+// is not held. Returns false when no pinned host memory could be had.
+bool pageOut(DeviceEngine& e, Record& r) {
+  DeviceScope guard(e.device);
+  HostBuffer host = hostPool().allocate(r.size);
+  if (host.ptr == nullptr) {
+    return false;
+  }
+  const cudaStream_t copy = e.copyStream();
+  // Order the copy after all work already queued on every stream that used
+  // the memory. One event serves all waits: cudaStreamWaitEvent captures the
+  // event's state at the time of the call.
+  cudaEvent_t used = e.events.get(/*timing=*/false);
+  C10_CUDA_CHECK(cudaEventRecord(used, r.stream));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(copy, used, 0));
+  for (cudaStream_t s : r.users) {
+    C10_CUDA_CHECK(cudaEventRecord(used, s));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(copy, used, 0));
+  }
+  e.events.put(used);
+  if (r.device_ready != nullptr) { // a prefetch copy may still be writing
+    C10_CUDA_CHECK(cudaStreamWaitEvent(copy, r.device_ready, 0));
+  }
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      host.ptr, r.device_ptr, r.size, cudaMemcpyDeviceToHost, copy));
+  cudaEvent_t done = e.events.get(/*timing=*/false);
+  C10_CUDA_CHECK(cudaEventRecord(done, copy));
+  // Hand the memory to the next allocation with GPU-side ordering: work the
+  // allocation stream queues from now on waits for the copy; the host never
+  // blocks. The timing pair measures how long that stream actually waited.
+  cudaEvent_t reached = e.events.get(/*timing=*/true);
+  cudaEvent_t copied = e.events.get(/*timing=*/true);
+  C10_CUDA_CHECK(cudaEventRecord(copied, copy));
+  C10_CUDA_CHECK(cudaEventRecord(reached, r.stream));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(r.stream, done, 0));
+  addStall(e, reached, copied);
+  backend().free(r.device_ptr);
+  if (r.device_ready != nullptr) {
+    e.events.put(r.device_ready);
+    r.device_ready = nullptr;
+  }
+  r.device_ptr = nullptr;
+  r.host = host;
+  r.host_ready = done;
+  r.users.clear();
+  return true;
+}
+
+// Pages out least-recently-used inactive storages until `bytes` are freed or
+// none is left. Returns the bytes freed.
+size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
+  size_t freed = 0;
+  bool counted = false;
+  const size_t threshold = g_size_threshold.load();
+  while (freed < bytes) {
+    Record* victim = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
+        if (r->size >= threshold) {
+          victim = r;
+          break;
+        }
+      }
+      if (victim == nullptr) {
+        break;
+      }
+      e.reclaim_list.remove(victim);
+      victim->busy = true;
+      if (!counted) {
+        counted = true;
+        switch (trigger) {
+          case Trigger::Limit:
+            ++e.stats.reclaim_limit;
+            break;
+          case Trigger::Speculative:
+            ++e.stats.reclaim_speculative;
+            break;
+          case Trigger::AllocFailure:
+            ++e.stats.reclaim_alloc_failure;
+            break;
+          case Trigger::Explicit:
+            ++e.stats.reclaim_explicit;
+            break;
+        }
+      }
+    }
+    bool ok = false;
+    try {
+      ok = pageOut(e, *victim);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      victim->busy = false;
+      e.reclaim_list.push_back(victim);
+      e.settled.notify_all();
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(e.mutex);
+    victim->busy = false;
+    if (!ok) {
+      // Out of pinned host memory: keep the victim resident and stop; the
+      // caller's allocation decides whether that is an error.
+      e.reclaim_list.push_back(victim);
+      e.settled.notify_all();
+      break;
+    }
+    victim->state = State::PagedOut;
+    victim->prefetched = false;
+    e.pagedout_list.push_back(victim);
+    ++e.stats.pageout_count;
+    e.stats.pageout_bytes += static_cast<int64_t>(victim->size);
+    add(e.stats.inactive_bytes, -static_cast<int64_t>(victim->size));
+    add(e.stats.pagedout_bytes, static_cast<int64_t>(victim->size));
+    e.settled.notify_all();
+    freed += victim->size;
+  }
+  return freed;
+}
+
+// Makes room for an allocation of `size` bytes under the limit. Returns true
+// when storages were paged out for it.
+bool enforceLimit(DeviceEngine& e, size_t size) {
+  const size_t limit = limitOf(e);
+  const size_t allocated = backend().allocatedBytes(e.device);
+  const size_t wanted = allocated + size;
+  if (wanted > limit) {
+    return reclaim(e, wanted - limit, Trigger::Limit) > 0;
+  }
+  const size_t margin = g_speculative_margin.load();
+  if (margin != 0 && limit > margin && wanted > limit - margin) {
+    return reclaim(e, wanted - (limit - margin), Trigger::Speculative) > 0;
+  }
+  return false;
+}
+
+[[noreturn]] void throwOutOfMemory(DeviceEngine& e, size_t size) {
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    ++e.stats.oom_count;
+  }
+  TORCH_CHECK_WITH(
+      OutOfMemoryError, false, describeOutOfMemory(e.device, size));
+}
+
+// Device memory for `size` bytes on `stream`, reclaiming as needed.
+void* allocateDevice(DeviceEngine& e, size_t size, cudaStream_t stream) {
+  DeviceMemoryBackend& b = backend();
+  bool reclaimed = enforceLimit(e, size);
+  const size_t reserved_before = b.reservedBytes(e.device);
+  void* ptr = nullptr;
+  while (ptr == nullptr) {
+    try {
+      ptr = b.malloc(e.device, size, stream);
+    } catch (const c10::OutOfMemoryError&) {
+      // The allocator has already tried its free list, its free-memory
+      // callbacks and releasing its cache. Page out what is left, LRU first.
+      if (reclaim(e, size, Trigger::AllocFailure) == 0) {
+        throwOutOfMemory(e, size);
+      }
+      reclaimed = true;
+    }
+  }
+  std::lock_guard<std::mutex> lock(e.mutex);
+  if (reclaimed) {
+    ++e.stats.alloc_after_reclaim;
+  } else if (b.reservedBytes(e.device) > reserved_before) {
+    ++e.stats.alloc_from_device;
+  } else {
+    ++e.stats.alloc_from_cache;
+  }
+  return ptr;
+}
+
+// ---------------------------------------------------------------------------
+// Page-in and prefetch
+// ---------------------------------------------------------------------------
+
+// Brings a busy, paged-out record back to the device on `stream`. The engine
+// lock is not held.
+void pageIn(DeviceEngine& e, Record& r, cudaStream_t stream) {
+  DeviceScope guard(e.device);
+  void* ptr = allocateDevice(e, r.size, stream);
+  cudaEvent_t start = e.events.get(/*timing=*/true);
+  C10_CUDA_CHECK(cudaEventRecord(start, stream));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(stream, r.host_ready, 0));
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, stream));
+  cudaEvent_t end = e.events.get(/*timing=*/true);
+  C10_CUDA_CHECK(cudaEventRecord(end, stream));
+  addStall(e, start, end);
+  // The host buffer is reusable once the copy has read it.
+  cudaEvent_t read = e.events.get(/*timing=*/false);
+  C10_CUDA_CHECK(cudaEventRecord(read, stream));
+  hostPool().release(r.host, read, e.device);
+  e.events.put(r.host_ready);
+  r.host_ready = nullptr;
+  r.host = HostBuffer{};
+  r.device_ptr = ptr;
+  r.stream = stream;
+}
+
+// Starts paging in `r` on the copy stream, into memory allocated on `stream`,
+// without reclaiming anything. Returns false when the limit leaves no room.
+bool prefetchOne(DeviceEngine& e, Record& r, cudaStream_t stream) {
+  DeviceMemoryBackend& b = backend();
+  if (b.allocatedBytes(e.device) + r.size > limitOf(e)) {
+    return false;
+  }
+  DeviceScope guard(e.device);
+  void* ptr = nullptr;
+  try {
+    ptr = b.malloc(e.device, r.size, stream);
+  } catch (const c10::OutOfMemoryError&) {
+    return false;
+  }
+  const cudaStream_t copy = e.copyStream();
+  // The memory belongs to `stream`'s pool: the copy may start only after the
+  // work `stream` has queued so far (which may still use the memory's
+  // previous owner).
+  cudaEvent_t ev = e.events.get(/*timing=*/false);
+  C10_CUDA_CHECK(cudaEventRecord(ev, stream));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(copy, ev, 0));
+  C10_CUDA_CHECK(cudaStreamWaitEvent(copy, r.host_ready, 0));
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, copy));
+  C10_CUDA_CHECK(cudaEventRecord(ev, copy));
+  hostPool().release(r.host, ev, e.device);
+  cudaEvent_t ready = e.events.get(/*timing=*/false);
+  C10_CUDA_CHECK(cudaEventRecord(ready, copy));
+  e.events.put(r.host_ready);
+  r.host_ready = nullptr;
+  r.host = HostBuffer{};
+  r.device_ptr = ptr;
+  r.device_ready = ready;
+  r.stream = stream;
+  addUser(r, copy);
+  return true;
+}
+
+// Prefetches up to the prefetch depth of storages paged out just before
+// `anchor` was (a backward pass needs activations in reverse order).
+void prefetchAfterPin(DeviceEngine& e, std::vector<Record*> candidates) {
+  const cudaStream_t stream = currentStream(e.device);
+  for (Record* r : candidates) {
+    bool ok = false;
+    try {
+      ok = prefetchOne(e, *r, stream);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      for (Record* rest : candidates) {
+        if (rest->busy) {
+          rest->busy = false;
+          e.pagedout_list.push_back(rest);
+        }
+      }
+      e.settled.notify_all();
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(e.mutex);
+    r->busy = false;
+    if (ok) {
+      r->state = State::Inactive;
+      r->prefetched = true;
+      e.reclaim_list.push_back(r);
+      ++e.stats.prefetch_count;
+      ++e.stats.pagein_count;
+      e.stats.pagein_bytes += static_cast<int64_t>(r->size);
+      add(e.stats.pagedout_bytes, -static_cast<int64_t>(r->size));
+      add(e.stats.inactive_bytes, static_cast<int64_t>(r->size));
+    } else {
+      e.pagedout_list.push_back(r);
+    }
+    e.settled.notify_all();
+    if (!ok) {
+      // No headroom left: put the rest back untouched.
+      for (Record* rest : candidates) {
+        if (rest->busy) {
+          rest->busy = false;
+          e.pagedout_list.push_back(rest);
+        }
+      }
+      e.settled.notify_all();
+      return;
+    }
+  }
+}
+
+int64_t sz(const Record& r) {
+  return static_cast<int64_t>(r.size);
+}
+
+StorageState publicState(State state) {
+  switch (state) {
+    case State::Allocated:
+      return StorageState::Allocated;
+    case State::Active:
+      return StorageState::Active;
+    case State::Inactive:
+      return StorageState::Inactive;
+    case State::PagedOut:
+      return StorageState::PagedOut;
+  }
+  return StorageState::Unmanaged;
+}
+
+// Leaves state `from` for accounting purposes.
+void leave(DeviceEngine& e, Record& r) {
+  switch (r.state) {
+    case State::Active:
+      add(e.stats.active_bytes, -sz(r));
+      break;
+    case State::Inactive:
+      add(e.stats.inactive_bytes, -sz(r));
+      break;
+    case State::PagedOut:
+      add(e.stats.pagedout_bytes, -sz(r));
+      break;
+    case State::Allocated:
+      break;
+  }
+}
+
+void enter(DeviceEngine& e, Record& r, State state) {
+  r.state = state;
+  switch (state) {
+    case State::Active:
+      add(e.stats.active_bytes, sz(r));
+      break;
+    case State::Inactive:
+      add(e.stats.inactive_bytes, sz(r));
+      break;
+    case State::PagedOut:
+      add(e.stats.pagedout_bytes, sz(r));
+      break;
+    case State::Allocated:
+      break;
+  }
+}
+
+// Makes `r` resident for use on the current stream and moves it to `target`
+// (Active for pin, Allocated for raw access). Called with `lock` held.
+void makeResident(
+    DeviceEngine& e,
+    Record& r,
+    c10::StorageImpl& storage,
+    State target,
+    std::unique_lock<std::mutex>& lock) {
+  e.settled.wait(lock, [&] { return !r.busy; });
+  const cudaStream_t stream = currentStream(e.device);
+  std::vector<Record*> prefetch;
+  if (r.state == State::Active && target == State::Active) {
+    ++r.pins;
+    return;
+  }
+  if (r.state == State::Inactive) {
+    e.reclaim_list.remove(&r);
+    if (r.prefetched) {
+      ++e.stats.prefetch_hits;
+      r.prefetched = false;
+    }
+  } else if (r.state == State::PagedOut) {
+    TORCH_CHECK(
+        !isCapturing(stream),
+        "LMS: a storage of ",
+        r.size,
+        " bytes is paged out while CUDA graph capture is underway on the "
+        "current stream; a page-in cannot be captured. Run the captured "
+        "region once before capturing so its inputs are resident, or "
+        "capture with LMS disabled (torch.cuda.set_enabled_lms(False)).");
+    const int depth = target == State::Active ? g_prefetch_depth.load() : 0;
+    for (Record* p = r.prev; p != nullptr &&
+         static_cast<int>(prefetch.size()) < depth;
+         p = p->prev) {
+      prefetch.push_back(p);
+    }
+    e.pagedout_list.remove(&r);
+    for (Record* p : prefetch) {
+      e.pagedout_list.remove(p);
+      p->busy = true;
+    }
+    r.busy = true;
+    lock.unlock();
+    try {
+      pageIn(e, r, stream);
+    } catch (...) {
+      lock.lock();
+      r.busy = false;
+      e.pagedout_list.push_back(&r);
+      for (Record* p : prefetch) {
+        p->busy = false;
+        e.pagedout_list.push_back(p);
+      }
+      e.settled.notify_all();
+      throw;
+    }
+    lock.lock();
+    r.busy = false;
+    ++e.stats.pagein_count;
+    e.stats.pagein_bytes += sz(r);
+    e.settled.notify_all();
+  }
+  if (r.device_ready != nullptr) {
+    // Prefetched on the copy stream: the consumer waits for that copy.
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, r.device_ready, 0));
+    e.events.put(r.device_ready);
+    r.device_ready = nullptr;
+  }
+  leave(e, r);
+  enter(e, r, target);
+  r.pins = target == State::Active ? 1 : 0;
+  refreshDataPtr(storage, r);
+  arm(storage, false);
+  if (!prefetch.empty()) {
+    lock.unlock();
+    prefetchAfterPin(e, std::move(prefetch));
+    lock.lock();
+  }
+}
+
+void deleteRecord(void* ctx) {
+  auto* r = static_cast<Record*>(ctx);
+  DeviceEngine& e = *r->engine;
+  {
+    std::unique_lock<std::mutex> lock(e.mutex);
+    e.settled.wait(lock, [&] { return !r->busy; });
+    if (r->list != nullptr) {
+      r->list->remove(r);
+    }
+    leave(e, *r);
+    add(e.stats.managed_bytes, -sz(*r));
+  }
+  DeviceScope guard(e.device);
+  if (r->device_ready != nullptr) {
+    C10_CUDA_CHECK_WARN(cudaStreamWaitEvent(r->stream, r->device_ready, 0));
+    e.events.put(r->device_ready);
+  }
+  if (r->device_ptr != nullptr) {
+    backend().free(r->device_ptr);
+  }
+  if (r->host.ptr != nullptr) {
+    // The page-out copy may still be writing into the buffer.
+    hostPool().release(r->host, r->host_ready, e.device);
+  } else if (r->host_ready != nullptr) {
+    e.events.put(r->host_ready);
+  }
+  delete r;
+}
+
+#ifdef C10_LMS_STORAGE_HOOK
+void storageAccessHook(c10::StorageImpl& storage) {
+  access(storage);
+}
+#endif
+
+} // namespace
+
+// ---------------------------------------------------------------------------
+// Public API
+// ---------------------------------------------------------------------------
+
+DeviceMemoryBackend::~DeviceMemoryBackend() = default;
+
+HostPool& hostPool() {
+  // Never destroyed: deleters of storages may run during static destruction.
+  static HostPool* pool = new HostPool([](cudaEvent_t ev, c10::DeviceIndex d) {
+    engineFor(d).events.put(ev);
+  });
+  return *pool;
+}
+
+void setEnabled(bool enabled) {
+#ifdef C10_LMS_STORAGE_HOOK
+  c10::impl::SetLmsStorageAccessHook(&storageAccessHook);
+#endif
+  g_enabled.store(enabled);
+}
+
+bool isEnabled() {
+  return g_enabled.load(std::memory_order_relaxed);
+}
+
+void setLimit(c10::DeviceIndex device, size_t bytes) {
+  DeviceEngine& e = engineFor(device);
+  std::lock_guard<std::mutex> lock(e.mutex);
+  e.user_limit = bytes;
+}
+
+size_t getLimit(c10::DeviceIndex device) {
+  return limitOf(engineFor(device));
+}
+
+void setSizeThreshold(size_t bytes) {
+  g_size_threshold.store(bytes);
+}
+
+size_t getSizeThreshold() {
+  return g_size_threshold.load();
+}
+
+void setPrefetchDepth(int depth) {
+  TORCH_CHECK(depth >= 0, "LMS: prefetch depth must be >= 0, got ", depth);
+  g_prefetch_depth.store(depth);
+}
+
+int getPrefetchDepth() {
+  return g_prefetch_depth.load();
+}
+
+void setSpeculativeMargin(size_t bytes) {
+  g_speculative_margin.store(bytes);
+}
+
+size_t getSpeculativeMargin() {
+  return g_speculative_margin.load();
+}
+
+namespace {
+
+double parseNonNegative(std::string_view key, std::string_view value) {
+  const std::string text(value);
+  char* end = nullptr;
+  const double v = std::strtod(text.c_str(), &end);
+  TORCH_CHECK(
+      !text.empty() && end == text.c_str() + text.size() && v >= 0,
+      "PYTORCH_CUDA_ALLOC_CONF: ",
+      key,
+      " expects a non-negative number, got '",
+      text,
+      "'");
+  return v;
+}
+
+size_t mebibytes(std::string_view key, std::string_view value) {
+  return static_cast<size_t>(parseNonNegative(key, value) * kMiB);
+}
+
+} // namespace
+
+bool parseConfigOption(std::string_view key, std::string_view value) {
+  if (key == "lms") {
+    TORCH_CHECK(
+        value == "True" || value == "False",
+        "PYTORCH_CUDA_ALLOC_CONF: lms expects True or False, got '",
+        std::string(value),
+        "'");
+    setEnabled(value == "True");
+  } else if (key == "lms_limit_mb") {
+    g_conf_limit.store(mebibytes(key, value));
+  } else if (key == "lms_size_mb") {
+    setSizeThreshold(mebibytes(key, value));
+  } else if (key == "lms_prefetch") {
+    const double v = parseNonNegative(key, value);
+    TORCH_CHECK(
+        v == static_cast<int>(v),
+        "PYTORCH_CUDA_ALLOC_CONF: lms_prefetch expects a whole number, got '",
+        std::string(value),
+        "'");
+    setPrefetchDepth(static_cast<int>(v));
+  } else if (key == "lms_speculative_mb") {
+    setSpeculativeMargin(mebibytes(key, value));
+  } else {
+    return false;
+  }
+  return true;
+}
+
+void parseConfig(const char* conf) {
+  if (conf == nullptr) {
+    return;
+  }
+  // Same syntax as the caching allocator: "key:value,key:value".
+  std::string_view rest(conf);
+  while (!rest.empty()) {
+    const size_t comma = rest.find(',');
+    std::string_view item = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view()
+                                           : rest.substr(comma + 1);
+    const size_t colon = item.find(':');
+    if (colon == std::string_view::npos) {
+      continue;
+    }
+    auto trim = [](std::string_view s) {
+      while (!s.empty() && s.front() == ' ') {
+        s.remove_prefix(1);
+      }
+      while (!s.empty() && s.back() == ' ') {
+        s.remove_suffix(1);
+      }
+      return s;
+    };
+    parseConfigOption(trim(item.substr(0, colon)), trim(item.substr(colon + 1)));
+  }
+}
+
+const char* toString(StorageState state) {
+  switch (state) {
+    case StorageState::Unmanaged:
+      return "unmanaged";
+    case StorageState::Allocated:
+      return "allocated";
+    case StorageState::Active:
+      return "active";
+    case StorageState::Inactive:
+      return "inactive";
+    case StorageState::PagedOut:
+      return "paged out";
+  }
+  return "unknown";
+}
+
+void pin(c10::StorageImpl& storage) {
+  Record* r = recordOf(storage);
+  if (r == nullptr) {
+    return;
+  }
+  DeviceEngine& e = *r->engine;
+  std::unique_lock<std::mutex> lock(e.mutex);
+  makeResident(e, *r, storage, State::Active, lock);
+}
+
+void unpin(c10::StorageImpl& storage) {
+  Record* r = recordOf(storage);
+  if (r == nullptr) {
+    return;
+  }
+  DeviceEngine& e = *r->engine;
+  const cudaStream_t stream = currentStream(e.device);
+  const bool capturing = isCapturing(stream);
+  std::lock_guard<std::mutex> lock(e.mutex);
+  TORCH_CHECK(
+      r->state == State::Active && r->pins > 0,
+      "LMS: unpin() of a storage that is not pinned (state ",
+      toString(publicState(r->state)),
+      "); every unpin() must match an earlier pin()");
+  addUser(*r, stream);
+  // Memory a captured CUDA graph uses must stay where the graph saw it.
+  r->graph_owned = r->graph_owned || capturing;
+  if (--r->pins > 0) {
+    return;
+  }
+  leave(e, *r);
+  if (r->graph_owned) {
+    enter(e, *r, State::Allocated);
+    return;
+  }
+  enter(e, *r, State::Inactive);
+  e.reclaim_list.push_back(r);
+  arm(storage, true);
+}
+
+void access(c10::StorageImpl& storage) {
+  Record* r = recordOf(storage);
+  if (r == nullptr) {
+    arm(storage, false);
+    return;
+  }
+  DeviceEngine& e = *r->engine;
+  std::unique_lock<std::mutex> lock(e.mutex);
+  if (r->state == State::Active) {
+    return; // pinned: resident and off the reclaim list already
+  }
+  makeResident(e, *r, storage, State::Allocated, lock);
+}
+
+StorageState getState(const c10::StorageImpl& storage) {
+  Record* r = recordOf(
+      const_cast<c10::StorageImpl&>(storage)._mutable_data_ptr_no_checks());
+  if (r == nullptr) {
+    return StorageState::Unmanaged;
+  }
+  std::lock_guard<std::mutex> lock(r->engine->mutex);
+  return publicState(r->state);
+}
+
+bool isManaged(const c10::DataPtr& data_ptr) {
+  return recordOf(data_ptr) != nullptr;
+}
+
+size_t reclaimInactive(c10::DeviceIndex device) {
+  return reclaim(
+      engineFor(device), std::numeric_limits<size_t>::max(), Trigger::Explicit);
+}
+
+void releaseCachedHostMemory() {
+  hostPool().releaseCached();
+}
+
+LmsStats getStats(c10::DeviceIndex device) {
+  DeviceEngine& e = engineFor(device);
+  pollStalls(e, /*wait=*/false);
+  LmsStats s;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    s = e.stats;
+  }
+  {
+    std::lock_guard<std::mutex> lock(e.stall_mutex);
+    s.stall_ms = e.stall_ms;
+  }
+  const HostPool::Usage host = hostPool().usage();
+  s.host_bytes.current = host.held_bytes;
+  s.host_bytes.peak = host.peak_held_bytes;
+  s.limit_bytes = g_backend.load() != nullptr ? limitOf(e) : 0;
+  return s;
+}
+
+void resetPeakStats(c10::DeviceIndex device) {
+  DeviceEngine& e = engineFor(device);
+  std::lock_guard<std::mutex> lock(e.mutex);
+  for (LmsStat* stat :
+       {&e.stats.managed_bytes,
+        &e.stats.active_bytes,
+        &e.stats.inactive_bytes,
+        &e.stats.pagedout_bytes}) {
+    stat->peak = stat->current;
+  }
+  hostPool().resetPeak();
+}
+
+void resetAccumulatedStats(c10::DeviceIndex device) {
+  DeviceEngine& e = engineFor(device);
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    LmsStats fresh;
+    fresh.managed_bytes = e.stats.managed_bytes;
+    fresh.active_bytes = e.stats.active_bytes;
+    fresh.inactive_bytes = e.stats.inactive_bytes;
+    fresh.pagedout_bytes = e.stats.pagedout_bytes;
+    e.stats = fresh;
+  }
+  pollStalls(e, /*wait=*/true);
+  std::lock_guard<std::mutex> lock(e.stall_mutex);
+  e.stall_ms = 0.0;
+}
+
+void setBackend(DeviceMemoryBackend* b) {
+  g_backend.store(b);
+}
+
+DeviceMemoryBackend* getBackend() {
+  return g_backend.load();
+}
+
+c10::DataPtr allocate(
+    c10::DeviceIndex device,
+    size_t size,
+    cudaStream_t stream) {
+  DeviceEngine& e = engineFor(device);
+  pollStalls(e, /*wait=*/false);
+  if (isCapturing(stream)) {
+    // Graph-private memory: the captured graph bakes in its address.
+    void* ptr = backend().malloc(device, size, stream);
+    return backend().makeDataPtr(ptr, device);
+  }
+  void* ptr = allocateDevice(e, size, stream);
+  if (size < g_size_threshold.load()) {
+    return backend().makeDataPtr(ptr, device);
+  }
+  auto* r = new Record();
+  r->engine = &e;
+  r->size = size;
+  r->device_ptr = ptr;
+  r->stream = stream;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    add(e.stats.managed_bytes, sz(*r));
+  }
+  return c10::DataPtr(
+      ptr, r, &deleteRecord, c10::Device(c10::DeviceType::CUDA, device));
+}
+
+bool reclaimForFailedAllocation(c10::DeviceIndex device, size_t size) {
+  if (!isEnabled()) {
+    return false;
+  }
+  return reclaim(engineFor(device), size, Trigger::AllocFailure) > 0;
+}
+
+void recordStream(const c10::DataPtr& data_ptr, cudaStream_t stream) {
+  Record* r = recordOf(data_ptr);
+  if (r == nullptr) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(r->engine->mutex);
+  addUser(*r, stream);
+}
+
+std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
+  DeviceEngine& e = engineFor(device);
+  const size_t limit = limitOf(e);
+  const size_t allocated = backend().allocatedBytes(device);
+  LmsStats s;
+  size_t reclaimable_count = 0;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    s = e.stats;
+    for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
+      ++reclaimable_count;
+    }
+  }
+  auto mib = [](int64_t bytes) {
+    std::ostringstream os;
+    os.precision(2);
+    os << std::fixed << static_cast<double>(bytes) / kMiB << " MiB";
+    return os.str();
+  };
+  std::ostringstream os;
+  os << "CUDA out of memory with Large Model Support. Tried to allocate "
+     << mib(static_cast<int64_t>(size)) << " on device " << int(device)
+     << " after paging out every reclaimable storage. "
+     << mib(static_cast<int64_t>(allocated))
+     << " is allocated to tensors: " << mib(s.active_bytes.current)
+     << " pinned by the running operator(s), "
+     << mib(s.inactive_bytes.current) << " inactive (" << reclaimable_count
+     << " storages below the LMS size threshold of "
+     << mib(static_cast<int64_t>(g_size_threshold.load()))
+     << " or without pinned host memory to page to), the rest too small or "
+        "not yet used by an operator. LMS limit "
+     << mib(static_cast<int64_t>(limit)) << "; "
+     << mib(s.pagedout_bytes.current) << " paged out to host. "
+     << "The working set of one operator must fit on the device: reduce the "
+        "batch size or the operator's size, or lower the size threshold with "
+        "torch.cuda.set_size_lms().";
+  return os.str();
+}
+
+} // namespace c10::cuda::lms

@@ -1,0 +1,215 @@
+#pragma once
+
+// Large Model Support (LMS) for the CUDA caching allocator.
+//
+// LMS lets a program use more GPU memory than the device has by moving the
+// storages that the running operator does not use to pinned host memory and
+// bringing them back when an operator (or raw data access) needs them.
+//
+// A storage managed by LMS moves through these states:
+//
+//   allocated --pin--> active --unpin--> inactive --reclaim--> paged out
+//       ^                 ^                  |                     |
+//       |                 +------pin---------+<------pin-----------+
+//       +---------------raw data access------+<--raw data access---+
+//
+// * allocated: resident, not yet used as an operator input; not reclaimable.
+// * active:    pinned by at least one running operator; never reclaimed.
+// * inactive:  resident, on the device's least-recently-used reclaim list.
+// * paged out: the contents live in a pinned host buffer; the device memory
+//              has been returned to the caching allocator.
+//
+// Reclaim runs inside the allocation path: when an allocation would push the
+// bytes allocated on the device past the LMS limit, and when the device
+// allocation itself fails. Victims are taken least recently used first and
+// only among storages of at least the size threshold.
+//
+// The engine depends only on c10 and the CUDA runtime. It talks to the
+// allocator through DeviceMemoryBackend so the same code serves PyTorch's
+// patched caching allocator and the drop-in extension for stock wheels.
+
+#include <c10/core/Allocator.h>
+#include <c10/core/Device.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/cuda/CUDAMacros.h>
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace c10::cuda::lms {
+
+// ---------------------------------------------------------------------------
+// Settings
+// ---------------------------------------------------------------------------
+
+// Turns LMS on or off for allocations made from now on. Storages allocated
+// while LMS was off are never paged out.
+C10_CUDA_API void setEnabled(bool enabled);
+C10_CUDA_API bool isEnabled();
+
+// Soft limit, in bytes, of device memory allocated to tensors before LMS
+// reclaims inactive storages. Until set, the limit of a device is 95% of
+// (free + reserved) device memory measured at the device's first LMS
+// allocation. Setting 0 restores that default.
+C10_CUDA_API void setLimit(c10::DeviceIndex device, size_t bytes);
+C10_CUDA_API size_t getLimit(c10::DeviceIndex device);
+
+// Smallest storage, in bytes, that LMS may page out (default 1 MiB).
+C10_CUDA_API void setSizeThreshold(size_t bytes);
+C10_CUDA_API size_t getSizeThreshold();
+
+// Prefetch: when an operator pins a paged-out storage, also start paging in
+// up to this many storages paged out after it (the order in which a backward
+// pass tends to need them), on the copy stream, within the limit's headroom.
+// 0 (the default) turns prefetch off.
+C10_CUDA_API void setPrefetchDepth(int depth);
+C10_CUDA_API int getPrefetchDepth();
+
+// Speculative page-out: once allocated bytes exceed (limit - margin), an
+// allocation also pages out inactive storages down to that mark, so that
+// copies overlap with compute before the limit is reached. 0 (the default)
+// turns it off.
+C10_CUDA_API void setSpeculativeMargin(size_t bytes);
+C10_CUDA_API size_t getSpeculativeMargin();
+
+// Applies one PYTORCH_CUDA_ALLOC_CONF option. Returns false when `key` is not
+// an LMS option; throws c10::Error for a bad value. Keys:
+//   lms:True|False            enable
+//   lms_limit_mb:<MiB>        limit for every device
+//   lms_size_mb:<MiB>         size threshold (fractions allowed, e.g. 0.5)
+//   lms_prefetch:<count>      prefetch depth
+//   lms_speculative_mb:<MiB>  speculative page-out margin
+C10_CUDA_API bool parseConfigOption(std::string_view key, std::string_view value);
+
+// Applies every LMS option found in a PYTORCH_CUDA_ALLOC_CONF string and
+// ignores the others.
+C10_CUDA_API void parseConfig(const char* conf);
+
+// ---------------------------------------------------------------------------
+// Operator boundaries and raw access
+// ---------------------------------------------------------------------------
+
+enum class StorageState : uint8_t {
+  Unmanaged, // not an LMS storage (small, allocated with LMS off, other device)
+  Allocated,
+  Active,
+  Inactive,
+  PagedOut,
+};
+C10_CUDA_API const char* toString(StorageState state);
+
+// Makes the storage resident (paging it in on the current stream if needed)
+// and protects it from reclaim until the matching unpin().
+C10_CUDA_API void pin(c10::StorageImpl& storage);
+// Ends one pin. When the last pin ends, the storage becomes inactive and
+// reclaimable; the current stream is remembered as a user of its memory.
+C10_CUDA_API void unpin(c10::StorageImpl& storage);
+// Raw data access outside an operator: pages the storage in if needed and
+// takes it off the reclaim list until an operator pins and unpins it again.
+C10_CUDA_API void access(c10::StorageImpl& storage);
+
+C10_CUDA_API StorageState getState(const c10::StorageImpl& storage);
+C10_CUDA_API bool isManaged(const c10::DataPtr& data_ptr);
+
+// Pages out every inactive storage of `device` now; returns the bytes freed.
+C10_CUDA_API size_t reclaimInactive(c10::DeviceIndex device);
+
+// Frees cached pinned host buffers that no paged-out storage uses.
+C10_CUDA_API void releaseCachedHostMemory();
+
+// ---------------------------------------------------------------------------
+// Statistics
+// ---------------------------------------------------------------------------
+
+struct LmsStat {
+  int64_t current = 0;
+  int64_t peak = 0;
+};
+
+struct LmsStats {
+  // Copies.
+  int64_t pageout_count = 0;
+  int64_t pageout_bytes = 0;
+  int64_t pagein_count = 0;
+  int64_t pagein_bytes = 0;
+  // Reclaim rounds, by what triggered them.
+  int64_t reclaim_limit = 0; // an allocation would pass the limit
+  int64_t reclaim_speculative = 0; // speculative page-out margin crossed
+  int64_t reclaim_alloc_failure = 0; // the device allocation failed
+  int64_t reclaim_explicit = 0; // reclaimInactive()
+  // Where allocations of the LMS path were satisfied from.
+  int64_t alloc_from_cache = 0; // the caching allocator's free list
+  int64_t alloc_from_device = 0; // a new device allocation
+  int64_t alloc_after_reclaim = 0; // only after LMS reclaimed storages
+  // Prefetch.
+  int64_t prefetch_count = 0;
+  int64_t prefetch_hits = 0; // prefetched storages pinned while resident
+  // Time the compute streams waited on LMS copies (page-in copies on the
+  // consumer stream, and waits for page-outs whose memory they reuse).
+  double stall_ms = 0.0;
+  int64_t oom_count = 0; // LMS out-of-memory errors raised
+  // Gauges, in bytes.
+  LmsStat managed_bytes; // every LMS storage, resident or not
+  LmsStat active_bytes; // pinned by running operators
+  LmsStat inactive_bytes; // resident and reclaimable
+  LmsStat pagedout_bytes; // contents held in host memory
+  LmsStat host_bytes; // pinned host memory held by LMS (process-wide)
+  size_t limit_bytes = 0;
+};
+
+C10_CUDA_API LmsStats getStats(c10::DeviceIndex device);
+C10_CUDA_API void resetPeakStats(c10::DeviceIndex device);
+C10_CUDA_API void resetAccumulatedStats(c10::DeviceIndex device);
+
+// ---------------------------------------------------------------------------
+// Allocator integration
+// ---------------------------------------------------------------------------
+
+// What the engine needs from the allocator that owns device memory.
+class C10_CUDA_API DeviceMemoryBackend {
+ public:
+  virtual ~DeviceMemoryBackend();
+  // Device memory for `size` bytes, safe to use in `stream` order. Throws
+  // c10::OutOfMemoryError when the device cannot provide it.
+  virtual void* malloc(c10::DeviceIndex device, size_t size, cudaStream_t stream) = 0;
+  // Returns memory from malloc(). Reuse is safe in the order of the stream it
+  // was allocated on.
+  virtual void free(void* ptr) = 0;
+  // DataPtr the backend itself would return for memory from malloc(); used
+  // for allocations LMS does not manage.
+  virtual c10::DataPtr makeDataPtr(void* ptr, c10::DeviceIndex device) = 0;
+  // Bytes currently allocated to tensors / reserved from the device.
+  virtual size_t allocatedBytes(c10::DeviceIndex device) = 0;
+  virtual size_t reservedBytes(c10::DeviceIndex device) = 0;
+};
+
+// Installs the backend; must be called before the first LMS allocation.
+C10_CUDA_API void setBackend(DeviceMemoryBackend* backend);
+C10_CUDA_API DeviceMemoryBackend* getBackend();
+
+// The LMS allocation path: reclaims when the allocation would pass the limit
+// or when the device allocation fails, and returns a DataPtr that LMS manages
+// when `size` is at least the size threshold.
+C10_CUDA_API c10::DataPtr allocate(
+    c10::DeviceIndex device,
+    size_t size,
+    cudaStream_t stream);
+
+// Failure trigger for allocators that can retry inside their own malloc
+// path: pages out least-recently-used inactive storages of `device` totalling
+// at least `size` bytes. Returns true when anything was freed.
+C10_CUDA_API bool reclaimForFailedAllocation(c10::DeviceIndex device, size_t size);
+
+// Records that `stream` uses the memory of an LMS storage (recordStream): a
+// page-out copy is ordered after the stream's work.
+C10_CUDA_API void recordStream(const c10::DataPtr& data_ptr, cudaStream_t stream);
+
+// The message an out-of-memory error carries when even reclaiming every
+// inactive storage cannot make room.
+C10_CUDA_API std::string describeOutOfMemory(c10::DeviceIndex device, size_t size);
+
+} // namespace c10::cuda::lms
