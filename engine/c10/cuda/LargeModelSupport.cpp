@@ -74,7 +74,8 @@ struct Record {
   HostBuffer host; // paged-out contents
   // Page-out copy done: the host buffer holds the contents after it.
   cudaEvent_t host_ready = nullptr;
-  // Prefetch copy done: the device memory holds the contents after it.
+  // Page-in copy done: the device memory holds the contents after it. A
+  // stream other than the one that paged in waits on it before use.
   cudaEvent_t device_ready = nullptr;
   // Stream the device memory was allocated on: the caching allocator reuses
   // the memory in this stream's order once freed.
@@ -351,6 +352,8 @@ size_t limitOf(DeviceEngine& e) {
   return e.default_limit;
 }
 
+void enqueuePageOut(DeviceEngine& e, Record& r, const HostBuffer& host);
+
 // Copies a victim's contents to pinned host memory and returns its device
 // memory to the allocator. The victim is busy and on no list; the engine lock
 // is not held. Returns false when no pinned host memory could be had.
@@ -360,6 +363,20 @@ bool pageOut(DeviceEngine& e, Record& r) {
   if (host.ptr == nullptr) {
     return false;
   }
+  try {
+    enqueuePageOut(e, r, host);
+  } catch (...) {
+    // Nothing was freed: the storage stays resident. Let any copy that did
+    // start finish before the buffer can be handed out again.
+    (void)cudaStreamSynchronize(e.copyStream());
+    (void)cudaGetLastError();
+    hostPool().release(host, nullptr, e.device);
+    throw;
+  }
+  return true;
+}
+
+void enqueuePageOut(DeviceEngine& e, Record& r, const HostBuffer& host) {
   const cudaStream_t copy = e.copyStream();
   // Order the copy after all work already queued on every stream that used
   // the memory. One event serves all waits: cudaStreamWaitEvent captures the
@@ -397,7 +414,6 @@ bool pageOut(DeviceEngine& e, Record& r) {
   r.host = host;
   r.host_ready = done;
   r.users.clear();
-  return true;
 }
 
 // Pages out least-recently-used inactive storages until `bytes` are freed or
@@ -546,10 +562,13 @@ void pageIn(DeviceEngine& e, Record& r, cudaStream_t stream) {
   cudaEvent_t read = e.events.get(/*timing=*/false);
   C10_CUDA_CHECK(cudaEventRecord(read, stream));
   hostPool().release(r.host, read, e.device);
+  cudaEvent_t ready = e.events.get(/*timing=*/false);
+  C10_CUDA_CHECK(cudaEventRecord(ready, stream));
   e.events.put(r.host_ready);
   r.host_ready = nullptr;
   r.host = HostBuffer{};
   r.device_ptr = ptr;
+  r.device_ready = ready;
   r.stream = stream;
 }
 
@@ -691,6 +710,24 @@ void enter(DeviceEngine& e, Record& r, State state) {
   }
 }
 
+// Orders `stream` after the copy that last paged `r` in, which may have run on
+// another stream (prefetch, or a page-in for another thread's operator).
+// Called with the engine lock held.
+void waitUntilResident(DeviceEngine& e, Record& r, cudaStream_t stream) {
+  if (r.device_ready == nullptr) {
+    return;
+  }
+  const cudaError_t err = cudaEventQuery(r.device_ready);
+  if (err == cudaErrorNotReady) {
+    (void)cudaGetLastError(); // not an error: clear the sticky state
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, r.device_ready, 0));
+    return; // other streams may still need it
+  }
+  C10_CUDA_CHECK(err);
+  e.events.put(r.device_ready);
+  r.device_ready = nullptr;
+}
+
 // Makes `r` resident for use on the current stream and moves it to `target`
 // (Active for pin, Allocated for raw access). Called with `lock` held.
 void makeResident(
@@ -704,6 +741,7 @@ void makeResident(
   std::vector<Record*> prefetch;
   if (r.state == State::Active && target == State::Active) {
     ++r.pins;
+    waitUntilResident(e, r, stream);
     return;
   }
   if (r.state == State::Inactive) {
@@ -753,12 +791,7 @@ void makeResident(
     e.stats.pagein_bytes += sz(r);
     e.settled.notify_all();
   }
-  if (r.device_ready != nullptr) {
-    // Prefetched on the copy stream: the consumer waits for that copy.
-    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, r.device_ready, 0));
-    e.events.put(r.device_ready);
-    r.device_ready = nullptr;
-  }
+  waitUntilResident(e, r, stream);
   leave(e, r);
   enter(e, r, target);
   r.pins = target == State::Active ? 1 : 0;
@@ -1011,7 +1044,10 @@ void access(c10::StorageImpl& storage) {
   DeviceEngine& e = *r->engine;
   std::unique_lock<std::mutex> lock(e.mutex);
   if (r->state == State::Active) {
-    return; // pinned: resident and off the reclaim list already
+    // Pinned: resident and off the reclaim list already, but perhaps paged
+    // in on another stream a moment ago.
+    waitUntilResident(e, *r, currentStream(e.device));
+    return;
   }
   makeResident(e, *r, storage, State::Allocated, lock);
 }

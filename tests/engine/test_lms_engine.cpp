@@ -1,0 +1,778 @@
+// LMS engine suite: runs against the patched libc10_cuda, on the simulated
+// GPU (simgpu) in CI and on a real GPU. Tests that need fault injection or a
+// small device capacity skip with a reason on a real GPU.
+
+#include "lms_test.h"
+
+#include <c10/core/StorageImpl.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/LargeModelSupport.h>
+#include <c10/util/Exception.h>
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#pragma GCC diagnostic pop
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+// Test-control API of the simulated GPU. Weak: a real CUDA runtime has none
+// of these, and the tests that need them skip.
+extern "C" {
+__attribute__((weak)) void simgpu_fail_nth_device_alloc(int nth);
+__attribute__((weak)) void simgpu_fail_nth_host_alloc(int nth);
+__attribute__((weak)) void simgpu_fail_nth_copy(int nth);
+__attribute__((weak)) void simgpu_inject_fault(
+    int kind,
+    int nth,
+    int count,
+    cudaError_t error);
+__attribute__((weak)) void simgpu_clear_faults(void);
+__attribute__((weak)) size_t simgpu_device_bytes_in_use(int device);
+__attribute__((weak)) size_t simgpu_host_bytes_in_use(void);
+}
+
+namespace {
+
+namespace lms = c10::cuda::lms;
+namespace cca = c10::cuda::CUDACachingAllocator;
+using StoragePtr = c10::intrusive_ptr<c10::StorageImpl>;
+
+constexpr size_t kMiB = 1024 * 1024;
+constexpr int kSimFaultDeviceAlloc = 0;
+
+bool simulated() {
+  return simgpu_clear_faults != nullptr;
+}
+
+void requireSimulated(const char* what) {
+  if (!simulated()) {
+    SKIP(std::string(what) + " needs the simulated GPU's fault injection");
+  }
+}
+
+int deviceCount() {
+  int n = 0;
+  C10_CUDA_CHECK(cudaGetDeviceCount(&n));
+  return n;
+}
+
+size_t allocatedBytes(c10::DeviceIndex device = 0) {
+  return cca::getDeviceStats(device)
+      .allocated_bytes[static_cast<size_t>(
+          c10::CachingDeviceAllocator::StatType::AGGREGATE)]
+      .current;
+}
+
+// Each test starts from the same configuration and, on the way out, checks
+// that device and host memory are back to where they started.
+class Env {
+ public:
+  explicit Env(size_t limit, c10::DeviceIndex device = 0) : device_(device) {
+    static bool initialized = [] {
+      cca::init(deviceCount());
+      return true;
+    }();
+    (void)initialized;
+    c10::cuda::set_device(device);
+    lms::setEnabled(true);
+    lms::setSizeThreshold(1 * kMiB);
+    lms::setPrefetchDepth(0);
+    lms::setSpeculativeMargin(0);
+    for (int d = 0; d < deviceCount(); ++d) {
+      lms::setLimit(static_cast<c10::DeviceIndex>(d), limit);
+      lms::resetAccumulatedStats(static_cast<c10::DeviceIndex>(d));
+      lms::resetPeakStats(static_cast<c10::DeviceIndex>(d));
+    }
+  }
+  Env(const Env&) = delete;
+  Env& operator=(const Env&) = delete;
+
+  ~Env() {
+    if (simulated()) {
+      simgpu_clear_faults();
+    }
+  }
+
+  // Call after every storage of the test is gone.
+  void checkBaseline() {
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    for (int d = 0; d < deviceCount(); ++d) {
+      const auto dev = static_cast<c10::DeviceIndex>(d);
+      CHECK_EQ(lms::getStats(dev).managed_bytes.current, 0);
+      CHECK_EQ(lms::getStats(dev).pagedout_bytes.current, 0);
+      CHECK_EQ(lms::getStats(dev).inactive_bytes.current, 0);
+      CHECK_EQ(lms::getStats(dev).active_bytes.current, 0);
+      CHECK_EQ(allocatedBytes(dev), size_t(0));
+    }
+    cca::emptyCache(); // also releases LMS's idle pinned host buffers
+    CHECK_EQ(lms::getStats(device_).host_bytes.current, 0);
+    if (simulated()) {
+      for (int d = 0; d < deviceCount(); ++d) {
+        CHECK_EQ(simgpu_device_bytes_in_use(d), size_t(0));
+      }
+      CHECK_EQ(simgpu_host_bytes_in_use(), size_t(0));
+    }
+  }
+
+ private:
+  c10::DeviceIndex device_;
+};
+
+StoragePtr newStorage(size_t bytes) {
+  return c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(),
+      static_cast<int64_t>(bytes),
+      cca::get(),
+      /*resizable=*/false);
+}
+
+uint64_t splitmix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+std::vector<uint64_t> pattern(size_t bytes, uint64_t seed) {
+  std::vector<uint64_t> words((bytes + 7) / 8);
+  for (size_t i = 0; i < words.size(); ++i) {
+    words[i] = splitmix(seed * 0x100000001b3ULL + i);
+  }
+  return words;
+}
+
+cudaStream_t stream() {
+  return c10::cuda::getCurrentCUDAStream().stream();
+}
+
+// What an operator does: pin, use the memory on the current stream, unpin.
+void write(c10::StorageImpl& s, uint64_t seed) {
+  const auto words = pattern(s.nbytes(), seed);
+  lms::pin(s);
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      s.mutable_data(),
+      words.data(),
+      s.nbytes(),
+      cudaMemcpyHostToDevice,
+      stream()));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  lms::unpin(s);
+}
+
+bool matches(c10::StorageImpl& s, uint64_t seed) {
+  const auto expected = pattern(s.nbytes(), seed);
+  std::vector<uint64_t> got(expected.size());
+  lms::pin(s);
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      got.data(), s.data(), s.nbytes(), cudaMemcpyDeviceToHost, stream()));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  lms::unpin(s);
+  return std::memcmp(got.data(), expected.data(), s.nbytes()) == 0;
+}
+
+lms::StorageState state(const StoragePtr& s) {
+  return lms::getState(*s);
+}
+
+// ---------------------------------------------------------------------------
+
+TEST_CASE(config_options_parse_and_reject_bad_values) {
+  Env env(64 * kMiB);
+  lms::parseConfig("expandable_segments:False, lms_size_mb:0.5,lms_prefetch:3");
+  CHECK_EQ(lms::getSizeThreshold(), size_t(512 * 1024));
+  CHECK_EQ(lms::getPrefetchDepth(), 3);
+  CHECK(lms::parseConfigOption("lms_speculative_mb", "8"));
+  CHECK_EQ(lms::getSpeculativeMargin(), 8 * kMiB);
+  CHECK(!lms::parseConfigOption("max_split_size_mb", "64"));
+  CHECK_THROWS_AS(
+      lms::parseConfigOption("lms", "yes"), c10::Error, "True or False");
+  CHECK_THROWS_AS(
+      lms::parseConfigOption("lms_limit_mb", "-1"),
+      c10::Error,
+      "non-negative number");
+  CHECK_THROWS_AS(
+      lms::parseConfigOption("lms_prefetch", "1.5"),
+      c10::Error,
+      "whole number");
+  CHECK_THROWS_AS(lms::setPrefetchDepth(-1), c10::Error, ">= 0");
+}
+
+TEST_CASE(small_storages_and_lms_off_are_unmanaged) {
+  Env env(64 * kMiB);
+  {
+    auto small = newStorage(256 * 1024);
+    CHECK(state(small) == lms::StorageState::Unmanaged);
+    lms::setEnabled(false);
+    auto off = newStorage(4 * kMiB);
+    lms::setEnabled(true);
+    CHECK(state(off) == lms::StorageState::Unmanaged);
+    auto managed = newStorage(4 * kMiB);
+    CHECK(state(managed) == lms::StorageState::Allocated);
+    CHECK_EQ(lms::getStats(0).managed_bytes.current, int64_t(4 * kMiB));
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(state_machine_transitions) {
+  Env env(64 * kMiB);
+  {
+    auto s = newStorage(2 * kMiB);
+    CHECK(state(s) == lms::StorageState::Allocated);
+    lms::pin(*s);
+    lms::pin(*s);
+    CHECK(state(s) == lms::StorageState::Active);
+    lms::unpin(*s);
+    CHECK(state(s) == lms::StorageState::Active); // still pinned once
+    lms::unpin(*s);
+    CHECK(state(s) == lms::StorageState::Inactive);
+    CHECK_THROWS_AS(lms::unpin(*s), c10::Error, "not pinned");
+    CHECK_EQ(lms::reclaimInactive(0), 2 * kMiB);
+    CHECK(state(s) == lms::StorageState::PagedOut);
+    lms::pin(*s);
+    CHECK(state(s) == lms::StorageState::Active);
+    lms::unpin(*s);
+    CHECK(state(s) == lms::StorageState::Inactive);
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(contents_bit_identical_after_thousands_of_cycles) {
+  Env env(24 * kMiB);
+  {
+    std::mt19937_64 rng(1234);
+    std::vector<StoragePtr> storages;
+    std::vector<uint64_t> seeds;
+    for (int i = 0; i < 40; ++i) {
+      const size_t bytes = (1 + rng() % 2) * kMiB + 512 * (rng() % 8);
+      storages.push_back(newStorage(bytes));
+      seeds.push_back(rng());
+      write(*storages.back(), seeds.back());
+    }
+    int mismatches = 0;
+    for (int iter = 0; iter < 2000; ++iter) {
+      const size_t i = rng() % storages.size();
+      switch (rng() % 3) {
+        case 0:
+          mismatches += !matches(*storages[i], seeds[i]);
+          break;
+        case 1:
+          seeds[i] = rng();
+          write(*storages[i], seeds[i]);
+          break;
+        case 2: {
+          // Two storages pinned at once, as by a binary operator.
+          const size_t j = (i + 1 + rng() % (storages.size() - 1)) %
+              storages.size();
+          lms::pin(*storages[j]);
+          mismatches += !matches(*storages[i], seeds[i]);
+          lms::unpin(*storages[j]);
+          break;
+        }
+      }
+    }
+    for (size_t i = 0; i < storages.size(); ++i) {
+      mismatches += !matches(*storages[i], seeds[i]);
+    }
+    CHECK_EQ(mismatches, 0);
+    const auto st = lms::getStats(0);
+    CHECK(st.pageout_count > 1000);
+    CHECK(st.pagein_count > 1000);
+    std::printf(
+        "  %lld page-outs (%lld MiB), %lld page-ins (%lld MiB)\n",
+        static_cast<long long>(st.pageout_count),
+        static_cast<long long>(st.pageout_bytes / kMiB),
+        static_cast<long long>(st.pagein_count),
+        static_cast<long long>(st.pagein_bytes / kMiB));
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(device_memory_stays_under_limit_plus_pinned_working_set) {
+  const size_t limit = 16 * kMiB;
+  Env env(limit);
+  {
+    std::mt19937_64 rng(7);
+    std::vector<StoragePtr> storages;
+    size_t worst_excess = 0;
+    for (int i = 0; i < 300; ++i) {
+      if (storages.size() < 30) {
+        storages.push_back(newStorage((1 + rng() % 3) * kMiB));
+        write(*storages.back(), i);
+      }
+      // An "operator" pinning two or three inputs.
+      std::vector<StoragePtr> inputs;
+      size_t pinned = 0;
+      for (int k = 0; k < 2 + static_cast<int>(rng() % 2); ++k) {
+        auto s = storages[rng() % storages.size()];
+        lms::pin(*s);
+        inputs.push_back(s);
+        pinned += s->nbytes();
+      }
+      const size_t allocated = allocatedBytes();
+      CHECK_LE(allocated, limit + pinned);
+      worst_excess = std::max(
+          worst_excess, allocated > limit ? allocated - limit : size_t(0));
+      for (auto& s : inputs) {
+        lms::unpin(*s);
+      }
+      if (rng() % 4 == 0) {
+        storages.erase(storages.begin() + rng() % storages.size());
+      }
+    }
+    CHECK(lms::getStats(0).reclaim_limit > 0);
+    std::printf(
+        "  worst excess over the limit: %.1f MiB (pinned inputs)\n",
+        static_cast<double>(worst_excess) / kMiB);
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(reclaim_is_lru_and_honours_size_threshold) {
+  Env env(64 * kMiB);
+  {
+    auto a = newStorage(2 * kMiB);
+    auto b = newStorage(2 * kMiB);
+    auto small = newStorage(512 * 1024); // below the 1 MiB threshold
+    auto c = newStorage(2 * kMiB);
+    write(*a, 10);
+    write(*b, 11);
+    write(*small, 12);
+    write(*c, 13);
+    // LRU order is now a, b, c. Touching a makes b the oldest.
+    write(*a, 1);
+    const size_t used = allocatedBytes();
+    // Room for exactly one more 2 MiB storage without reclaim.
+    lms::setLimit(0, used + 2 * kMiB);
+    auto d = newStorage(2 * kMiB);
+    CHECK(state(b) == lms::StorageState::Inactive);
+    write(*d, 2);
+    auto e = newStorage(2 * kMiB); // must page out the LRU victim: b
+    CHECK(state(b) == lms::StorageState::PagedOut);
+    CHECK(state(c) == lms::StorageState::Inactive);
+    CHECK(state(a) == lms::StorageState::Inactive);
+    write(*e, 3);
+    auto f = newStorage(2 * kMiB); // next victim: c
+    CHECK(state(c) == lms::StorageState::PagedOut);
+    CHECK(state(a) == lms::StorageState::Inactive);
+    // A threshold above every size leaves nothing reclaimable.
+    lms::setSizeThreshold(64 * kMiB);
+    CHECK_EQ(lms::reclaimInactive(0), size_t(0));
+    lms::setSizeThreshold(1 * kMiB);
+    // a, d and e are inactive; f was never used by an operator.
+    CHECK_EQ(lms::reclaimInactive(0), 3 * 2 * kMiB);
+    CHECK(state(small) == lms::StorageState::Unmanaged);
+    CHECK(state(e) == lms::StorageState::PagedOut);
+    CHECK(state(f) == lms::StorageState::Allocated); // never pinned
+    CHECK(matches(*a, 1));
+    CHECK(matches(*b, 11));
+    CHECK(matches(*small, 12));
+    CHECK(matches(*c, 13));
+    CHECK(matches(*d, 2));
+    CHECK(matches(*e, 3));
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(statistics_match_what_happened) {
+  Env env(64 * kMiB);
+  {
+    std::vector<StoragePtr> s;
+    for (int i = 0; i < 4; ++i) {
+      s.push_back(newStorage(3 * kMiB));
+      write(*s.back(), i);
+    }
+    auto st = lms::getStats(0);
+    CHECK_EQ(st.pageout_count, 0);
+    CHECK_EQ(st.inactive_bytes.current, int64_t(12 * kMiB));
+    CHECK_EQ(st.managed_bytes.current, int64_t(12 * kMiB));
+    CHECK_EQ(lms::reclaimInactive(0), 12 * kMiB);
+    st = lms::getStats(0);
+    CHECK_EQ(st.pageout_count, 4);
+    CHECK_EQ(st.pageout_bytes, int64_t(12 * kMiB));
+    CHECK_EQ(st.reclaim_explicit, 1);
+    CHECK_EQ(st.pagedout_bytes.current, int64_t(12 * kMiB));
+    CHECK_EQ(st.inactive_bytes.current, 0);
+    CHECK(st.host_bytes.current >= int64_t(12 * kMiB));
+    lms::pin(*s[0]);
+    lms::pin(*s[1]);
+    st = lms::getStats(0);
+    CHECK_EQ(st.pagein_count, 2);
+    CHECK_EQ(st.pagein_bytes, int64_t(6 * kMiB));
+    CHECK_EQ(st.active_bytes.current, int64_t(6 * kMiB));
+    CHECK_EQ(st.pagedout_bytes.current, int64_t(6 * kMiB));
+    lms::unpin(*s[0]);
+    lms::unpin(*s[1]);
+    s.clear();
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    st = lms::getStats(0);
+    CHECK_EQ(st.managed_bytes.current, 0);
+    CHECK_EQ(st.managed_bytes.peak, int64_t(12 * kMiB));
+    CHECK_EQ(st.pagedout_bytes.peak, int64_t(12 * kMiB));
+    CHECK(st.stall_ms >= 0.0);
+    CHECK(st.alloc_from_cache + st.alloc_from_device > 0);
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(raw_access_pages_in_and_leaves_reclaim_list) {
+  Env env(64 * kMiB);
+  {
+    auto s = newStorage(2 * kMiB);
+    write(*s, 42);
+    lms::reclaimInactive(0);
+    REQUIRE(state(s) == lms::StorageState::PagedOut);
+    // Raw access goes through the StorageImpl hook in a patched build.
+#ifdef C10_LMS_STORAGE_HOOK
+    CHECK(s->lms_armed());
+    const void* p = s->data();
+    CHECK(!s->lms_armed());
+#else
+    lms::access(*s);
+    const void* p = s->data();
+#endif
+    CHECK(p != nullptr);
+    CHECK(state(s) == lms::StorageState::Allocated);
+    CHECK_EQ(lms::reclaimInactive(0), size_t(0)); // off the reclaim list
+    std::vector<uint64_t> got(2 * kMiB / 8);
+    C10_CUDA_CHECK(
+        cudaMemcpy(got.data(), p, 2 * kMiB, cudaMemcpyDeviceToHost));
+    CHECK(got == pattern(2 * kMiB, 42));
+  }
+  env.checkBaseline();
+}
+
+void sleepOnStream(void* ms) {
+  std::this_thread::sleep_for(
+      std::chrono::milliseconds(reinterpret_cast<uintptr_t>(ms)));
+}
+
+// A storage written on a side stream must not be paged out before that work
+// is done: the page-out would copy stale contents.
+void checkSideStreamOrdering(bool use_record_stream) {
+  Env env(64 * kMiB);
+  {
+    auto s = newStorage(4 * kMiB);
+    write(*s, 1);
+    const auto fresh = pattern(4 * kMiB, 2);
+    void* src = cca::raw_alloc(4 * kMiB);
+    C10_CUDA_CHECK(
+        cudaMemcpy(src, fresh.data(), 4 * kMiB, cudaMemcpyHostToDevice));
+    auto side = c10::cuda::getStreamFromPool();
+    lms::pin(*s);
+    {
+      c10::cuda::CUDAStreamGuard guard(side);
+      // Delay the side stream, then overwrite the storage from it.
+      C10_CUDA_CHECK(cudaLaunchHostFunc(
+          side.stream(), &sleepOnStream, reinterpret_cast<void*>(200)));
+      C10_CUDA_CHECK(cudaMemcpyAsync(
+          s->mutable_data(),
+          src,
+          4 * kMiB,
+          cudaMemcpyDeviceToDevice,
+          side.stream()));
+      if (!use_record_stream) {
+        lms::unpin(*s); // unpinned on the side stream: recorded as a user
+      }
+    }
+    if (use_record_stream) {
+      cca::recordStream(s->data_ptr(), side);
+      lms::unpin(*s);
+    }
+    CHECK_EQ(lms::reclaimInactive(0), 4 * kMiB); // while the side sleeps
+    CHECK(matches(*s, 2));
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    cca::raw_delete(src);
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(side_stream_with_record_stream_orders_page_out) {
+  checkSideStreamOrdering(/*use_record_stream=*/true);
+}
+
+TEST_CASE(side_stream_unpin_orders_page_out) {
+  checkSideStreamOrdering(/*use_record_stream=*/false);
+}
+
+TEST_CASE(device_allocation_failure_triggers_reclaim) {
+  Env env(size_t(1) << 50); // no limit: only the failure trigger
+  {
+    size_t free_bytes = 0;
+    size_t total_bytes = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    // Cap what the caching allocator may reserve at 48 MiB.
+    cca::setMemoryFraction(48.0 * kMiB / total_bytes, 0);
+    std::vector<StoragePtr> s;
+    for (int i = 0; i < 40; ++i) { // 160 MiB through a 48 MiB device
+      s.push_back(newStorage(4 * kMiB));
+      write(*s.back(), i);
+    }
+    const auto st = lms::getStats(0);
+    CHECK(st.reclaim_alloc_failure > 0);
+    CHECK_EQ(st.reclaim_limit, 0);
+    CHECK(st.alloc_after_reclaim > 0);
+    int mismatches = 0;
+    for (int i = 0; i < 40; ++i) {
+      mismatches += !matches(*s[i], i);
+    }
+    CHECK_EQ(mismatches, 0);
+    s.clear();
+    cca::setMemoryFraction(1.0, 0);
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(pinned_working_set_too_large_gives_lms_oom) {
+  Env env(size_t(1) << 50);
+  {
+    size_t free_bytes = 0;
+    size_t total_bytes = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    cca::setMemoryFraction(32.0 * kMiB / total_bytes, 0);
+    std::vector<StoragePtr> pinned;
+    bool threw = false;
+    try {
+      for (int i = 0; i < 16; ++i) { // 64 MiB pinned at once
+        pinned.push_back(newStorage(4 * kMiB));
+        lms::pin(*pinned.back());
+      }
+    } catch (const c10::OutOfMemoryError& e) {
+      threw = true;
+      const std::string msg = e.what();
+      CHECK(msg.find("Large Model Support") != std::string::npos);
+      CHECK(msg.find("pinned by the running operator") != std::string::npos);
+      CHECK(msg.find("LMS limit") != std::string::npos);
+    }
+    CHECK(threw);
+    CHECK(lms::getStats(0).oom_count >= 1);
+    for (auto& s : pinned) {
+      lms::unpin(*s);
+    }
+    pinned.clear();
+    cca::setMemoryFraction(1.0, 0);
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(host_allocation_failure_keeps_storage_resident) {
+  requireSimulated("failing pinned host allocations");
+  Env env(64 * kMiB);
+  {
+    auto s = newStorage(2 * kMiB);
+    write(*s, 5);
+    cca::emptyCache(); // no cached host buffer to fall back on
+    simgpu_inject_fault(1 /*host alloc*/, 1, -1, cudaSuccess);
+    CHECK_EQ(lms::reclaimInactive(0), size_t(0));
+    CHECK(state(s) == lms::StorageState::Inactive);
+    simgpu_clear_faults();
+    CHECK(matches(*s, 5));
+    CHECK_EQ(lms::reclaimInactive(0), 2 * kMiB); // works once memory is back
+    CHECK(matches(*s, 5));
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(page_in_failure_loses_nothing) {
+  requireSimulated("failing device allocations");
+  Env env(64 * kMiB);
+  {
+    auto s = newStorage(4 * kMiB);
+    write(*s, 9);
+    lms::reclaimInactive(0);
+    cca::emptyCache(); // the page-in must ask the device for memory
+    simgpu_inject_fault(kSimFaultDeviceAlloc, 1, -1, cudaSuccess);
+    CHECK_THROWS_AS(lms::pin(*s), c10::OutOfMemoryError, "Large Model Support");
+    CHECK(state(s) == lms::StorageState::PagedOut);
+    simgpu_clear_faults();
+    CHECK(matches(*s, 9));
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(copy_failure_during_page_out_loses_nothing) {
+  requireSimulated("failing copies");
+  Env env(64 * kMiB);
+  {
+    auto s = newStorage(2 * kMiB);
+    write(*s, 11);
+    simgpu_fail_nth_copy(1);
+    CHECK_THROWS_AS(lms::reclaimInactive(0), c10::Error, "CUDA error");
+    simgpu_clear_faults();
+    CHECK(state(s) == lms::StorageState::Inactive);
+    CHECK(matches(*s, 11));
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(prefetch_pages_in_ahead_and_counts_hits) {
+  Env env(64 * kMiB);
+  {
+    std::vector<StoragePtr> s;
+    for (int i = 0; i < 4; ++i) {
+      s.push_back(newStorage(2 * kMiB));
+      write(*s.back(), 100 + i);
+    }
+    lms::reclaimInactive(0); // paged out in order 0, 1, 2, 3
+    lms::setPrefetchDepth(2);
+    // A backward pass wants them in reverse order.
+    CHECK(matches(*s[3], 103)); // pages in 3, prefetches 2 and 1
+    CHECK(state(s[2]) == lms::StorageState::Inactive);
+    CHECK(state(s[1]) == lms::StorageState::Inactive);
+    CHECK(state(s[0]) == lms::StorageState::PagedOut);
+    CHECK(matches(*s[2], 102));
+    CHECK(matches(*s[1], 101));
+    CHECK(matches(*s[0], 100));
+    const auto st = lms::getStats(0);
+    CHECK(st.prefetch_count >= 2);
+    CHECK(st.prefetch_hits >= 2);
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(speculative_margin_pages_out_before_the_limit) {
+  Env env(32 * kMiB);
+  {
+    lms::setSpeculativeMargin(8 * kMiB);
+    std::vector<StoragePtr> s;
+    for (int i = 0; i < 16; ++i) { // 32 MiB: crosses the 24 MiB mark
+      s.push_back(newStorage(2 * kMiB));
+      write(*s.back(), i);
+      CHECK_LE(allocatedBytes(), 24 * kMiB);
+    }
+    const auto st = lms::getStats(0);
+    CHECK(st.reclaim_speculative > 0);
+    CHECK_EQ(st.reclaim_limit, 0);
+    for (int i = 0; i < 16; ++i) {
+      CHECK(matches(*s[i], i));
+    }
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(multithreaded_stress_with_random_operations) {
+  Env env(32 * kMiB);
+  {
+    constexpr int kThreads = 4;
+    constexpr int kShared = 8;
+    std::vector<StoragePtr> shared;
+    for (int i = 0; i < kShared; ++i) {
+      shared.push_back(newStorage(2 * kMiB));
+      write(*shared.back(), 1000 + i);
+    }
+    std::atomic<int> mismatches{0};
+    std::atomic<int> errors{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        try {
+          c10::cuda::set_device(0);
+          c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+          std::mt19937_64 rng(t);
+          std::map<int, std::pair<StoragePtr, uint64_t>> mine;
+          for (int iter = 0; iter < 400; ++iter) {
+            const int key = static_cast<int>(rng() % 10);
+            auto it = mine.find(key);
+            switch (rng() % 5) {
+              case 0: // allocate (or replace) and write
+                mine[key] = {newStorage((1 + rng() % 3) * kMiB), rng()};
+                write(*mine[key].first, mine[key].second);
+                break;
+              case 1: // verify
+                if (it != mine.end()) {
+                  mismatches += !matches(*it->second.first, it->second.second);
+                }
+                break;
+              case 2: // free
+                if (it != mine.end()) {
+                  mine.erase(it);
+                }
+                break;
+              case 3: { // read a shared storage
+                const int i = static_cast<int>(rng() % kShared);
+                mismatches += !matches(*shared[i], 1000 + i);
+                break;
+              }
+              case 4: // raw access
+                if (it != mine.end()) {
+                  lms::access(*it->second.first);
+                  (void)it->second.first->data();
+                }
+                break;
+            }
+          }
+          for (auto& [key, entry] : mine) {
+            mismatches += !matches(*entry.first, entry.second);
+          }
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "  thread %d: %s\n", t, e.what());
+          ++errors;
+        }
+      });
+    }
+    for (auto& th : threads) {
+      th.join();
+    }
+    CHECK_EQ(errors.load(), 0);
+    CHECK_EQ(mismatches.load(), 0);
+    CHECK(lms::getStats(0).pageout_count > 0);
+    for (int i = 0; i < kShared; ++i) {
+      CHECK(matches(*shared[i], 1000 + i));
+    }
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(devices_reclaim_independently) {
+  if (deviceCount() < 2) {
+    SKIP("needs two devices (simulated: SIMGPU_DEVICE_COUNT=2)");
+  }
+  Env env(16 * kMiB);
+  {
+    std::vector<std::thread> threads;
+    std::atomic<int> mismatches{0};
+    std::atomic<int> errors{0};
+    for (int d = 0; d < 2; ++d) {
+      threads.emplace_back([&, d] {
+        try {
+          c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(d));
+          std::vector<StoragePtr> s;
+          for (int i = 0; i < 16; ++i) {
+            s.push_back(newStorage(2 * kMiB));
+            write(*s.back(), d * 100 + i);
+          }
+          for (int i = 0; i < 16; ++i) {
+            mismatches += !matches(*s[i], d * 100 + i);
+          }
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "  device %d: %s\n", d, e.what());
+          ++errors;
+        }
+      });
+    }
+    for (auto& th : threads) {
+      th.join();
+    }
+    CHECK_EQ(errors.load(), 0);
+    CHECK_EQ(mismatches.load(), 0);
+    CHECK(lms::getStats(0).pageout_count > 0);
+    CHECK(lms::getStats(1).pageout_count > 0);
+  }
+  env.checkBaseline();
+}
+
+} // namespace
+
+LMS_TEST_MAIN()
