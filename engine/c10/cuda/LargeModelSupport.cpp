@@ -34,6 +34,7 @@ std::atomic<size_t> g_speculative_margin{0};
 // Limit set through PYTORCH_CUDA_ALLOC_CONF for every device (0: default).
 std::atomic<size_t> g_conf_limit{0};
 std::atomic<DeviceMemoryBackend*> g_backend{nullptr};
+std::atomic<EnabledObserver> g_enabled_observer{nullptr};
 
 // Makes a device current for a scope. (CUDAGuard would pull in the caching
 // allocator's headers, which include this one.)
@@ -78,8 +79,10 @@ struct Record {
   // stream other than the one that paged in waits on it before use.
   cudaEvent_t device_ready = nullptr;
   // Stream the device memory was allocated on: the caching allocator reuses
-  // the memory in this stream's order once freed.
+  // the memory in this stream's order once freed. Unknown for adopted
+  // storages until their first page-in.
   cudaStream_t stream = nullptr;
+  bool stream_known = true;
   // Other streams that used the memory; a page-out is ordered after them.
   std::vector<cudaStream_t> users;
   State state = State::Allocated;
@@ -399,13 +402,19 @@ void enqueuePageOut(DeviceEngine& e, Record& r, const HostBuffer& host) {
   // Hand the memory to the next allocation with GPU-side ordering: work the
   // allocation stream queues from now on waits for the copy; the host never
   // blocks. The timing pair measures how long that stream actually waited.
-  cudaEvent_t reached = e.events.get(/*timing=*/true);
-  cudaEvent_t copied = e.events.get(/*timing=*/true);
-  C10_CUDA_CHECK(cudaEventRecord(copied, copy));
-  C10_CUDA_CHECK(cudaEventRecord(reached, r.stream));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(r.stream, done, 0));
-  addStall(e, reached, copied);
-  backend().free(r.device_ptr);
+  if (r.stream_known) {
+    cudaEvent_t reached = e.events.get(/*timing=*/true);
+    cudaEvent_t copied = e.events.get(/*timing=*/true);
+    C10_CUDA_CHECK(cudaEventRecord(copied, copy));
+    C10_CUDA_CHECK(cudaEventRecord(reached, r.stream));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(r.stream, done, 0));
+    addStall(e, reached, copied);
+    backend().free(r.device_ptr);
+  } else {
+    // The pool the memory returns to is unknown: let the allocator hold it
+    // back until the copy is done.
+    backend().freeAfter(r.device_ptr, e.device, copy);
+  }
   if (r.device_ready != nullptr) {
     e.events.put(r.device_ready);
     r.device_ready = nullptr;
@@ -570,6 +579,7 @@ void pageIn(DeviceEngine& e, Record& r, cudaStream_t stream) {
   r.device_ptr = ptr;
   r.device_ready = ready;
   r.stream = stream;
+  r.stream_known = true;
 }
 
 // Starts paging in `r` on the copy stream, into memory allocated on `stream`,
@@ -606,6 +616,7 @@ bool prefetchOne(DeviceEngine& e, Record& r, cudaStream_t stream) {
   r.device_ptr = ptr;
   r.device_ready = ready;
   r.stream = stream;
+  r.stream_known = true;
   addUser(r, copy);
   return true;
 }
@@ -792,6 +803,11 @@ void makeResident(
     e.settled.notify_all();
   }
   waitUntilResident(e, r, stream);
+  if (target == State::Allocated && isCapturing(stream)) {
+    // Raw access during capture (a kernel launched outside the dispatcher):
+    // the graph bakes in this address.
+    r.graph_owned = true;
+  }
   leave(e, r);
   enter(e, r, target);
   r.pins = target == State::Active ? 1 : 0;
@@ -822,6 +838,8 @@ void deleteRecord(void* ctx) {
     e.events.put(r->device_ready);
   }
   if (r->device_ptr != nullptr) {
+    // Like any tensor's memory: reuse is ordered on its allocation stream,
+    // which the allocator knows even for adopted storages.
     backend().free(r->device_ptr);
   }
   if (r->host.ptr != nullptr) {
@@ -831,6 +849,36 @@ void deleteRecord(void* ctx) {
     e.events.put(r->host_ready);
   }
   delete r;
+}
+
+// Takes over a storage the backend allocated without LMS (see
+// DeviceMemoryBackend::adoptable). Its DataPtr is replaced by one whose
+// context is the new record; the memory stays where it is.
+Record* adopt(c10::StorageImpl& storage) {
+  DeviceMemoryBackend* b = g_backend.load();
+  c10::DataPtr& dp = storage._mutable_data_ptr_no_checks();
+  if (!isEnabled() || b == nullptr || dp.get() == nullptr ||
+      dp.device().type() != c10::DeviceType::CUDA ||
+      storage.nbytes() < g_size_threshold.load() || !b->adoptable(dp)) {
+    return nullptr;
+  }
+  const c10::DeviceIndex device = dp.device().index();
+  if (isCapturing(currentStream(device))) {
+    return nullptr; // graph memory must stay put
+  }
+  DeviceEngine& e = engineFor(device);
+  auto* r = new Record();
+  r->engine = &e;
+  r->size = storage.nbytes();
+  r->device_ptr = dp.get();
+  r->stream = currentStream(device);
+  r->stream_known = false;
+  // The backend's deleter is dropped: the record frees the memory now.
+  (void)dp.release_context();
+  dp = c10::DataPtr(r->device_ptr, r, &deleteRecord, dp.device());
+  std::lock_guard<std::mutex> lock(e.mutex);
+  add(e.stats.managed_bytes, sz(*r));
+  return r;
 }
 
 #ifdef C10_LMS_STORAGE_HOOK
@@ -860,6 +908,16 @@ void setEnabled(bool enabled) {
   c10::impl::SetLmsStorageAccessHook(&storageAccessHook);
 #endif
   g_enabled.store(enabled);
+  if (EnabledObserver observer = g_enabled_observer.load()) {
+    observer(enabled);
+  }
+}
+
+void setEnabledObserver(EnabledObserver observer) {
+  g_enabled_observer.store(observer);
+  if (observer != nullptr && isEnabled()) {
+    observer(true);
+  }
 }
 
 bool isEnabled() {
@@ -998,7 +1056,10 @@ const char* toString(StorageState state) {
 void pin(c10::StorageImpl& storage) {
   Record* r = recordOf(storage);
   if (r == nullptr) {
-    return;
+    r = adopt(storage);
+    if (r == nullptr) {
+      return;
+    }
   }
   DeviceEngine& e = *r->engine;
   std::unique_lock<std::mutex> lock(e.mutex);

@@ -51,6 +51,13 @@ namespace c10::cuda::lms {
 C10_CUDA_API void setEnabled(bool enabled);
 C10_CUDA_API bool isEnabled();
 
+// Called with the new value whenever LMS is turned on or off (and at once,
+// if LMS is already on). Operator-boundary pinning, which lives above c10,
+// installs its callbacks through this so that it costs nothing while LMS is
+// off, however LMS was enabled (API or PYTORCH_CUDA_ALLOC_CONF).
+using EnabledObserver = void (*)(bool enabled);
+C10_CUDA_API void setEnabledObserver(EnabledObserver observer);
+
 // Soft limit, in bytes, of device memory allocated to tensors before LMS
 // reclaims inactive storages. Until set, the limit of a device is 95% of
 // (free + reserved) device memory measured at the device's first LMS
@@ -63,8 +70,9 @@ C10_CUDA_API void setSizeThreshold(size_t bytes);
 C10_CUDA_API size_t getSizeThreshold();
 
 // Prefetch: when an operator pins a paged-out storage, also start paging in
-// up to this many storages paged out after it (the order in which a backward
-// pass tends to need them), on the copy stream, within the limit's headroom.
+// up to this many storages that were paged out just before it (a backward
+// pass needs activations in the reverse of the order they were paged out),
+// on the copy stream, within the limit's headroom.
 // 0 (the default) turns prefetch off.
 C10_CUDA_API void setPrefetchDepth(int depth);
 C10_CUDA_API int getPrefetchDepth();
@@ -185,6 +193,19 @@ class C10_CUDA_API DeviceMemoryBackend {
   // Bytes currently allocated to tensors / reserved from the device.
   virtual size_t allocatedBytes(c10::DeviceIndex device) = 0;
   virtual size_t reservedBytes(c10::DeviceIndex device) = 0;
+  // Returns memory from malloc() whose allocation stream is unknown: it may
+  // be reused only after the work queued on `stream` so far is done.
+  virtual void freeAfter(
+      void* ptr,
+      c10::DeviceIndex device,
+      cudaStream_t stream) = 0;
+  // Whether LMS may take over a storage it did not allocate, the first time
+  // an operator pins it (allocators that cannot return LMS DataPtrs). The
+  // memory must be freeable with free()/freeAfter().
+  virtual bool adoptable(const c10::DataPtr& data_ptr) {
+    (void)data_ptr;
+    return false;
+  }
 };
 
 // Installs the backend; must be called before the first LMS allocation.

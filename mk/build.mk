@@ -1,0 +1,40 @@
+# Build and packaging targets (included by the top-level Makefile).
+#
+#   make build TAG=v2.6.0 [ARCH=x86_64|ppc64le] [CUDA=12.6] [PYTHON=3.11] [SOURCES=DIR]
+#              [WORK=work] [MAX_JOBS=N] [DRY_RUN=1] [PREFLIGHT=1] [SKIP_TESTS=1]
+#   make channel [CHANNEL=$(WORK)/channel]          reindex the private conda channel
+#   make recipe-render [ARCH=..] [PYTHON=..] [CUDA=..]   show the rendered conda recipe
+#
+# A full build needs a CUDA build host (see recipes/README.md); `make build DRY_RUN=1` prints
+# the plan anywhere.
+
+PY ?= python3
+TAG ?=
+ARCH ?=
+CUDA ?=
+PYTHON ?=
+SOURCES ?=
+WORK ?= work
+MAX_JOBS ?=
+CHANNEL ?= $(WORK)/channel
+
+LMS_BUILD_ARGS = $(TAG) --work $(WORK) \
+	$(if $(ARCH),--arch $(ARCH)) \
+	$(if $(CUDA),--cuda $(CUDA)) \
+	$(if $(PYTHON),--python $(PYTHON)) \
+	$(if $(SOURCES),--sources $(SOURCES)) \
+	$(if $(MAX_JOBS),--max-jobs $(MAX_JOBS)) \
+	$(if $(filter 1 yes true,$(SKIP_TESTS)),--skip-tests) \
+	$(if $(filter 1 yes true,$(DRY_RUN)),--dry-run) \
+	$(if $(filter 1 yes true,$(PREFLIGHT)),--preflight)
+
+.PHONY: build channel recipe-render
+build:
+	$(PY) -m lmstool build $(LMS_BUILD_ARGS)
+
+channel:
+	$(PY) -m lmstool channel index $(CHANNEL)
+
+recipe-render:
+	$(PY) -m lmstool recipe render $(if $(TAG),--tag $(TAG)) --arch $(or $(ARCH),x86_64) \
+		--python $(or $(PYTHON),3.11) --cuda $(or $(CUDA),12.6)

@@ -1,0 +1,178 @@
+"""The conda-build recipe renders for every supported variant and agrees with the matrix."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lmstool import build, recipe
+from lmstool.errors import LmsToolError
+
+pytest.importorskip("jinja2", reason="rendering the recipe needs Jinja2 (pip install Jinja2)")
+
+
+def variants(matrix: build.BuildMatrix) -> list[tuple[str, str, str, str]]:
+    out = []
+    for tag in ("v2.6.0",):
+        for arch in build.ARCHES:
+            for cuda in matrix.cudas(tag, arch):
+                for python in matrix.pythons(tag):
+                    out.append((tag, arch, python, cuda))
+    return out
+
+
+def test_renders_for_every_variant(matrix: build.BuildMatrix) -> None:
+    rendered = 0
+    for tag, arch, python, cuda in variants(matrix):
+        meta = recipe.render_for(matrix, tag, arch, python, cuda)
+        assert meta["package"] == {"name": "pytorch", "version": "2.6.0"}
+        assert meta["build"]["string"] == build.conda_build_string(python, cuda, 0)
+        assert "skip" not in meta["build"], f"{arch} cu{cuda} must not be skipped"
+        assert meta["source"]["git_rev"] == tag
+        run = recipe.run_depends(meta)
+        host = meta["requirements"]["host"]
+        build_reqs = meta["requirements"]["build"]
+        assert f"gcc_{build.CONDA_SUBDIRS[arch]}" in build_reqs
+        assert f"cuda-version {cuda}" in host
+        assert (("mkl" in run) == (arch == "x86_64")) and (
+            ("openblas" in run) == (arch == "ppc64le")
+        )
+        major = int(cuda.split(".")[0])
+        assert f"cuda-version >={cuda},<{major + 1}" in run
+        assert ("cudatoolkit " + cuda + ".*" in run) == (major == 11)
+        assert ("cuda-cudart" in run) == (major == 12)
+        commands = " ".join(meta["test"]["commands"])
+        assert "torch.cuda.set_enabled_lms" in commands
+        assert "torch" in meta["test"]["imports"]
+        assert meta["about"]["license"] == "BSD-3-Clause"
+        rendered += 1
+    assert rendered == 25  # 5 Pythons x (3 CUDA on x86_64 + 2 on ppc64le)
+
+
+def test_ppc64le_cuda_12_6_is_skipped_by_the_recipe(repo: Path) -> None:
+    variant = recipe.Variant("v2.6.0", "ppc64le", "3.11", "12.6")
+    meta = recipe.render(repo / recipe.RECIPE_DIR, variant)
+    assert meta["build"]["skip"] is True
+    x86 = recipe.render(
+        repo / recipe.RECIPE_DIR, recipe.Variant("v2.6.0", "x86_64", "3.11", "12.6")
+    )
+    assert "skip" not in x86["build"]
+
+
+def test_render_rejects_unsupported_variant(matrix: build.BuildMatrix) -> None:
+    with pytest.raises(LmsToolError, match=r"last ppc64le toolkit is 12\.4"):
+        recipe.render_for(matrix, "v2.6.0", "ppc64le", "3.11", "12.6")
+    with pytest.raises(LmsToolError, match=r"Python 3\.7 is not supported"):
+        recipe.render_for(matrix, "v2.6.0", "x86_64", "3.7", "12.6")
+
+
+def test_selectors() -> None:
+    ns = recipe.selector_namespace(recipe.Variant("v2.6.0", "ppc64le", "3.10", "12.4"))
+    text = "a: 1  # [ppc64le]\nb: 2  # [x86_64]\nc: 3  # [py>=310 and linux]\nd: 4\n"
+    assert recipe.apply_selectors(text, ns) == "a: 1\nc: 3\nd: 4\n"
+    with pytest.raises(LmsToolError, match="cannot be evaluated"):
+        recipe.apply_selectors("x: 1  # [windows_arm]\n", ns)
+
+
+def test_variant_config_matches_the_tag_matrix(repo: Path, matrix: build.BuildMatrix) -> None:
+    for arch in build.ARCHES:
+        cfg = recipe.render_variant_config(
+            repo / recipe.RECIPE_DIR, recipe.Variant("v2.6.0", arch, "3.11", "12.4")
+        )
+        assert cfg["lms_tag"] == [matrix.default_tag]
+        assert cfg["python"] == matrix.pythons(matrix.default_tag)
+        assert cfg["cuda_compiler_version"] == matrix.cudas(matrix.default_tag, arch)
+        assert ["cuda_compiler", "cuda_compiler_version"] in cfg["zip_keys"]
+        compilers = dict(zip(cfg["cuda_compiler_version"], cfg["cuda_compiler"]))
+        for cuda, name in compilers.items():
+            assert name == ("nvcc" if cuda.startswith("11.") else "cuda-nvcc")
+            meta = recipe.render(
+                repo / recipe.RECIPE_DIR, recipe.Variant("v2.6.0", arch, "3.11", cuda)
+            )
+            assert f"{name}_{build.CONDA_SUBDIRS[arch]}" in meta["requirements"]["build"]
+
+
+def test_build_sh_agrees_with_lmstool_build(repo: Path, matrix: build.BuildMatrix) -> None:
+    script = (repo / recipe.RECIPE_DIR / "build.sh").read_text()
+    exports = re.findall(r"^\s*export (\w+)=(.*)$", script, flags=re.M)
+    values: dict[str, set[str]] = {}
+    for name, value in exports:
+        values.setdefault(name, set()).add(value.strip('"'))
+    computed = {"MAX_JOBS", "TORCH_CUDA_ARCH_LIST", "PYTORCH_BUILD_VERSION", "PYTORCH_BUILD_NUMBER"}
+    for arch in build.ARCHES:
+        cfg = build.make_config(
+            matrix,
+            tag="v2.6.0",
+            arch=arch,
+            cuda=matrix.cudas("v2.6.0", arch)[-1],
+            python="3.11",
+            work=Path("work"),
+        )
+        for name, value in build.build_environment(cfg).items():
+            if name in computed:
+                assert name in values, f"build.sh does not set {name}"
+                continue
+            assert value in values.get(name, set()), f"build.sh: {name} should be {value}"
+    for cuda, info in matrix.toolchain["cuda"].items():
+        for arch, arch_list in info["arch_list"].items():
+            if cuda in matrix.cudas("v2.6.0", arch):
+                assert arch_list in script, f"build.sh lacks {arch} CUDA {cuda} arch list"
+    assert "+lms.cu" in script
+
+
+def _tmp_repo(repo: Path, tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    shutil.copytree(repo / "config", root / "config")
+    shutil.copytree(repo / "recipes", root / "recipes")
+    return root
+
+
+def test_sync_lists_the_series_and_render_applies_it(repo: Path, tmp_path: Path) -> None:
+    root = _tmp_repo(repo, tmp_path)
+    series = root / "patches" / "v2.6.0"
+    series.mkdir(parents=True)
+    for name in ("0002-lms-allocator.patch", "0001-lms-engine.patch"):
+        (series / name).write_text("From 0 Mon Sep 17 00:00:00 2001\n")
+    matrix = build.BuildMatrix.load(root)
+    assert recipe.sync_series(matrix, check=True) is True
+    assert recipe.sync_series(matrix) is True
+    assert recipe.sync_series(matrix, check=True) is False
+    meta = recipe.render_for(matrix, "v2.6.0", "ppc64le", "3.11", "12.4")
+    patches = recipe.listed_patches(meta)
+    assert patches == [
+        "../../patches/v2.6.0/0001-lms-engine.patch",
+        "../../patches/v2.6.0/0002-lms-allocator.patch",
+    ]
+    recipe_dir = root / recipe.RECIPE_DIR
+    assert all((recipe_dir / p).resolve().is_file() for p in patches)
+    # Another tag's build does not get v2.6.0's patches.
+    meta = recipe.render(recipe_dir, recipe.Variant("v1.13.1", "x86_64", "3.10", "11.7"))
+    assert recipe.listed_patches(meta) == []
+    assert meta["package"]["version"] == "1.13.1"
+
+
+def test_sync_refuses_recipe_without_markers(repo: Path, tmp_path: Path) -> None:
+    root = _tmp_repo(repo, tmp_path)
+    meta = root / recipe.RECIPE_DIR / "meta.yaml"
+    meta.write_text(meta.read_text().replace("# END lms-series", "# end"))
+    with pytest.raises(LmsToolError, match="END lms-series"):
+        recipe.sync_series(build.BuildMatrix.load(root))
+
+
+def test_committed_recipe_lists_the_committed_series(matrix: build.BuildMatrix) -> None:
+    assert recipe.sync_series(matrix, check=True) is False, "run `lmstool recipe sync`"
+
+
+def test_render_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    from lmstool.cli import main
+
+    code = main(["recipe", "render", "--arch", "ppc64le", "--python", "3.11", "--cuda", "12.4"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    data = yaml.safe_load(out)
+    assert data["build"]["string"] == "py311_cu124_lms_0"
+    assert "# [" not in out
