@@ -496,20 +496,20 @@ size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
   return freed;
 }
 
-// Makes room for an allocation of `size` bytes under the limit. Returns true
-// when storages were paged out for it.
-bool enforceLimit(DeviceEngine& e, size_t size) {
+// Makes room for an allocation of `size` bytes under the limit. Returns the
+// bytes paged out for it.
+size_t enforceLimit(DeviceEngine& e, size_t size) {
   const size_t limit = limitOf(e);
   const size_t allocated = backend().allocatedBytes(e.device);
   const size_t wanted = allocated + size;
   if (wanted > limit) {
-    return reclaim(e, wanted - limit, Trigger::Limit) > 0;
+    return reclaim(e, wanted - limit, Trigger::Limit);
   }
   const size_t margin = g_speculative_margin.load();
   if (margin != 0 && limit > margin && wanted > limit - margin) {
-    return reclaim(e, wanted - (limit - margin), Trigger::Speculative) > 0;
+    return reclaim(e, wanted - (limit - margin), Trigger::Speculative);
   }
-  return false;
+  return 0;
 }
 
 [[noreturn]] void throwOutOfMemory(DeviceEngine& e, size_t size) {
@@ -524,7 +524,7 @@ bool enforceLimit(DeviceEngine& e, size_t size) {
 // Device memory for `size` bytes on `stream`, reclaiming as needed.
 void* allocateDevice(DeviceEngine& e, size_t size, cudaStream_t stream) {
   DeviceMemoryBackend& b = backend();
-  bool reclaimed = enforceLimit(e, size);
+  bool reclaimed = enforceLimit(e, size) > 0;
   const size_t reserved_before = b.reservedBytes(e.device);
   void* ptr = nullptr;
   while (ptr == nullptr) {
@@ -1130,6 +1130,13 @@ bool isManaged(const c10::DataPtr& data_ptr) {
 size_t reclaimInactive(c10::DeviceIndex device) {
   return reclaim(
       engineFor(device), std::numeric_limits<size_t>::max(), Trigger::Explicit);
+}
+
+size_t ensureHeadroom(c10::DeviceIndex device, size_t incoming_bytes) {
+  if (!isEnabled() || g_backend.load() == nullptr) {
+    return 0;
+  }
+  return enforceLimit(engineFor(device), incoming_bytes);
 }
 
 void releaseCachedHostMemory() {

@@ -126,6 +126,15 @@ C10_CUDA_API bool isManaged(const c10::DataPtr& data_ptr);
 // Pages out every inactive storage of `device` now; returns the bytes freed.
 C10_CUDA_API size_t reclaimInactive(c10::DeviceIndex device);
 
+// Pages out least-recently-used inactive storages of `device` until an
+// allocation of `incoming_bytes` would stay under the limit (and under the
+// speculative mark, if set); returns the bytes freed. The allocation path
+// does this itself; allocators that cannot call LMS on every allocation call
+// it where they can (e.g. when their free list misses).
+C10_CUDA_API size_t ensureHeadroom(
+    c10::DeviceIndex device,
+    size_t incoming_bytes);
+
 // Frees cached pinned host buffers that no paged-out storage uses.
 C10_CUDA_API void releaseCachedHostMemory();
 
