@@ -1,0 +1,330 @@
+"""Generating a tag's committed series from the engine sources and its integration hunks.
+
+``integration/<tag>/series`` lists the entries in order, one a line (``#`` starts a comment):
+
+* ``NNNN-topic.patch``: an mbox patch in that folder (From:, Date:, Subject:, a body saying
+  what and why, ``Upstream-Status:``), against the tree after the previous entries;
+* ``NNNN-topic.engine``: the same header and body with no diff. Its diff is generated: every
+  file under ``engine/`` is copied to the same relative path in the tree (they must be new
+  files there) and committed with that header's author, date and message.
+
+Generation clones the pristine tag, makes one commit per entry, and writes the commits with
+the same stable ``git format-patch`` options as ``lmstool export``. Two runs from the same
+inputs give byte-identical series.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import logging
+import re
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import git
+
+from lmstool.config import Matrix, TagConfig
+from lmstool.errors import LmsToolError
+from lmstool.gitutil import pinned_env, run_git
+from lmstool.series import (
+    ExportResult,
+    apply_series,
+    format_patches,
+    git_am,
+    series_files,
+    sync_series,
+)
+from lmstool.source import (
+    SourceSpec,
+    SourceUnavailable,
+    branch_name,
+    clone_tree,
+    pristine_repo,
+)
+
+log = logging.getLogger(__name__)
+
+SERIES_FILE = "series"
+_ENTRY_RE = re.compile(r"^\d{4}-[A-Za-z0-9][A-Za-z0-9._+-]*\.(patch|engine)$")
+# Files under engine/ that are never part of the series (editor and build leftovers).
+_ENGINE_SKIP_DIRS = {"__pycache__", ".git", "build"}
+_ENGINE_SKIP_SUFFIXES = (".pyc", ".orig", ".rej", ".swp", "~")
+
+
+@dataclass(frozen=True)
+class Entry:
+    path: Path
+    kind: str  # "patch" or "engine"
+    line: int
+
+
+def series_path(repo: Path, tag: TagConfig) -> Path:
+    return tag.integration_dir(repo) / SERIES_FILE
+
+
+def has_integration(repo: Path, tag: TagConfig) -> bool:
+    return series_path(repo, tag).is_file()
+
+
+def read_series(integration_dir: Path) -> list[Entry]:
+    """Parse and check ``integration_dir/series``."""
+    series = integration_dir / SERIES_FILE
+    entries: list[Entry] = []
+    seen: set[str] = set()
+    for lineno, raw in enumerate(series.read_text(encoding="utf-8").splitlines(), 1):
+        name = raw.split("#", 1)[0].strip()
+        if not name:
+            continue
+        where = f"{series}:{lineno}"
+        if not _ENTRY_RE.match(name):
+            raise LmsToolError(
+                f"{where}: '{name}' is not an entry name; use NNNN-topic.patch or "
+                f"NNNN-topic.engine (a file in {integration_dir})"
+            )
+        if name in seen:
+            raise LmsToolError(f"{where}: '{name}' is listed twice; list each entry once")
+        seen.add(name)
+        path = integration_dir / name
+        if not path.is_file():
+            raise LmsToolError(f"{where}: {path} does not exist; add it or remove the line")
+        entries.append(Entry(path, name.rsplit(".", 1)[1], lineno))
+    if not entries:
+        raise LmsToolError(f"{series} lists no entries; list the series' patches in order")
+    unlisted = sorted(
+        p.name
+        for p in integration_dir.iterdir()
+        if p.suffix in (".patch", ".engine") and p.name not in seen
+    )
+    if unlisted:
+        raise LmsToolError(
+            f"{integration_dir} has entries not listed in {series}: {', '.join(unlisted)}; "
+            f"add them to the series file or delete them"
+        )
+    return entries
+
+
+def engine_files(engine_dir: Path) -> list[Path]:
+    """The engine's files (relative to ``engine_dir``) that go into the tree, sorted."""
+    if not engine_dir.is_dir():
+        raise LmsToolError(f"engine folder {engine_dir} does not exist; pass --engine DIR")
+    files: list[Path] = []
+    for path in sorted(engine_dir.rglob("*")):
+        rel = path.relative_to(engine_dir)
+        if any(part in _ENGINE_SKIP_DIRS or part.startswith(".") for part in rel.parts):
+            continue
+        if path.name.endswith(_ENGINE_SKIP_SUFFIXES) or not (path.is_file() or path.is_symlink()):
+            continue
+        files.append(rel)
+    return files
+
+
+def _mailinfo(work: Path, entry: Entry) -> tuple[dict[str, str], str, bytes]:
+    """Author fields, message and diff of an mbox file, parsed the way ``git am`` does."""
+    msg_file = work / ".lms-msg"
+    patch_file = work / ".lms-patch"
+    try:
+        proc = run_git(
+            work,
+            ["mailinfo", "-u", str(msg_file), str(patch_file)],
+            input=entry.path.read_bytes(),
+            env=pinned_env(),
+        )
+        body = msg_file.read_text(encoding="utf-8")
+        diff = patch_file.read_bytes()
+    finally:
+        msg_file.unlink(missing_ok=True)
+        patch_file.unlink(missing_ok=True)
+    info: dict[str, str] = {}
+    for line in proc.stdout.decode("utf-8").splitlines():
+        key, _, value = line.partition(": ")
+        info[key] = value
+    for key in ("Author", "Email", "Subject", "Date"):
+        if not info.get(key):
+            raise LmsToolError(
+                f"{entry.path}: no {key} in the mail header; start the file with From:, Date: "
+                f"and Subject: lines (see CONTRIBUTING.md)"
+            )
+    message = info["Subject"] + ("\n\n" + body.strip("\n") if body.strip() else "") + "\n"
+    return info, message, diff
+
+
+def _commit_engine(repo: git.Repo, entry: Entry, engine_dir: Path) -> None:
+    work = Path(repo.working_tree_dir or ".")
+    info, message, diff = _mailinfo(work, entry)
+    if diff.strip():
+        raise LmsToolError(
+            f"{entry.path}: an .engine entry is a header only, but it has a diff; move the diff "
+            f"to a .patch entry"
+        )
+    files = engine_files(engine_dir)
+    if not files:
+        raise LmsToolError(f"{engine_dir} has no files; nothing to put in {entry.path.name}")
+    for rel in files:
+        target = work / rel
+        if target.exists() or target.is_symlink():
+            raise LmsToolError(
+                f"engine file {rel} already exists in the {repo.head.commit.hexsha[:12]} tree; "
+                f"engine files must be new files: rename it, or change the tree's file with a "
+                f".patch entry instead"
+            )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(engine_dir / rel, target, follow_symlinks=False)
+    repo.git.add("--", *[str(rel) for rel in files])
+    env = pinned_env(
+        {
+            "GIT_AUTHOR_NAME": info["Author"],
+            "GIT_AUTHOR_EMAIL": info["Email"],
+            "GIT_AUTHOR_DATE": info["Date"],
+            "GIT_COMMITTER_DATE": info["Date"],
+        }
+    )
+    repo.git.commit("--quiet", "--no-verify", "--cleanup=verbatim", "-m", message, env=env)
+
+
+def build_series(
+    repo: git.Repo, tag: TagConfig, entries: Sequence[Entry], engine_dir: Path
+) -> None:
+    """Commit ``entries`` in order on top of the pristine tag checked out in ``repo``."""
+    for i, entry in enumerate(entries):
+        log.info("  %s", entry.path.name)
+        if entry.kind == "engine":
+            _commit_engine(repo, entry, engine_dir)
+        else:
+            git_am(
+                repo,
+                [entry.path],
+                offset=i,
+                total=len(entries),
+                advice=(
+                    f"{entry.path} does not apply after the entries before it in the series; "
+                    f"rebase it onto {tag.name} (see CONTRIBUTING.md, 'Changing a patch')"
+                ),
+            )
+
+
+@dataclass
+class Sources:
+    """How generation and verification get pristine trees (shared by all tags of one run)."""
+
+    matrix: Matrix
+    spec: SourceSpec
+    repo_root: Path
+
+    def clone(self, tag: TagConfig, dest: Path) -> git.Repo:
+        pristine = pristine_repo(self.matrix, tag, self.spec, self.repo_root)
+        return clone_tree(pristine, dest, shared=True)
+
+
+def generate(
+    sources: Sources,
+    tag: TagConfig,
+    out_dir: Path,
+    *,
+    integration_dir: Path | None = None,
+    engine_dir: Path | None = None,
+    tree: Path | None = None,
+) -> ExportResult:
+    """Generate ``tag``'s series into ``out_dir`` (only files whose bytes change are written).
+
+    ``tree``, when given, is a scratch clone of the tag to reuse (it is reset to the tag);
+    otherwise a fresh clone is made and removed afterwards.
+    """
+    repo_root = sources.repo_root
+    integration_dir = integration_dir or tag.integration_dir(repo_root)
+    engine_dir = engine_dir or repo_root / "engine"
+    if not (integration_dir / SERIES_FILE).is_file():
+        raise LmsToolError(
+            f"{tag.name} is source only: {integration_dir / SERIES_FILE} does not exist, so "
+            f"there is no series to generate"
+        )
+    entries = read_series(integration_dir)
+    log.info("generating %s series (%d entries)", tag.name, len(entries))
+    with tempfile.TemporaryDirectory(prefix=f"lms-gen-{tag.name}-") as tmp:
+        if tree is None:
+            repo = sources.clone(tag, Path(tmp) / "tree")
+        else:
+            # a scratch clone of the tag: back to the pristine tag, untracked files removed
+            repo = git.Repo(tree)
+            repo.git.switch("--quiet", "--force", "-C", branch_name(tag.name), tag.name)
+            repo.git.clean("-q", "-f", "-d", "-x")
+        with repo:
+            build_series(repo, tag, entries, engine_dir)
+            out = Path(tmp) / "out"
+            out.mkdir()
+            generated = format_patches(repo, tag.name, out)
+            return sync_series(generated, out_dir)
+
+
+@dataclass
+class VerifyReport:
+    tag: str
+    problems: list[str]
+    notes: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def compare_series(committed: Path, fresh: Path) -> list[str]:
+    """Differences between two series folders, one line each."""
+    a = {p.name: p for p in series_files(committed)}
+    b = {p.name: p for p in series_files(fresh)}
+    out: list[str] = []
+    for name in sorted(a.keys() | b.keys()):
+        if name not in a:
+            out.append(f"missing: {committed / name} (the generated series has it)")
+        elif name not in b:
+            out.append(f"extra: {committed / name} (not in the generated series)")
+        elif not filecmp.cmp(a[name], b[name], shallow=False):
+            out.append(f"stale: {committed / name} differs from the generated patch")
+    return out
+
+
+def verify_tag(sources: Sources, tag: TagConfig, *, engine_dir: Path | None = None) -> VerifyReport:
+    """Check that ``tag``'s committed series applies and equals a fresh generation."""
+    repo_root = sources.repo_root
+    committed_dir = tag.series_dir(repo_root)
+    committed = series_files(committed_dir)
+    report = VerifyReport(tag.name, [], [])
+    if not has_integration(repo_root, tag):
+        if committed:
+            report.problems.append(
+                f"{committed_dir} has {len(committed)} patches but "
+                f"{series_path(repo_root, tag)} does not exist, so they cannot be regenerated; "
+                f"add the integration series or remove the patches"
+            )
+        else:
+            report.notes.append("source only, no series")
+        return report
+    fix = f"run `make patches TAG={tag.name}` and commit {tag.series}"
+    with tempfile.TemporaryDirectory(prefix=f"lms-verify-{tag.name}-") as tmp:
+        tree = Path(tmp) / "tree"
+        sources.clone(tag, tree).close()
+        if committed:
+            try:
+                result = apply_series(tree, tag.name, committed_dir)
+                report.notes.append(f"committed series applies to pristine {tag.name}")
+                log.debug(result.message)
+            except LmsToolError as exc:
+                report.problems.append(f"committed series does not apply: {exc}")
+        else:
+            report.problems.append(f"{committed_dir} has no patches; {fix}")
+        fresh = Path(tmp) / "fresh"
+        try:
+            generate(sources, tag, fresh, engine_dir=engine_dir, tree=tree)
+        except SourceUnavailable:
+            raise
+        except LmsToolError as exc:
+            report.problems.append(f"cannot regenerate the series: {exc}")
+            return report
+        diffs = compare_series(committed_dir, fresh)
+        if diffs:
+            report.problems += diffs
+            report.problems.append(f"the committed series is out of date: {fix}")
+        else:
+            report.notes.append(f"committed series matches engine/ + {tag.integration}")
+    return report

@@ -1,0 +1,172 @@
+"""Generating a series from engine/ + integration/<tag>/, and verify's staleness checks."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import git
+import pytest
+from toolfakes import FAKE_TAG, Fake, commit_edit, run_cli
+
+from lmstool.errors import LmsToolError
+from lmstool.generate import Sources, generate, read_series, verify_tag
+from lmstool.series import export_series, series_files
+
+ENGINE_HEADER = """\
+From 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001
+From: PyTorch LMS <lms@example.org>
+Date: Mon, 3 Feb 2025 10:00:00 +0000
+Subject: [PATCH] c10/cuda: add the Large Model Support engine
+
+The engine: storage states, reclaim policy, pinned host pool.
+
+Upstream-Status: Inappropriate [LMS feature]
+"""
+
+
+def setup_integration(fake: Fake, tmp_path: Path) -> None:
+    """engine/ with two files and integration/<tag>/ with an .engine and a .patch entry."""
+    engine = fake.project / "engine" / "c10" / "cuda"
+    engine.mkdir(parents=True)
+    (engine / "LargeModelSupport.h").write_text("#pragma once\n// LMS engine API\n")
+    (engine / "LargeModelSupport.cpp").write_text('#include "LargeModelSupport.h"\n')
+    (engine / "__pycache__").mkdir()
+    (engine / "__pycache__" / "junk.pyc").write_bytes(b"\0")
+    integ = fake.project / "integration" / FAKE_TAG
+    integ.mkdir(parents=True)
+    (integ / "0001-c10-cuda-add-engine.engine").write_text(ENGINE_HEADER)
+    dev = fake.checkout(tmp_path / "dev")
+    commit_edit(
+        git.Repo(dev), "c10/core/StorageImpl.h", "// StorageImpl line 20\n",
+        "// StorageImpl line 20\n// LMS: page in on data access\n",
+        "c10/core: storage access hook", "2025-02-03T10:05:00+00:00",
+    )  # fmt: skip
+    export_series(dev, FAKE_TAG, tmp_path / "dev-out")
+    shutil.copy(
+        series_files(tmp_path / "dev-out")[0], integ / "0002-c10-core-storage-access-hook.patch"
+    )
+    (integ / "series").write_text(
+        "# the LMS series\n0001-c10-cuda-add-engine.engine\n"
+        "0002-c10-core-storage-access-hook.patch  # hook\n"
+    )
+
+
+def test_generate_is_deterministic(fake: Fake, tmp_path: Path) -> None:
+    setup_integration(fake, tmp_path)
+    sources = Sources(fake.matrix, fake.spec, fake.project)
+    out = fake.project / "patches" / FAKE_TAG
+    first = generate(sources, fake.tag, out)
+    assert first.written == [
+        "0001-c10-cuda-add-the-Large-Model-Support-engine.patch",
+        "0002-c10-core-storage-access-hook.patch",
+    ]
+    engine_patch = (out / first.written[0]).read_text()
+    assert "From: PyTorch LMS <lms@example.org>" in engine_patch
+    assert "Date: Mon, 3 Feb 2025 10:00:00 +0000" in engine_patch
+    assert "Upstream-Status: Inappropriate [LMS feature]" in engine_patch
+    assert "create mode 100644 c10/cuda/LargeModelSupport.h" in engine_patch
+    assert "junk.pyc" not in engine_patch
+    snapshot = {p.name: p.read_bytes() for p in series_files(out)}
+    second = generate(sources, fake.tag, out)
+    assert second.written == [] and len(second.unchanged) == 2
+    assert {p.name: p.read_bytes() for p in series_files(out)} == snapshot
+    # the CLI with a fresh cache gives the same bytes
+    other = tmp_path / "cli-out"
+    proc = run_cli(
+        "--repo", str(fake.project), "patches", FAKE_TAG, "--to", str(other), "--sources",
+        str(fake.sources), cache=tmp_path / "cache-cli",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert {p.name: p.read_bytes() for p in series_files(other)} == snapshot
+    # and the generated series applies with plain git am and verifies
+    report = verify_tag(sources, fake.tag)
+    assert report.ok, report.problems
+
+
+def test_verify_detects_stale_missing_extra(fake: Fake, tmp_path: Path) -> None:
+    setup_integration(fake, tmp_path)
+    sources = Sources(fake.matrix, fake.spec, fake.project)
+    committed = fake.project / "patches" / FAKE_TAG
+    generate(sources, fake.tag, committed)
+    engine_h = fake.project / "engine" / "c10" / "cuda" / "LargeModelSupport.h"
+    engine_h.write_text(engine_h.read_text() + "// a change not regenerated\n")
+    (committed / "0003-left-over.patch").write_text((committed.iterdir().__next__()).read_text())
+    report = verify_tag(sources, fake.tag)
+    assert not report.ok
+    text = "\n".join(report.problems)
+    assert "stale: " in text and "0001-c10-cuda-add-the-Large-Model-Support-engine.patch" in text
+    assert "extra: " in text and "0003-left-over.patch" in text
+    assert f"run `make patches TAG={FAKE_TAG}` and commit" in text
+    (committed / "0002-c10-core-storage-access-hook.patch").unlink()
+    proc = run_cli(
+        "--repo", str(fake.project), "verify", FAKE_TAG, "--sources", str(fake.sources),
+        cache=fake.cache,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "missing: " in proc.stdout and "0002-c10-core-storage-access-hook.patch" in proc.stdout
+    assert "verify failed for v0.1.0" in proc.stdout
+
+
+def test_verify_source_only_and_unavailable(fake: Fake, tmp_path: Path) -> None:
+    args = ("--repo", str(fake.project), "verify", "--sources", str(fake.sources))
+    proc = run_cli(*args, cache=fake.cache)
+    assert proc.returncode == 0, proc.stderr
+    assert "v0.1.0: source only, no series" in proc.stdout
+    assert "v0.0.9: source only, no series" in proc.stdout
+    setup_integration(fake, tmp_path)
+    (fake.sources / "fake_0.1.0.orig.tar.xz").unlink()
+    proc = run_cli(*args, cache=tmp_path / "empty-cache")
+    assert proc.returncode == 2 and "source unavailable" in proc.stderr
+    proc = run_cli(*args, "--skip-unavailable", cache=tmp_path / "empty-cache")
+    assert proc.returncode == 0 and "v0.1.0: SKIPPED, source unavailable" in proc.stdout
+
+
+def test_patches_for_source_only_tag(fake: Fake) -> None:
+    proc = run_cli("--repo", str(fake.project), "patches", "v0.0.9")
+    assert proc.returncode == 0 and "v0.0.9: source only, no series" in proc.stdout
+
+
+def test_engine_file_must_be_new(fake: Fake, tmp_path: Path) -> None:
+    setup_integration(fake, tmp_path)
+    clash = fake.project / "engine" / "c10" / "core" / "StorageImpl.h"
+    clash.parent.mkdir(parents=True)
+    clash.write_text("// would overwrite upstream\n")
+    sources = Sources(fake.matrix, fake.spec, fake.project)
+    out = tmp_path / "out"
+    with pytest.raises(LmsToolError, match="engine file c10/core/StorageImpl\\.h already"):
+        generate(sources, fake.tag, out)
+    assert not out.exists()
+
+
+def test_failing_integration_patch_is_named(fake: Fake, tmp_path: Path) -> None:
+    setup_integration(fake, tmp_path)
+    patch = fake.project / "integration" / FAKE_TAG / "0002-c10-core-storage-access-hook.patch"
+    patch.write_text(patch.read_text().replace(" // StorageImpl line 19", " // not there"))
+    sources = Sources(fake.matrix, fake.spec, fake.project)
+    with pytest.raises(LmsToolError) as exc:
+        generate(sources, fake.tag, tmp_path / "out")
+    msg = str(exc.value)
+    assert "patch 2/2 0002-c10-core-storage-access-hook.patch" in msg
+    assert "failed hunk: c10/core/StorageImpl.h hunk #1: @@ -18,6 +18,7 @@" in msg
+
+
+@pytest.mark.parametrize(
+    ("series", "expected"),
+    [
+        ("0001-a.engine\n0001-a.engine\n", "listed twice"),
+        ("0001 bad name.patch\n", "is not an entry name"),
+        ("0009-absent.patch\n", "does not exist; add it or remove the line"),
+        ("# only comments\n", "lists no entries"),
+        ("0001-a.engine\n", "not listed in"),
+    ],
+)
+def test_bad_series_file(tmp_path: Path, series: str, expected: str) -> None:
+    integ = tmp_path / "integration"
+    integ.mkdir()
+    (integ / "0001-a.engine").write_text(ENGINE_HEADER)
+    if expected == "not listed in":
+        (integ / "0002-b.patch").write_text("x")
+    (integ / "series").write_text(series)
+    with pytest.raises(LmsToolError, match=expected):
+        read_series(integ)

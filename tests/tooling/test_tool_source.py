@@ -1,0 +1,183 @@
+"""Getting a tag's source: tarball import (checksum first, atomic), reuse, mirrors."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import git
+import pytest
+from toolfakes import FAKE_TAG, FAKE_TARBALL, MTIME, Fake, make_tarball, run_cli, write_matrix
+
+from lmstool.config import load_matrix
+from lmstool.errors import LmsToolError
+from lmstool.source import SourceSpec, SourceUnavailable, checkout, pristine_repo
+
+
+def test_checkout_from_tarball(fake: Fake, tmp_path: Path) -> None:
+    tree = fake.checkout(tmp_path / "work" / "tree")
+    repo = git.Repo(tree)
+    assert repo.active_branch.name == f"lms-{FAKE_TAG}"
+    assert repo.head.commit == repo.commit(FAKE_TAG)
+    assert repo.tags[FAKE_TAG].tag is not None  # annotated, like upstream tags
+    assert not repo.is_dirty(untracked_files=True)
+    # top folder stripped, exec bit, symlink, hard link, ignored-but-shipped file all kept
+    assert (tree / "README.md").read_text() == "fake upstream\n"
+    assert os.access(tree / "tools" / "run.sh", os.X_OK)
+    assert not os.access(tree / "README.md", os.X_OK)
+    assert (tree / "link").is_symlink() and os.readlink(tree / "link") == "README.md"
+    assert (tree / "hard.md").read_text() == "fake upstream\n"
+    assert (tree / "docs" / "with space.txt").is_file()
+    assert (tree / "kept.log").is_file()
+    commit = repo.head.commit
+    assert commit.author.name == f"PyTorch {FAKE_TAG} release source"
+    assert commit.committed_date == commit.authored_date == MTIME
+    reader = repo.config_reader("repository")
+    assert reader.get_value("lms", "tag") == FAKE_TAG
+    assert FAKE_TARBALL in reader.get_value("lms", "source")
+    assert reader.get_value("lms", "submodules") is False
+    # nothing but the tree (and the cache) was left next to it
+    assert [p.name for p in (tmp_path / "work").iterdir()] == ["tree"]
+
+
+def test_import_is_reproducible(fake: Fake, tmp_path: Path) -> None:
+    a = pristine_repo(fake.matrix, fake.tag, fake.spec, fake.project)
+    other = SourceSpec(sources=fake.sources, cache=tmp_path / "cache2")
+    b = pristine_repo(fake.matrix, fake.tag, other, fake.project)
+    assert a.path != b.path
+    assert git.Repo(a.path).commit(FAKE_TAG).hexsha == git.Repo(b.path).commit(FAKE_TAG).hexsha
+
+
+def test_second_checkout_uses_cache(fake: Fake, tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    fake.checkout(tmp_path / "one")
+    caplog.set_level("INFO")
+    fake.checkout(tmp_path / "two")
+    assert "using cached import" in caplog.text
+    assert "importing" not in caplog.text
+
+
+def test_wrong_sha256_extracts_nothing(fake: Fake, tmp_path: Path) -> None:
+    write_matrix(fake.project, "0" * 64)
+    matrix = load_matrix(fake.project)
+    dest = tmp_path / "work" / "tree"
+    with pytest.raises(LmsToolError) as exc:
+        checkout(matrix, matrix.get_tag(FAKE_TAG), dest, fake.spec, fake.project)
+    msg = str(exc.value)
+    actual = make_tarball(tmp_path / "again.tar.xz")  # same content, same bytes
+    assert "sha256 mismatch" in msg and str(fake.sources / FAKE_TARBALL) in msg
+    assert f"expected {'0' * 64}" in msg and f"got {actual}" in msg
+    assert not dest.exists() and not dest.parent.exists()
+    assert not fake.cache.exists()
+
+
+def test_wrong_sha256_via_cli(fake: Fake, tmp_path: Path) -> None:
+    write_matrix(fake.project, "1" * 64)
+    dest = tmp_path / "tree"
+    proc = run_cli(
+        "--repo", str(fake.project), "checkout", FAKE_TAG, "--dest", str(dest),
+        "--sources", str(fake.sources), cache=fake.cache,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "lmstool checkout: error: sha256 mismatch" in proc.stderr
+    assert not dest.exists() and not fake.cache.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_corrupt_tarball_leaves_nothing(fake: Fake, tmp_path: Path, damage: str) -> None:
+    tarball = fake.sources / FAKE_TARBALL
+    data = tarball.read_bytes()
+    if damage == "truncate":
+        tarball.write_bytes(data[: len(data) // 2])
+    else:
+        tarball.write_bytes(data[:200] + b"\0garbage" * 50 + data[600:])
+    import hashlib
+
+    write_matrix(fake.project, hashlib.sha256(tarball.read_bytes()).hexdigest())
+    matrix = load_matrix(fake.project)
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(LmsToolError, match="is corrupt or truncated") as exc:
+        checkout(matrix, matrix.get_tag(FAKE_TAG), work / "tree", fake.spec, fake.project)
+    assert str(tarball) in str(exc.value)
+    assert list(work.iterdir()) == []
+    assert not fake.cache.exists() or list(fake.cache.iterdir()) == []
+
+
+def test_missing_tarball_is_unavailable(fake: Fake, tmp_path: Path) -> None:
+    (fake.sources / FAKE_TARBALL).unlink()
+    with pytest.raises(SourceUnavailable, match=f"expected {FAKE_TARBALL}"):
+        fake.checkout(tmp_path / "tree")
+    assert not (tmp_path / "tree").exists()
+
+
+def test_wrong_top_folder(fake: Fake, tmp_path: Path) -> None:
+    sha = make_tarball(fake.sources / FAKE_TARBALL, top="other-top")
+    write_matrix(fake.project, sha)
+    matrix = load_matrix(fake.project)
+    with pytest.raises(LmsToolError, match=re.escape("outside the top folder 'fake-0.1.0'")):
+        checkout(matrix, matrix.get_tag(FAKE_TAG), tmp_path / "tree", fake.spec, fake.project)
+    assert not (tmp_path / "tree").exists()
+
+
+def test_existing_checkout_reused(fake: Fake, fake_tree: Path) -> None:
+    marker = fake_tree / "untracked-build-output.o"
+    marker.write_text("kept")
+    head = git.Repo(fake_tree).head.commit.hexsha
+    assert fake.checkout(fake_tree) == fake_tree
+    assert marker.read_text() == "kept"
+    assert git.Repo(fake_tree).head.commit.hexsha == head
+
+
+def test_existing_dirty_checkout_left_alone(fake: Fake, fake_tree: Path) -> None:
+    (fake_tree / "README.md").write_text("local edit\n")
+    with pytest.raises(LmsToolError, match=r"clean checkout of v0\.1\.0; it was left untouched"):
+        fake.checkout(fake_tree)
+    assert (fake_tree / "README.md").read_text() == "local edit\n"
+
+
+def test_existing_other_directory_left_alone(fake: Fake, tmp_path: Path) -> None:
+    dest = tmp_path / "mine"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("precious")
+    with pytest.raises(LmsToolError, match="move it away or pass another --dest"):
+        fake.checkout(dest)
+    assert [p.name for p in dest.iterdir()] == ["notes.txt"]
+
+
+def test_empty_directory_is_used(fake: Fake, tmp_path: Path) -> None:
+    dest = tmp_path / "empty"
+    dest.mkdir()
+    fake.checkout(dest)
+    assert (dest / "README.md").is_file()
+
+
+def test_checkout_from_mirror(fake: Fake, fake_tree: Path, tmp_path: Path) -> None:
+    mirror = tmp_path / "mirror.git"
+    git.Repo.clone_from(str(fake_tree), mirror, bare=True)
+    dest = tmp_path / "from-mirror"
+    spec = SourceSpec(mirror=mirror, cache=fake.cache)
+    checkout(fake.matrix, fake.tag, dest, spec, fake.project)
+    repo = git.Repo(dest)
+    assert repo.head.commit.hexsha == git.Repo(fake_tree).commit(FAKE_TAG).hexsha
+    assert repo.config_reader("repository").get_value("lms", "source") == f"mirror {mirror}"
+    missing = SourceSpec(mirror=tmp_path / "nope", cache=fake.cache)
+    with pytest.raises(SourceUnavailable, match="is not a git repository"):
+        checkout(fake.matrix, fake.tag, tmp_path / "x", missing, fake.project)
+
+
+def test_checkout_from_remote_url(fake: Fake, fake_tree: Path, tmp_path: Path) -> None:
+    remote = tmp_path / "remote.git"
+    git.Repo.clone_from(str(fake_tree), remote, bare=True)
+    dest = tmp_path / "from-remote"
+    spec = SourceSpec(remote=f"file://{remote}", cache=fake.cache)
+    checkout(fake.matrix, fake.tag, dest, spec, fake.project)
+    repo = git.Repo(dest)
+    assert repo.head.commit.hexsha == git.Repo(fake_tree).commit(FAKE_TAG).hexsha
+    assert repo.active_branch.name == f"lms-{FAKE_TAG}"
+    bad = SourceSpec(remote=f"file://{tmp_path}/absent.git", cache=fake.cache)
+    with pytest.raises(SourceUnavailable, match=re.escape("cannot clone v0.1.0")):
+        checkout(fake.matrix, fake.tag, tmp_path / "y", bad, fake.project)
+    assert not (tmp_path / "y").exists()
+    shutil.rmtree(dest)
