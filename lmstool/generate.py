@@ -4,9 +4,11 @@
 
 * ``NNNN-topic.patch``: an mbox patch in that folder (From:, Date:, Subject:, a body saying
   what and why, ``Upstream-Status:``), against the tree after the previous entries;
-* ``NNNN-topic.engine``: the same header and body with no diff. Its diff is generated: every
-  file under ``engine/`` is copied to the same relative path in the tree (they must be new
-  files there) and committed with that header's author, date and message.
+* ``NNNN-topic.engine PATH...``: the same header and body with no diff. Its diff is generated:
+  the files under ``engine/PATH`` (a file or a folder, relative to ``engine/``) are copied to
+  the same relative path in the tree (they must be new files there) and committed with that
+  header's author, date and message. Every engine file belongs to exactly one such entry, so
+  each topic (the c10 engine, operator pinning, the Python API) stays one patch.
 
 Generation clones the pristine tag, makes one commit per entry, and writes the commits with
 the same stable ``git format-patch`` options as ``lmstool export``. Two runs from the same
@@ -59,6 +61,7 @@ class Entry:
     path: Path
     kind: str  # "patch" or "engine"
     line: int
+    engine_paths: tuple[str, ...] = ()  # for "engine" entries: what they carry
 
 
 def series_path(repo: Path, tag: TagConfig) -> Path:
@@ -75,9 +78,10 @@ def read_series(integration_dir: Path) -> list[Entry]:
     entries: list[Entry] = []
     seen: set[str] = set()
     for lineno, raw in enumerate(series.read_text(encoding="utf-8").splitlines(), 1):
-        name = raw.split("#", 1)[0].strip()
-        if not name:
+        fields = raw.split("#", 1)[0].split()
+        if not fields:
             continue
+        name, paths = fields[0], tuple(p.strip("/") for p in fields[1:])
         where = f"{series}:{lineno}"
         if not _ENTRY_RE.match(name):
             raise LmsToolError(
@@ -90,7 +94,17 @@ def read_series(integration_dir: Path) -> list[Entry]:
         path = integration_dir / name
         if not path.is_file():
             raise LmsToolError(f"{where}: {path} does not exist; add it or remove the line")
-        entries.append(Entry(path, name.rsplit(".", 1)[1], lineno))
+        kind = name.rsplit(".", 1)[1]
+        if kind == "engine" and not paths:
+            raise LmsToolError(
+                f"{where}: an .engine entry names the engine/ paths it carries, e.g. "
+                f"'{name} c10/cuda'"
+            )
+        if kind == "patch" and paths:
+            raise LmsToolError(
+                f"{where}: only .engine entries take paths; remove {' '.join(paths)}"
+            )
+        entries.append(Entry(path, kind, lineno, paths))
     if not entries:
         raise LmsToolError(f"{series} lists no entries; list the series' patches in order")
     unlisted = sorted(
@@ -151,6 +165,26 @@ def _mailinfo(work: Path, entry: Entry) -> tuple[dict[str, str], str, bytes]:
     return info, message, diff
 
 
+def _carries(entry: Entry, rel: Path) -> bool:
+    text = rel.as_posix()
+    return any(text == p or text.startswith(p + "/") for p in entry.engine_paths)
+
+
+def check_engine_coverage(entries: Sequence[Entry], engine_dir: Path) -> None:
+    """Every engine file belongs to exactly one ``.engine`` entry."""
+    engine_entries = [e for e in entries if e.kind == "engine"]
+    if not engine_entries:
+        return
+    for rel in engine_files(engine_dir):
+        owners = [e.path.name for e in engine_entries if _carries(e, rel)]
+        if len(owners) != 1:
+            where = "no .engine entry" if not owners else f"several entries ({', '.join(owners)})"
+            raise LmsToolError(
+                f"engine file {rel} is carried by {where} of the series; give each engine file "
+                f"exactly one .engine entry (paths after the entry name in the series file)"
+            )
+
+
 def _commit_engine(repo: git.Repo, entry: Entry, engine_dir: Path) -> None:
     work = Path(repo.working_tree_dir or ".")
     info, message, diff = _mailinfo(work, entry)
@@ -159,9 +193,12 @@ def _commit_engine(repo: git.Repo, entry: Entry, engine_dir: Path) -> None:
             f"{entry.path}: an .engine entry is a header only, but it has a diff; move the diff "
             f"to a .patch entry"
         )
-    files = engine_files(engine_dir)
+    files = [rel for rel in engine_files(engine_dir) if _carries(entry, rel)]
     if not files:
-        raise LmsToolError(f"{engine_dir} has no files; nothing to put in {entry.path.name}")
+        raise LmsToolError(
+            f"engine/{' engine/'.join(entry.engine_paths)} has no files; nothing to put in "
+            f"{entry.path.name}"
+        )
     for rel in files:
         target = work / rel
         if target.exists() or target.is_symlink():
@@ -188,6 +225,7 @@ def build_series(
     repo: git.Repo, tag: TagConfig, entries: Sequence[Entry], engine_dir: Path
 ) -> None:
     """Commit ``entries`` in order on top of the pristine tag checked out in ``repo``."""
+    check_engine_coverage(entries, engine_dir)
     for i, entry in enumerate(entries):
         log.info("  %s", entry.path.name)
         if entry.kind == "engine":

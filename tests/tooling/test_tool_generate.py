@@ -10,7 +10,7 @@ import pytest
 from toolfakes import FAKE_TAG, Fake, commit_edit, run_cli
 
 from lmstool.errors import LmsToolError
-from lmstool.generate import Sources, generate, read_series, verify_tag
+from lmstool.generate import Sources, check_engine_coverage, generate, read_series, verify_tag
 from lmstool.series import export_series, series_files
 
 ENGINE_HEADER = """\
@@ -47,7 +47,7 @@ def setup_integration(fake: Fake, tmp_path: Path) -> None:
         series_files(tmp_path / "dev-out")[0], integ / "0002-c10-core-storage-access-hook.patch"
     )
     (integ / "series").write_text(
-        "# the LMS series\n0001-c10-cuda-add-engine.engine\n"
+        "# the LMS series\n0001-c10-cuda-add-engine.engine c10\n"
         "0002-c10-core-storage-access-hook.patch  # hook\n"
     )
 
@@ -154,19 +154,47 @@ def test_failing_integration_patch_is_named(fake: Fake, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("series", "expected"),
     [
-        ("0001-a.engine\n0001-a.engine\n", "listed twice"),
+        ("0001-a.engine x\n0001-a.engine x\n", "listed twice"),
+        ("0001-a.engine\n", "names the engine/ paths it carries"),
+        ("0001-a.engine x\n0002-b.patch y\n", "only .engine entries take paths"),
         ("0001 bad name.patch\n", "is not an entry name"),
         ("0009-absent.patch\n", "does not exist; add it or remove the line"),
         ("# only comments\n", "lists no entries"),
-        ("0001-a.engine\n", "not listed in"),
+        ("0001-a.engine x\n", "not listed in"),
     ],
 )
 def test_bad_series_file(tmp_path: Path, series: str, expected: str) -> None:
     integ = tmp_path / "integration"
     integ.mkdir()
     (integ / "0001-a.engine").write_text(ENGINE_HEADER)
-    if expected == "not listed in":
+    if expected in ("not listed in", "only .engine entries take paths"):
         (integ / "0002-b.patch").write_text("x")
     (integ / "series").write_text(series)
     with pytest.raises(LmsToolError, match=expected):
         read_series(integ)
+
+
+@pytest.mark.parametrize(
+    ("series", "expected"),
+    [
+        ("0001-a.engine c10\n", "is carried by no .engine entry"),
+        ("0001-a.engine c10 torch\n0002-b.engine torch/cuda\n", "several entries"),
+    ],
+)
+def test_engine_files_belong_to_exactly_one_entry(
+    tmp_path: Path, series: str, expected: str
+) -> None:
+    engine = tmp_path / "engine"
+    (engine / "c10" / "cuda").mkdir(parents=True)
+    (engine / "c10" / "cuda" / "X.cpp").write_text("//\n")
+    (engine / "torch" / "cuda").mkdir(parents=True)
+    (engine / "torch" / "cuda" / "lms.py").write_text("#\n")
+    integ = tmp_path / "integration"
+    integ.mkdir()
+    for name in ("0001-a.engine", "0002-b.engine"):
+        (integ / name).write_text(ENGINE_HEADER)
+    if "0002-b.engine" not in series:
+        (integ / "0002-b.engine").unlink()
+    (integ / "series").write_text(series)
+    with pytest.raises(LmsToolError, match=expected):
+        check_engine_coverage(read_series(integ), engine)

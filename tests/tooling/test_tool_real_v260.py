@@ -152,7 +152,7 @@ def test_real_generate_and_verify(pristine: Pristine, series: Path, tmp_path: Pa
     (integ / "0001-engine.engine").write_text(ENGINE_HEADER)
     hook = series_files(series)[0]
     shutil.copy(hook, integ / "0002-hook.patch")
-    (integ / "series").write_text("0001-engine.engine\n0002-hook.patch\n")
+    (integ / "series").write_text("0001-engine.engine c10/cuda\n0002-hook.patch\n")
     matrix = load_matrix(project)
     spec = SourceSpec(sources=SOURCES, cache=Path(pristine.path).parent)
     sources = Sources(matrix, spec, project)
