@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "lmstool.commands.generate",
     "lmstool.commands.build",
     "lmstool.commands.conda",
+    "lmstool.commands.torchcheck",
 )
 
 

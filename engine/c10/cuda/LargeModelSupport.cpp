@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/LargeModelSupportHostPool.h>
 #include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
 #include <c10/util/irange.h>
 
 #include <algorithm>
@@ -90,6 +91,11 @@ struct Record {
   bool busy = false; // a copy is being set up outside the engine lock
   bool prefetched = false;
   bool graph_owned = false; // used during CUDA graph capture: never paged
+  // The storage whose DataPtr carries this record, as last seen by pin() or
+  // access(). Weak, so it never keeps a dead storage alive; page-out uses it
+  // to take the stale address out of the DataPtr.
+  c10::weak_intrusive_ptr<c10::StorageImpl> owner{
+      c10::intrusive_ptr<c10::StorageImpl>()};
   // Intrusive list links (reclaim list or paged-out list).
   Record* prev = nullptr;
   Record* next = nullptr;
@@ -231,6 +237,8 @@ DeviceMemoryBackend& backend() {
 
 void deleteRecord(void* ctx);
 
+using StorageRef = c10::intrusive_ptr<c10::StorageImpl>;
+
 Record* recordOf(const c10::DataPtr& dp) {
   if (dp.get_deleter() != &deleteRecord) {
     return nullptr;
@@ -355,19 +363,44 @@ size_t limitOf(DeviceEngine& e) {
   return e.default_limit;
 }
 
-void enqueuePageOut(DeviceEngine& e, Record& r, const HostBuffer& host);
+void enqueuePageOut(
+    DeviceEngine& e,
+    Record& r,
+    const HostBuffer& host,
+    StorageRef& keep_alive);
+
+// A paged-out storage must not keep pointing at memory the allocator may
+// already have handed to someone else: code that reads the address without
+// going through LMS (no StorageImpl hook in a stock build, or an operator
+// whose pin failed) then sees a null pointer instead of someone else's data.
+// The storage reference comes back in `keep_alive`: if it is the last one,
+// the storage must die only after the record is no longer busy.
+void forgetAddress(Record& r, StorageRef& keep_alive) {
+  keep_alive = r.owner.lock();
+  if (!keep_alive) {
+    return; // dying: its deleter is waiting for this page-out to finish
+  }
+  c10::StorageImpl* storage = keep_alive.get();
+  c10::DataPtr& dp = storage->_mutable_data_ptr_no_checks();
+  if (dp.get_context() != &r || dp.get_deleter() != &deleteRecord) {
+    return; // the DataPtr has moved to another storage
+  }
+  const c10::Device device = dp.device();
+  void* ctx = dp.release_context();
+  dp = c10::DataPtr(nullptr, ctx, &deleteRecord, device);
+}
 
 // Copies a victim's contents to pinned host memory and returns its device
 // memory to the allocator. The victim is busy and on no list; the engine lock
 // is not held. Returns false when no pinned host memory could be had.
-bool pageOut(DeviceEngine& e, Record& r) {
+bool pageOut(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
   DeviceScope guard(e.device);
   HostBuffer host = hostPool().allocate(r.size);
   if (host.ptr == nullptr) {
     return false;
   }
   try {
-    enqueuePageOut(e, r, host);
+    enqueuePageOut(e, r, host, keep_alive);
   } catch (...) {
     // Nothing was freed: the storage stays resident. Let any copy that did
     // start finish before the buffer can be handed out again.
@@ -379,7 +412,11 @@ bool pageOut(DeviceEngine& e, Record& r) {
   return true;
 }
 
-void enqueuePageOut(DeviceEngine& e, Record& r, const HostBuffer& host) {
+void enqueuePageOut(
+    DeviceEngine& e,
+    Record& r,
+    const HostBuffer& host,
+    StorageRef& keep_alive) {
   const cudaStream_t copy = e.copyStream();
   // Order the copy after all work already queued on every stream that used
   // the memory. One event serves all waits: cudaStreamWaitEvent captures the
@@ -419,6 +456,7 @@ void enqueuePageOut(DeviceEngine& e, Record& r, const HostBuffer& host) {
     e.events.put(r.device_ready);
     r.device_ready = nullptr;
   }
+  forgetAddress(r, keep_alive);
   r.device_ptr = nullptr;
   r.host = host;
   r.host_ready = done;
@@ -432,6 +470,8 @@ size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
   bool counted = false;
   const size_t threshold = g_size_threshold.load();
   while (freed < bytes) {
+    // Destroyed last in each round, after the victim is no longer busy.
+    StorageRef keep_alive;
     Record* victim = nullptr;
     {
       std::lock_guard<std::mutex> lock(e.mutex);
@@ -466,7 +506,7 @@ size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
     }
     bool ok = false;
     try {
-      ok = pageOut(e, *victim);
+      ok = pageOut(e, *victim, keep_alive);
     } catch (...) {
       std::lock_guard<std::mutex> lock(e.mutex);
       victim->busy = false;
@@ -721,6 +761,14 @@ void enter(DeviceEngine& e, Record& r, State state) {
   }
 }
 
+void rememberOwner(Record& r, c10::StorageImpl& storage) {
+  if (r.owner._unsafe_get_target() != &storage) {
+    r.owner = c10::weak_intrusive_ptr<c10::StorageImpl>(
+        c10::intrusive_ptr<c10::StorageImpl>::unsafe_reclaim_from_nonowning(
+            &storage));
+  }
+}
+
 // Orders `stream` after the copy that last paged `r` in, which may have run on
 // another stream (prefetch, or a page-in for another thread's operator).
 // Called with the engine lock held.
@@ -803,6 +851,7 @@ void makeResident(
     e.settled.notify_all();
   }
   waitUntilResident(e, r, stream);
+  rememberOwner(r, storage);
   if (target == State::Allocated && isCapturing(stream)) {
     // Raw access during capture (a kernel launched outside the dispatcher):
     // the graph bakes in this address.
@@ -838,8 +887,17 @@ void deleteRecord(void* ctx) {
     e.events.put(r->device_ready);
   }
   if (r->device_ptr != nullptr) {
-    // Like any tensor's memory: reuse is ordered on its allocation stream,
-    // which the allocator knows even for adopted storages.
+    // Reuse is ordered on the allocation stream, which the allocator knows
+    // even for adopted storages. Other streams that used the memory since
+    // LMS last moved it are unknown to the allocator: order after them too.
+    if (!r->users.empty()) {
+      cudaEvent_t used = e.events.get(/*timing=*/false);
+      for (cudaStream_t s : r->users) {
+        C10_CUDA_CHECK_WARN(cudaEventRecord(used, s));
+        C10_CUDA_CHECK_WARN(cudaStreamWaitEvent(r->stream, used, 0));
+      }
+      e.events.put(used);
+    }
     backend().free(r->device_ptr);
   }
   if (r->host.ptr != nullptr) {
@@ -876,6 +934,7 @@ Record* adopt(c10::StorageImpl& storage) {
   // The backend's deleter is dropped: the record frees the memory now.
   (void)dp.release_context();
   dp = c10::DataPtr(r->device_ptr, r, &deleteRecord, dp.device());
+  rememberOwner(*r, storage);
   std::lock_guard<std::mutex> lock(e.mutex);
   add(e.stats.managed_bytes, sz(*r));
   return r;
@@ -1130,6 +1189,13 @@ bool isManaged(const c10::DataPtr& data_ptr) {
 size_t reclaimInactive(c10::DeviceIndex device) {
   return reclaim(
       engineFor(device), std::numeric_limits<size_t>::max(), Trigger::Explicit);
+}
+
+size_t reclaimBytes(c10::DeviceIndex device, size_t bytes) {
+  if (!isEnabled() || g_backend.load() == nullptr || bytes == 0) {
+    return 0;
+  }
+  return reclaim(engineFor(device), bytes, Trigger::Limit);
 }
 
 size_t ensureHeadroom(c10::DeviceIndex device, size_t incoming_bytes) {

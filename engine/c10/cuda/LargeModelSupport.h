@@ -126,6 +126,12 @@ C10_CUDA_API bool isManaged(const c10::DataPtr& data_ptr);
 // Pages out every inactive storage of `device` now; returns the bytes freed.
 C10_CUDA_API size_t reclaimInactive(c10::DeviceIndex device);
 
+// Pages out least-recently-used inactive storages of `device` totalling at
+// least `bytes` (fewer if not enough are inactive); returns the bytes freed.
+// Counted as a limit-triggered reclaim: for allocators that enforce a limit of
+// their own (e.g. a memory-fraction cap) outside the allocation path.
+C10_CUDA_API size_t reclaimBytes(c10::DeviceIndex device, size_t bytes);
+
 // Pages out least-recently-used inactive storages of `device` until an
 // allocation of `incoming_bytes` would stay under the limit (and under the
 // speculative mark, if set); returns the bytes freed. The allocation path

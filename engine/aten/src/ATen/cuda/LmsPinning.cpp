@@ -1,0 +1,240 @@
+// Large Model Support is CUDA-only; ROCm builds, which compile a hipified
+// copy of this file, leave it out.
+#ifndef USE_ROCM
+
+#include <ATen/cuda/LmsPinning.h>
+
+#include <ATen/SparseCsrTensorImpl.h>
+#include <ATen/SparseTensorImpl.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/record_function.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/cuda/LargeModelSupport.h>
+#include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <algorithm>
+#include <exception>
+#include <memory>
+#include <mutex>
+
+namespace at::cuda::lms {
+
+namespace {
+
+namespace engine = c10::cuda::lms;
+
+// Depth of FUNCTION-scope records on this thread. Only the outermost one
+// pins: see LmsPinning.h for why nested operators need no pins of their own.
+thread_local int t_depth = 0;
+
+// One storage pinned by an operator. The inputs the callback sees are
+// destroyed right after the start callbacks run, so the storage is kept alive
+// here until the end callback unpins it. `context` identifies the LMS
+// allocation that was pinned: if the operator replaces the storage's memory
+// (resize_ of an out= argument, set_), the pinned allocation is gone with the
+// old DataPtr and the new one must not be unpinned.
+struct PinnedStorage {
+  c10::intrusive_ptr<c10::StorageImpl> storage;
+  void* context;
+};
+
+struct PinnedStorages final : at::ObserverContext {
+  c10::SmallVector<PinnedStorage, 8> pinned;
+};
+
+using StorageList = c10::SmallVector<c10::StorageImpl*, 16>;
+
+void collectTensor(const at::Tensor& tensor, StorageList& out) {
+  if (!tensor.defined()) {
+    return;
+  }
+  c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  // Sparse tensors have no storage of their own; their index and value
+  // tensors do. Read through the impls: calling operators here would
+  // re-enter the dispatcher from inside a RecordFunction callback.
+  switch (tensor.layout()) {
+    case c10::kSparse: {
+      auto* sparse = static_cast<at::SparseTensorImpl*>(impl);
+      collectTensor(sparse->indices(), out);
+      collectTensor(sparse->values(), out);
+      return;
+    }
+    case c10::kSparseCsr:
+    case c10::kSparseCsc:
+    case c10::kSparseBsr:
+    case c10::kSparseBsc: {
+      auto* compressed = static_cast<at::SparseCsrTensorImpl*>(impl);
+      collectTensor(compressed->compressed_indices(), out);
+      collectTensor(compressed->plain_indices(), out);
+      collectTensor(compressed->values(), out);
+      return;
+    }
+    default:
+      break;
+  }
+  // unsafe_storage(): storage() throws for tensors without accessible
+  // storage (functional and fake tensors, wrapper subclasses).
+  c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+  if (storage != nullptr && storage->device_type() == c10::DeviceType::CUDA) {
+    out.push_back(storage);
+  }
+}
+
+// Finds the storages of every tensor among an operator's inputs: tensors,
+// optional tensors (None or a tensor), and lists, tuples and dicts of them,
+// recursively. Script objects are not searched: a module's attributes are
+// not operator inputs, and pinning a whole model per operator would defeat
+// LMS. (In a patched build, raw data access pages such storages in.)
+void collect(const c10::IValue& value, StorageList& out) {
+  if (value.isTensor()) {
+    collectTensor(value.toTensor(), out);
+  } else if (value.isList()) {
+    for (const c10::IValue& element : value.toListRef()) {
+      collect(element, out);
+    }
+  } else if (value.isTuple()) {
+    for (const c10::IValue& element : value.toTupleRef().elements()) {
+      collect(element, out);
+    }
+  } else if (value.isGenericDict()) {
+    for (const auto& item : value.toGenericDict()) {
+      collect(item.key(), out);
+      collect(item.value(), out);
+    }
+  }
+}
+
+void unpinAll(c10::SmallVector<PinnedStorage, 8>& pinned) {
+  for (PinnedStorage& entry : pinned) {
+    c10::StorageImpl& storage = *entry.storage;
+    try {
+      // The operator may have replaced the storage's memory (see
+      // PinnedStorage), or raw access may have released the pin's allocation
+      // already; only the allocation that was pinned is unpinned.
+      if (storage._mutable_data_ptr_no_checks().get_context() ==
+              entry.context &&
+          engine::getState(storage) == engine::StorageState::Active) {
+        engine::unpin(storage);
+      }
+    } catch (const std::exception& e) {
+      // Keep unpinning the others: a storage left pinned is never reclaimed,
+      // which wastes memory but loses nothing.
+      TORCH_WARN(
+          "Large Model Support: could not unpin an operator input of ",
+          storage.nbytes(),
+          " bytes; it stays resident. ",
+          e.what());
+    }
+  }
+  pinned.clear();
+}
+
+std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
+  // Counted before anything can throw: the end callback runs (and
+  // decrements) whenever the start callback ran, even if it threw.
+  if (t_depth++ > 0) {
+    return nullptr;
+  }
+  StorageList storages;
+  for (const c10::IValue& input : fn.inputs()) {
+    collect(input, storages);
+  }
+  if (storages.empty()) {
+    return nullptr;
+  }
+  // Views, in-place arguments and repeated inputs share storages: pin each
+  // storage once.
+  std::sort(storages.begin(), storages.end());
+  storages.erase(std::unique(storages.begin(), storages.end()), storages.end());
+
+  auto context = std::make_unique<PinnedStorages>();
+  context->pinned.reserve(storages.size());
+  try {
+    for (c10::StorageImpl* storage : storages) {
+      engine::pin(*storage);
+      // pin() ignores storages LMS does not manage (small, allocated with LMS
+      // off, not adoptable); those need no unpin.
+      const c10::DataPtr& data_ptr = storage->_mutable_data_ptr_no_checks();
+      if (engine::isManaged(data_ptr)) {
+        context->pinned.push_back(PinnedStorage{
+            c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage),
+            data_ptr.get_context()});
+      }
+    }
+  } catch (...) {
+    // The working set of this operator does not fit (LMS out of memory) or a
+    // copy failed. Release what was pinned so it can be reclaimed, then
+    // report. RecordFunction logs exceptions from callbacks and goes on with
+    // the operator; the storage that could not be pinned is still armed, so
+    // the operator's raw data access pages it in (patched builds) and raises
+    // the out-of-memory error to the caller if it still cannot fit.
+    unpinAll(context->pinned);
+    throw;
+  }
+  if (context->pinned.empty()) {
+    return nullptr;
+  }
+  return context;
+}
+
+void unpinInputs(const at::RecordFunction& fn, at::ObserverContext* context) {
+  (void)fn;
+  if (t_depth > 0) {
+    --t_depth;
+  }
+  if (context != nullptr) {
+    unpinAll(static_cast<PinnedStorages*>(context)->pinned);
+  }
+}
+
+std::mutex& handleMutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+
+// Guarded by handleMutex().
+at::CallbackHandle g_handle = at::INVALID_CALLBACK_HANDLE;
+
+// Installs the observer when libtorch_cuda (or the extension) is loaded, so
+// pinning follows LMS however it is enabled: torch.cuda.set_enabled_lms() or
+// PYTORCH_CUDA_ALLOC_CONF=lms:True.
+const bool g_registered = [] {
+  registerOperatorPinning();
+  return true;
+}();
+
+} // namespace
+
+void registerOperatorPinning() {
+  engine::setEnabledObserver(&setOperatorPinning);
+}
+
+void setOperatorPinning(bool enabled) {
+  std::lock_guard<std::mutex> lock(handleMutex());
+  if (enabled && g_handle == at::INVALID_CALLBACK_HANDLE) {
+    // BACKWARD_FUNCTION records wrap whole autograd nodes; the operators a
+    // node runs are FUNCTION records of their own and pin their inputs
+    // (saved activations) themselves, so only FUNCTION scope is observed.
+    g_handle = at::addGlobalCallback(
+        at::RecordFunctionCallback(&pinInputs, &unpinInputs)
+            .needsInputs(true)
+            .scopes({at::RecordScope::FUNCTION}));
+  } else if (!enabled && g_handle != at::INVALID_CALLBACK_HANDLE) {
+    // Records already started keep their own copy of the callbacks, so
+    // every pin taken so far is still matched by an unpin.
+    at::removeCallback(g_handle);
+    g_handle = at::INVALID_CALLBACK_HANDLE;
+  }
+}
+
+bool isOperatorPinningActive() {
+  std::lock_guard<std::mutex> lock(handleMutex());
+  return g_handle != at::INVALID_CALLBACK_HANDLE;
+}
+
+} // namespace at::cuda::lms
+
+#endif // USE_ROCM

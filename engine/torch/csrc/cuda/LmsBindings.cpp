@@ -1,0 +1,206 @@
+// Large Model Support is CUDA-only; ROCm builds, which compile a hipified
+// copy of this file, leave it out.
+#ifndef USE_ROCM
+
+#include <torch/csrc/cuda/LmsBindings.h>
+
+#include <c10/core/StorageImpl.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/device_lazy_init.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+namespace torch::cuda::lms {
+
+namespace {
+
+namespace py = pybind11;
+namespace engine = c10::cuda::lms;
+
+// The Python layer (torch/cuda/lms.py) validates arguments with friendlier
+// messages; these checks keep direct callers of the bindings from reaching
+// the engine with out-of-range values.
+c10::DeviceIndex checkedDevice(int64_t device) {
+  const int64_t count = c10::cuda::device_count();
+  TORCH_CHECK_VALUE(
+      device >= 0 && device < count,
+      "Large Model Support: invalid CUDA device index ",
+      device,
+      " (",
+      count,
+      " CUDA device(s) visible)");
+  return static_cast<c10::DeviceIndex>(device);
+}
+
+size_t checkedBytes(int64_t bytes, const char* what) {
+  TORCH_CHECK_VALUE(
+      bytes >= 0,
+      "Large Model Support: ",
+      what,
+      " must be a non-negative number of bytes, got ",
+      bytes);
+  return static_cast<size_t>(bytes);
+}
+
+int64_t asInt(size_t bytes) {
+  return static_cast<int64_t>(bytes);
+}
+
+py::dict gaugeToDict(const engine::LmsStat& stat) {
+  py::dict dict;
+  dict["current"] = stat.current;
+  dict["peak"] = stat.peak;
+  return dict;
+}
+
+c10::StorageImpl& storageOf(const at::Tensor& tensor, const char* function) {
+  TORCH_CHECK_VALUE(tensor.defined(), function, ": expected a defined tensor");
+  TORCH_CHECK_VALUE(
+      tensor.has_storage(),
+      function,
+      ": the tensor has no storage (sparse, nested or a tensor subclass "
+      "without data)");
+  return *tensor.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+}
+
+void setEnabled(bool enabled) {
+  engine::setEnabled(enabled);
+}
+
+bool getEnabled() {
+  return engine::isEnabled();
+}
+
+void setLimit(int64_t device, int64_t bytes) {
+  engine::setLimit(checkedDevice(device), checkedBytes(bytes, "the limit"));
+}
+
+int64_t getLimit(int64_t device) {
+  const c10::DeviceIndex index = checkedDevice(device);
+  // Until set, the limit is measured from the device's memory, which needs
+  // the caching allocator (the engine's backend) to be initialized.
+  torch::utils::device_lazy_init(at::kCUDA);
+  return asInt(engine::getLimit(index));
+}
+
+void setSize(int64_t bytes) {
+  engine::setSizeThreshold(checkedBytes(bytes, "the size threshold"));
+}
+
+int64_t getSize() {
+  return asInt(engine::getSizeThreshold());
+}
+
+void setPrefetch(int64_t depth) {
+  TORCH_CHECK_VALUE(
+      depth >= 0 && depth <= std::numeric_limits<int>::max(),
+      "Large Model Support: the prefetch depth must be between 0 and ",
+      std::numeric_limits<int>::max(),
+      ", got ",
+      depth);
+  engine::setPrefetchDepth(static_cast<int>(depth));
+}
+
+int64_t getPrefetch() {
+  return engine::getPrefetchDepth();
+}
+
+void setSpeculative(int64_t bytes) {
+  engine::setSpeculativeMargin(
+      checkedBytes(bytes, "the speculative page-out margin"));
+}
+
+int64_t getSpeculative() {
+  return asInt(engine::getSpeculativeMargin());
+}
+
+int64_t reclaimInactive(int64_t device) {
+  return asInt(engine::reclaimInactive(checkedDevice(device)));
+}
+
+py::dict stats(int64_t device) {
+  return statsToDict(engine::getStats(checkedDevice(device)));
+}
+
+void resetPeakStats(int64_t device) {
+  engine::resetPeakStats(checkedDevice(device));
+}
+
+void resetAccumulatedStats(int64_t device) {
+  engine::resetAccumulatedStats(checkedDevice(device));
+}
+
+std::string storageState(const at::Tensor& tensor) {
+  return engine::toString(
+      engine::getState(storageOf(tensor, "_cuda_lms_storageState")));
+}
+
+void access(const at::Tensor& tensor) {
+  engine::access(storageOf(tensor, "_cuda_lms_access"));
+}
+
+} // namespace
+
+py::dict statsToDict(const engine::LmsStats& stats) {
+  py::dict dict;
+  dict["pageout_count"] = stats.pageout_count;
+  dict["pageout_bytes"] = stats.pageout_bytes;
+  dict["pagein_count"] = stats.pagein_count;
+  dict["pagein_bytes"] = stats.pagein_bytes;
+  dict["reclaim_limit"] = stats.reclaim_limit;
+  dict["reclaim_speculative"] = stats.reclaim_speculative;
+  dict["reclaim_alloc_failure"] = stats.reclaim_alloc_failure;
+  dict["reclaim_explicit"] = stats.reclaim_explicit;
+  dict["alloc_from_cache"] = stats.alloc_from_cache;
+  dict["alloc_from_device"] = stats.alloc_from_device;
+  dict["alloc_after_reclaim"] = stats.alloc_after_reclaim;
+  dict["prefetch_count"] = stats.prefetch_count;
+  dict["prefetch_hits"] = stats.prefetch_hits;
+  dict["stall_ms"] = stats.stall_ms;
+  dict["oom_count"] = stats.oom_count;
+  dict["limit_bytes"] = asInt(stats.limit_bytes);
+  dict["managed_bytes"] = gaugeToDict(stats.managed_bytes);
+  dict["active_bytes"] = gaugeToDict(stats.active_bytes);
+  dict["inactive_bytes"] = gaugeToDict(stats.inactive_bytes);
+  dict["pagedout_bytes"] = gaugeToDict(stats.pagedout_bytes);
+  dict["host_bytes"] = gaugeToDict(stats.host_bytes);
+  return dict;
+}
+
+void initLmsBindings(PyObject* module) {
+  auto m = py::reinterpret_borrow<py::module_>(module);
+  // wrap_pybind_function: c10 errors become the matching Python exceptions
+  // (ValueError, torch.OutOfMemoryError, ...) and TORCH_WARN a Python
+  // warning. Functions that may wait for copies release the GIL.
+  m.def("_cuda_lms_setEnabled", torch::wrap_pybind_function(&setEnabled));
+  m.def("_cuda_lms_getEnabled", torch::wrap_pybind_function(&getEnabled));
+  m.def("_cuda_lms_setLimit", torch::wrap_pybind_function(&setLimit));
+  m.def("_cuda_lms_getLimit", torch::wrap_pybind_function(&getLimit));
+  m.def("_cuda_lms_setSize", torch::wrap_pybind_function(&setSize));
+  m.def("_cuda_lms_getSize", torch::wrap_pybind_function(&getSize));
+  m.def("_cuda_lms_setPrefetch", torch::wrap_pybind_function(&setPrefetch));
+  m.def("_cuda_lms_getPrefetch", torch::wrap_pybind_function(&getPrefetch));
+  m.def(
+      "_cuda_lms_setSpeculative", torch::wrap_pybind_function(&setSpeculative));
+  m.def(
+      "_cuda_lms_getSpeculative", torch::wrap_pybind_function(&getSpeculative));
+  m.def(
+      "_cuda_lms_reclaimInactive",
+      torch::wrap_pybind_function_no_gil(&reclaimInactive));
+  m.def("_cuda_lms_stats", torch::wrap_pybind_function(&stats));
+  m.def(
+      "_cuda_lms_resetPeakStats", torch::wrap_pybind_function(&resetPeakStats));
+  m.def(
+      "_cuda_lms_resetAccumulatedStats",
+      torch::wrap_pybind_function_no_gil(&resetAccumulatedStats));
+  m.def("_cuda_lms_storageState", torch::wrap_pybind_function(&storageState));
+  m.def("_cuda_lms_access", torch::wrap_pybind_function_no_gil(&access));
+}
+
+} // namespace torch::cuda::lms
+
+#endif // USE_ROCM

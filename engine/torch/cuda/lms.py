@@ -1,0 +1,479 @@
+r"""Large Model Support (LMS) for the CUDA caching allocator.
+
+LMS lets a program use more GPU memory than the device has. Storages that no
+running operator uses are paged out to pinned host memory when an allocation
+would pass the LMS limit (or when the device allocation fails), least recently
+used first, and paged back in when an operator or raw data access needs them.
+Every tensor an operator reads or writes is resident while the operator runs.
+
+Enable LMS before the tensors it should manage are created, with
+:func:`set_enabled_lms` or ``PYTORCH_CUDA_ALLOC_CONF=lms:True`` (further keys:
+``lms_limit_mb``, ``lms_size_mb``, ``lms_prefetch``, ``lms_speculative_mb``).
+
+The functions are available as ``torch.cuda.<name>`` in a PyTorch built with the
+Large Model Support patch series, and from the drop-in extension
+(``import torch_lms``) on a stock PyTorch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import operator
+from collections.abc import Mapping
+from typing import Any, Optional, Union
+
+import torch
+from torch.cuda._utils import _get_device_index
+from torch.types import Device
+
+__all__ = [
+    "get_enabled_lms",
+    "get_limit_lms",
+    "get_prefetch_lms",
+    "get_size_lms",
+    "get_speculative_lms",
+    "lms_stats",
+    "lms_storage_state",
+    "reclaim_inactive",
+    "reset_accumulated_lms_stats",
+    "reset_peak_lms_stats",
+    "set_enabled_lms",
+    "set_limit_lms",
+    "set_prefetch_lms",
+    "set_size_lms",
+    "set_speculative_lms",
+]
+
+_DeviceArg = Optional[Union[Device, int]]
+
+# Keys of the dict that lms_stats() returns (and memory_stats() nests under
+# "lms."): counters, then gauges, each gauge a {"current", "peak"} dict.
+_COUNTER_KEYS = (
+    "pageout_count",
+    "pageout_bytes",
+    "pagein_count",
+    "pagein_bytes",
+    "reclaim_limit",
+    "reclaim_speculative",
+    "reclaim_alloc_failure",
+    "reclaim_explicit",
+    "alloc_from_cache",
+    "alloc_from_device",
+    "alloc_after_reclaim",
+    "prefetch_count",
+    "prefetch_hits",
+    "stall_ms",
+    "oom_count",
+    "limit_bytes",
+)
+_GAUGE_KEYS = (
+    "managed_bytes",
+    "active_bytes",
+    "inactive_bytes",
+    "pagedout_bytes",
+    "host_bytes",
+)
+_STORAGE_STATES = ("unmanaged", "allocated", "active", "inactive", "paged out")
+
+_INT_MAX = 2**31 - 1
+_MISSING_BINDINGS = (
+    "Large Model Support is not available in this PyTorch: build PyTorch with "
+    "the Large Model Support patch series, or `pip install` the drop-in "
+    "extension (package torch_lms) and `import torch_lms` before using it."
+)
+
+
+def _lms_bindings() -> Any:
+    r"""Return the object that implements the ``_cuda_lms_*`` bindings.
+
+    That is ``torch._C`` in a PyTorch built with the Large Model Support patch
+    series, otherwise the drop-in extension's module ``torch_lms._C``.
+
+    Raises:
+        RuntimeError: if neither provides the bindings.
+    """
+    if hasattr(torch._C, "_cuda_lms_setEnabled"):
+        return torch._C
+    try:
+        module = importlib.import_module("torch_lms._C")
+    except ImportError as e:
+        raise RuntimeError(_MISSING_BINDINGS) from e
+    if not hasattr(module, "_cuda_lms_setEnabled"):
+        raise RuntimeError(_MISSING_BINDINGS)
+    return module
+
+
+def _check_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None) -> int:
+    # operator.index accepts Python and NumPy integers but not floats or
+    # strings; bool is an int subclass but never a meaningful size.
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        result = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if result < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {result}")
+    if maximum is not None and result > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {result}")
+    return result
+
+
+def _device(device: _DeviceArg) -> int:
+    return _get_device_index(device, optional=True)
+
+
+def set_enabled_lms(enable: bool) -> None:
+    r"""Enable or disable Large Model Support.
+
+    Only storages allocated while LMS is enabled are ever paged out, so enable
+    it before creating the tensors of the model it should manage. While LMS is
+    disabled, operators pay nothing for it.
+
+    Args:
+        enable (bool): ``True`` to enable LMS, ``False`` to disable it.
+    """
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
+    _lms_bindings()._cuda_lms_setEnabled(enable)
+
+
+def get_enabled_lms() -> bool:
+    r"""Return whether Large Model Support is enabled.
+
+    Returns:
+        bool: ``True`` if LMS manages new allocations.
+    """
+    return bool(_lms_bindings()._cuda_lms_getEnabled())
+
+
+def set_limit_lms(limit_bytes: int, device: _DeviceArg = None) -> None:
+    r"""Set the LMS limit of a device: the GPU memory, in bytes, that tensors may
+    occupy before LMS pages inactive storages out.
+
+    Until it is set, the limit is 95% of the device memory that is free or
+    reserved by the caching allocator at the device's first LMS allocation.
+
+    Args:
+        limit_bytes (int): the limit in bytes; ``0`` restores the default.
+        device (torch.device or int, optional): selected device. Sets the limit
+            of the current device, given by :func:`~torch.cuda.current_device`,
+            if :attr:`device` is ``None`` (default).
+    """
+    limit_bytes = _check_int("limit_bytes", limit_bytes)
+    _lms_bindings()._cuda_lms_setLimit(_device(device), limit_bytes)
+
+
+def get_limit_lms(device: _DeviceArg = None) -> int:
+    r"""Return the LMS limit of a device in bytes (see :func:`set_limit_lms`).
+
+    Args:
+        device (torch.device or int, optional): selected device. Returns the
+            limit of the current device, given by :func:`~torch.cuda.current_device`,
+            if :attr:`device` is ``None`` (default).
+
+    Returns:
+        int: the limit in bytes.
+    """
+    return int(_lms_bindings()._cuda_lms_getLimit(_device(device)))
+
+
+def set_size_lms(size_bytes: int) -> None:
+    r"""Set the size, in bytes, of the smallest storage LMS may page out.
+
+    Smaller storages always stay on the device: paging them costs more in
+    copies than it frees. The default is 1 MiB.
+
+    Args:
+        size_bytes (int): the threshold in bytes.
+    """
+    size_bytes = _check_int("size_bytes", size_bytes)
+    _lms_bindings()._cuda_lms_setSize(size_bytes)
+
+
+def get_size_lms() -> int:
+    r"""Return the size, in bytes, of the smallest storage LMS may page out.
+
+    Returns:
+        int: the threshold in bytes.
+    """
+    return int(_lms_bindings()._cuda_lms_getSize())
+
+
+def set_prefetch_lms(depth: int) -> None:
+    r"""Set how many storages LMS pages in ahead of need.
+
+    When an operator needs a paged-out storage, LMS also starts paging in up to
+    :attr:`depth` storages that were paged out just before it (a backward pass
+    uses activations in the reverse of the order they were paged out), on its
+    copy stream and within the limit.
+
+    Args:
+        depth (int): the number of storages; ``0`` (default) turns prefetch off.
+    """
+    depth = _check_int("depth", depth, maximum=_INT_MAX)
+    _lms_bindings()._cuda_lms_setPrefetch(depth)
+
+
+def get_prefetch_lms() -> int:
+    r"""Return the LMS prefetch depth (see :func:`set_prefetch_lms`).
+
+    Returns:
+        int: the number of storages paged in ahead of need; ``0`` when off.
+    """
+    return int(_lms_bindings()._cuda_lms_getPrefetch())
+
+
+def set_speculative_lms(margin_bytes: int) -> None:
+    r"""Set the LMS speculative page-out margin.
+
+    Once the memory allocated to tensors exceeds ``limit - margin_bytes``, LMS
+    pages inactive storages out down to that mark, so that copies overlap with
+    computation before the limit is reached.
+
+    Args:
+        margin_bytes (int): the margin in bytes; ``0`` (default) turns
+            speculative page-out off.
+    """
+    margin_bytes = _check_int("margin_bytes", margin_bytes)
+    _lms_bindings()._cuda_lms_setSpeculative(margin_bytes)
+
+
+def get_speculative_lms() -> int:
+    r"""Return the LMS speculative page-out margin in bytes (see :func:`set_speculative_lms`).
+
+    Returns:
+        int: the margin in bytes; ``0`` when off.
+    """
+    return int(_lms_bindings()._cuda_lms_getSpeculative())
+
+
+def reclaim_inactive(device: _DeviceArg = None) -> int:
+    r"""Page out every inactive storage of a device now.
+
+    The memory goes back to the caching allocator; call
+    :func:`~torch.cuda.empty_cache` as well to return it to the device.
+
+    Args:
+        device (torch.device or int, optional): selected device. Reclaims on the
+            current device, given by :func:`~torch.cuda.current_device`, if
+            :attr:`device` is ``None`` (default).
+
+    Returns:
+        int: the bytes paged out.
+    """
+    return int(_lms_bindings()._cuda_lms_reclaimInactive(_device(device)))
+
+
+def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
+    r"""Return the Large Model Support statistics of a device.
+
+    The counters are ints except ``stall_ms`` (float):
+
+    - ``pageout_count``, ``pageout_bytes``, ``pagein_count``, ``pagein_bytes``:
+      copies to and from host memory.
+    - ``reclaim_limit``, ``reclaim_speculative``, ``reclaim_alloc_failure``,
+      ``reclaim_explicit``: reclaim rounds, by what triggered them (an
+      allocation would pass the limit, the speculative margin was crossed, the
+      device allocation failed, :func:`reclaim_inactive`).
+    - ``alloc_from_cache``, ``alloc_from_device``, ``alloc_after_reclaim``:
+      where LMS allocations were satisfied from.
+    - ``prefetch_count``, ``prefetch_hits``: storages prefetched, and those an
+      operator then found resident.
+    - ``stall_ms``: time compute streams waited for LMS copies.
+    - ``oom_count``: LMS out-of-memory errors raised.
+    - ``limit_bytes``: the current limit (``0`` before CUDA is initialized).
+
+    The gauges ``managed_bytes``, ``active_bytes``, ``inactive_bytes``,
+    ``pagedout_bytes`` and ``host_bytes`` (pinned host memory LMS holds,
+    process-wide) are dicts ``{"current": int, "peak": int}``.
+
+    With LMS built in, :func:`~torch.cuda.memory_stats` reports the same values
+    under ``"lms."`` keys.
+
+    Args:
+        device (torch.device or int, optional): selected device. Returns
+            statistics for the current device, given by
+            :func:`~torch.cuda.current_device`, if :attr:`device` is ``None``
+            (default).
+
+    Returns:
+        dict: the statistics.
+    """
+    return dict(_lms_bindings()._cuda_lms_stats(_device(device)))
+
+
+def reset_peak_lms_stats(device: _DeviceArg = None) -> None:
+    r"""Reset the ``"peak"`` values of the LMS gauges to their current values.
+
+    With LMS built in, :func:`~torch.cuda.reset_peak_memory_stats` does this too.
+
+    Args:
+        device (torch.device or int, optional): selected device. Resets the
+            current device, given by :func:`~torch.cuda.current_device`, if
+            :attr:`device` is ``None`` (default).
+    """
+    _lms_bindings()._cuda_lms_resetPeakStats(_device(device))
+
+
+def reset_accumulated_lms_stats(device: _DeviceArg = None) -> None:
+    r"""Reset the LMS counters (copies, reclaims, allocations, prefetch, stall time, OOMs).
+
+    With LMS built in, :func:`~torch.cuda.reset_accumulated_memory_stats` does
+    this too.
+
+    Args:
+        device (torch.device or int, optional): selected device. Resets the
+            current device, given by :func:`~torch.cuda.current_device`, if
+            :attr:`device` is ``None`` (default).
+    """
+    _lms_bindings()._cuda_lms_resetAccumulatedStats(_device(device))
+
+
+def lms_storage_state(tensor: torch.Tensor) -> str:
+    r"""Return the LMS state of a tensor's storage.
+
+    Args:
+        tensor (torch.Tensor): a tensor with storage.
+
+    Returns:
+        str: one of ``"unmanaged"`` (LMS does not manage it), ``"allocated"``
+        (resident, not yet used by an operator), ``"active"`` (in use by a
+        running operator), ``"inactive"`` (resident and reclaimable) or
+        ``"paged out"`` (its contents are in host memory).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    return str(_lms_bindings()._cuda_lms_storageState(tensor))
+
+
+def _lms_access(tensor: torch.Tensor) -> None:
+    r"""Make a tensor's storage resident and keep it off the reclaim list, as
+    raw data access does, until an operator uses it again."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    _lms_bindings()._cuda_lms_access(tensor)
+
+
+# ---------------------------------------------------------------------------
+# memory_summary()
+# ---------------------------------------------------------------------------
+
+_WIDTH = 75
+
+
+def _format_size(size: int) -> str:
+    prefixes = ["B  ", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    value = int(size)
+    prefix = prefixes[0]
+    for new_prefix in prefixes[1:]:
+        if abs(value) < 768 * 1024:
+            break
+        prefix = new_prefix
+        value //= 1024
+    return f"{value:6d} {prefix}"
+
+
+def _format_count(count: int) -> str:
+    prefixes = [" ", "K", "M"]
+    value = int(count)
+    prefix = prefixes[0]
+    for new_prefix in prefixes[1:]:
+        if abs(value) < 750 * 1000:
+            break
+        prefix = new_prefix
+        value //= 1000
+    return f"{value:7d} {prefix} "
+
+
+def _flatten_stats(stats: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in stats.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten_stats(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> list[str]:
+    r"""Format the LMS section of :func:`~torch.cuda.memory_summary`.
+
+    Args:
+        stats (dict): statistics, either flat as from
+            :func:`~torch.cuda.memory_stats` (keys ``prefix + "pageout_count"``,
+            ``prefix + "managed_bytes.current"``, ...) or nested as from
+            :func:`lms_stats` (then pass ``prefix=""``).
+        prefix (str, optional): the prefix of the LMS keys (default ``"lms."``).
+
+    Returns:
+        list of str: table rows of the summary's width, without its ``|``
+        borders, with ``{`` and ``}`` doubled for the summary's
+        :meth:`str.format` pass. Empty if :attr:`stats` has no LMS statistics
+        or LMS has never managed a storage on the device.
+    """
+    flat = _flatten_stats(stats)
+    try:
+        counters = {key: flat[prefix + key] for key in _COUNTER_KEYS}
+        gauges = {
+            key: (flat[f"{prefix}{key}.current"], flat[f"{prefix}{key}.peak"])
+            for key in _GAUGE_KEYS
+        }
+    except KeyError:
+        return []
+    if gauges["managed_bytes"][1] == 0 and counters["pageout_count"] == 0:
+        return []
+
+    def row(name: str, first: str, second: str) -> str:
+        return f" {name:<21} | {first} | {second} |".ljust(_WIDTH)
+
+    lines = ["=" * _WIDTH]
+    limit = _format_size(counters["limit_bytes"]).strip()
+    lines.append(f" Large Model Support, limit {limit}".center(_WIDTH))
+    lines.append("-" * _WIDTH)
+    lines.append(row("       Metric", "Cur Usage ", "Peak Usage"))
+    lines.append("-" * _WIDTH)
+    for key, name in (
+        ("managed_bytes", "Managed memory"),
+        ("active_bytes", "Pinned by operators"),
+        ("inactive_bytes", "Reclaimable memory"),
+        ("pagedout_bytes", "Paged out to host"),
+        ("host_bytes", "Pinned host memory"),
+    ):
+        current, peak = gauges[key]
+        lines.append(row(name, _format_size(current), _format_size(peak)))
+    lines.append("-" * _WIDTH)
+    lines.append(row("       Copies", "  Count   ", "   Size   "))
+    lines.append("-" * _WIDTH)
+    lines.append(
+        row(
+            "Paged out",
+            _format_count(counters["pageout_count"]),
+            _format_size(counters["pageout_bytes"]),
+        )
+    )
+    lines.append(
+        row(
+            "Paged in",
+            _format_count(counters["pagein_count"]),
+            _format_size(counters["pagein_bytes"]),
+        )
+    )
+    lines.append("-" * _WIDTH)
+    lines.append(
+        f" Reclaims: {counters['reclaim_limit']} at limit, "
+        f"{counters['reclaim_speculative']} speculative, "
+        f"{counters['reclaim_alloc_failure']} on failed alloc, "
+        f"{counters['reclaim_explicit']} explicit".ljust(_WIDTH)
+    )
+    lines.append(
+        f" Allocations: {counters['alloc_from_cache']} from cache, "
+        f"{counters['alloc_from_device']} from device, "
+        f"{counters['alloc_after_reclaim']} after reclaim".ljust(_WIDTH)
+    )
+    lines.append(
+        f" Prefetched: {counters['prefetch_count']} ({counters['prefetch_hits']} hits) | "
+        f"Stalled: {float(counters['stall_ms']):.1f} ms | "
+        f"LMS OOMs: {counters['oom_count']}".ljust(_WIDTH)
+    )
+    return [line.replace("{", "{{").replace("}", "}}") for line in lines]

@@ -1,0 +1,125 @@
+"""Build torch_lms: Large Model Support for an installed stock PyTorch wheel.
+
+    pip install --no-build-isolation --no-deps -e extension     # or
+    cd extension && python setup.py build_ext --inplace
+
+Needs the CUDA build of torch this extension will run with (headers come with
+the wheel), the CUDA runtime headers and libcudart (CUDA_HOME, default
+/usr/local/cuda) and a C++ compiler. No nvcc and no network access are needed.
+
+The LMS engine (engine/c10/cuda), operator-boundary pinning
+(engine/aten/src/ATen/cuda), the Python bindings (engine/torch/csrc/cuda) and
+the torch.cuda LMS API (engine/torch/cuda/lms.py)
+are shared with the patched PyTorch build; they are copied from the repository
+into this folder at build time so the installed package is self-contained.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError as exc:  # pragma: no cover - reported to the user
+    raise SystemExit(
+        "torch_lms builds against the installed PyTorch: install a CUDA build of torch "
+        "first and build with `pip install --no-build-isolation -e extension`"
+    ) from exc
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+ENGINE = Path(os.environ.get("TORCH_LMS_ENGINE_DIR", REPO / "engine"))
+VENDOR = HERE / "_engine"  # git-ignored copy of the shared sources
+
+ENGINE_FILES = [
+    "c10/cuda/LargeModelSupport.h",
+    "c10/cuda/LargeModelSupport.cpp",
+    "c10/cuda/LargeModelSupportHostPool.h",
+    "c10/cuda/LargeModelSupportHostPool.cpp",
+    "aten/src/ATen/cuda/LmsPinning.h",
+    "aten/src/ATen/cuda/LmsPinning.cpp",
+    "torch/csrc/cuda/LmsBindings.h",
+    "torch/csrc/cuda/LmsBindings.cpp",
+]
+API_MODULE = "torch/cuda/lms.py"
+
+
+def copy_if_changed(src: Path, dst: Path) -> None:
+    if not src.is_file():
+        raise SystemExit(
+            f"torch_lms: shared source {src} is missing (TORCH_LMS_ENGINE_DIR={ENGINE})"
+        )
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if not dst.exists() or not filecmp.cmp(src, dst, shallow=False):
+        shutil.copyfile(src, dst)  # unchanged files keep their mtime: no rebuild
+
+
+def vendor_shared_sources() -> None:
+    for rel in ENGINE_FILES:
+        copy_if_changed(ENGINE / rel, VENDOR / rel)
+    copy_if_changed(ENGINE / API_MODULE, HERE / "torch_lms" / "lms.py")
+
+
+def cuda_home() -> Path:
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    for candidate in candidates:
+        if candidate and (Path(candidate) / "include" / "cuda_runtime_api.h").is_file():
+            return Path(candidate)
+    raise SystemExit(
+        "torch_lms: cuda_runtime_api.h not found; set CUDA_HOME to the CUDA toolkit "
+        "(the headers and libcudart of the CUDA version torch was built with)"
+    )
+
+
+def main() -> None:
+    if torch.version.cuda is None:
+        raise SystemExit(
+            f"torch_lms needs a CUDA build of PyTorch; torch {torch.__version__} is CPU-only"
+        )
+    if hasattr(torch._C, "_cuda_lms_setEnabled"):
+        raise SystemExit(
+            f"torch {torch.__version__} already has Large Model Support built in: "
+            "use torch.cuda.set_enabled_lms() and do not install torch_lms"
+        )
+    vendor_shared_sources()
+    cuda = cuda_home()
+    lib_dirs = [str(d) for d in (cuda / "lib64", cuda / "lib") if d.is_dir()]
+    sources = [
+        "_engine/c10/cuda/LargeModelSupport.cpp",
+        "_engine/c10/cuda/LargeModelSupportHostPool.cpp",
+        "_engine/aten/src/ATen/cuda/LmsPinning.cpp",
+        "_engine/torch/csrc/cuda/LmsBindings.cpp",
+        "csrc/StockAllocatorBackend.cpp",
+        "csrc/Module.cpp",
+    ]
+    extension = CppExtension(
+        name="torch_lms._C",
+        sources=sources,
+        include_dirs=[str(HERE / "_engine"), str(HERE / "_engine/aten/src"), str(cuda / "include")],
+        library_dirs=lib_dirs,
+        libraries=["c10_cuda", "cudart"],
+        runtime_library_dirs=lib_dirs,
+        extra_compile_args={"cxx": ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"]},
+    )
+    setup(
+        name="torch_lms",
+        version="0.1.0",
+        description="Large Model Support (tensor swapping to host memory) for stock PyTorch",
+        packages=["torch_lms"],
+        package_dir={"torch_lms": "torch_lms"},
+        ext_modules=[extension],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        python_requires=">=3.9",
+        zip_safe=False,
+    )
+
+
+if __name__ == "__main__":
+    os.chdir(HERE)
+    main()

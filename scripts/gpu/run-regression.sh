@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Builds the torch_lms extension against this machine's stock PyTorch (offline: no pip
+# downloads) and runs the end-to-end LMS regression suite (tests/regression) on the GPU.
+#
+#   scripts/gpu/run-regression.sh            results under $OUT (default: out/regression)
+#
+# Environment: PYTHON (default python3, the interpreter that has torch and torchvision),
+# CUDA_HOME (default /usr/local/cuda), MAX_JOBS (parallel compile jobs, default 8),
+# PYTEST_ARGS (extra pytest arguments, e.g. "-k resnet50").
+# Writes: run-regression.log, build.log, regression-results.json/.csv, junit.xml.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+OUT=${OUT:-$ROOT/out/regression}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/run-regression.log") 2>&1
+
+echo "== environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PY" - <<'PY'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())
+try:
+    import torchvision
+    print("torchvision", torchvision.__version__)
+except ImportError:
+    print("torchvision missing: the torchvision model tests will be skipped")
+PY
+
+echo "== build torch_lms (offline)"
+start=$(date +%s)
+(
+  cd "$ROOT/extension"
+  export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+  export MAX_JOBS=${MAX_JOBS:-8}
+  "$PY" setup.py build_ext --inplace
+) >"$OUT/build.log" 2>&1 || { tail -n 60 "$OUT/build.log"; echo "build failed"; exit 1; }
+echo "built in $(( $(date +%s) - start )) s"
+
+echo "== regression suite"
+export PYTHONPATH="$ROOT/extension${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export LMS_RESULTS_DIR="$OUT"
+cd "$ROOT"
+set +e
+# shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
+timeout 420 "$PY" -m pytest tests/regression -v -ra -p no:cacheprovider \
+  --junitxml="$OUT/junit.xml" ${PYTEST_ARGS:-}
+status=$?
+set -e
+if [ "$status" -eq 124 ]; then
+  echo "the regression suite ran past 420 s and was stopped"
+fi
+exit "$status"

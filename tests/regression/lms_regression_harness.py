@@ -1,0 +1,224 @@
+"""Helpers of the LMS regression suite: deterministic training runs, memory caps, checks."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+MiB = 1024 * 1024
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def bindings() -> Any:
+    """The module with the ``_cuda_lms_*`` bindings (``torch._C`` or ``torch_lms._C``)."""
+    if hasattr(torch._C, "_cuda_lms_storageState"):
+        return torch._C
+    import torch_lms._C
+
+    return torch_lms._C
+
+
+def storage_state(tensor: torch.Tensor) -> str:
+    return str(bindings()._cuda_lms_storageState(tensor))
+
+
+def reset_lms() -> None:
+    """LMS off, default settings, no memory cap, caches emptied."""
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.set_enabled_lms(False)
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    torch.cuda.set_limit_lms(0)
+    torch.cuda.set_size_lms(1 * MiB)
+    torch.cuda.set_prefetch_lms(0)
+    torch.cuda.set_speculative_lms(0)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def deterministic() -> None:
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+@contextlib.contextmanager
+def memory_cap(cap_bytes: int) -> Iterator[None]:
+    """Caps the caching allocator of the current device at ``cap_bytes`` (reserved memory)."""
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap_bytes / total)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+@dataclass
+class RunResult:
+    losses: list[torch.Tensor] = field(default_factory=list)
+    grads: list[torch.Tensor] = field(default_factory=list)  # last step, before optimizer.step
+    params: list[torch.Tensor] = field(default_factory=list)  # after the last step
+    peak_bytes: int = 0  # peak allocated above the baseline
+    static_bytes: int = 0  # parameters + optimizer state, allocated between steps
+
+
+def train(
+    make_model: Callable[[], torch.nn.Module],
+    make_batch: Callable[[int], Batch],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    steps: int,
+) -> RunResult:
+    """Trains a freshly built model for ``steps`` Adam steps; everything seeded."""
+    deterministic()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    model = make_model().cuda()
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    result = RunResult()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*deterministic.*")
+            for step in range(steps):
+                inputs, targets = make_batch(step)
+                loss = loss_fn(model(inputs), targets)
+                loss.backward()
+                del inputs, targets
+                result.losses.append(loss.detach().cpu())
+                del loss
+                if step == steps - 1:
+                    result.grads = [p.grad.detach().cpu() for p in model.parameters()]
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if step == 0:
+                    torch.cuda.synchronize()
+                    result.static_bytes = torch.cuda.memory_allocated() - baseline
+        result.params = [p.detach().cpu() for p in model.parameters()]
+        torch.cuda.synchronize()
+        result.peak_bytes = torch.cuda.max_memory_allocated() - baseline
+    finally:
+        del model, optimizer
+        gc.collect()
+    return result
+
+
+def assert_identical(expected: RunResult, actual: RunResult) -> None:
+    assert len(expected.losses) == len(actual.losses)
+    for step, (a, b) in enumerate(zip(expected.losses, actual.losses)):
+        assert torch.equal(a, b), f"loss of step {step} differs: {a.item()!r} vs {b.item()!r}"
+    assert len(expected.grads) == len(actual.grads)
+    for i, (a, b) in enumerate(zip(expected.grads, actual.grads)):
+        assert torch.equal(a, b), f"gradient of parameter {i} differs"
+    for i, (a, b) in enumerate(zip(expected.params, actual.params)):
+        assert torch.equal(a, b), f"parameter {i} differs after the optimizer steps"
+
+
+def lms_summary(stats: dict[str, Any]) -> dict[str, Any]:
+    """The statistics worth keeping in the results files."""
+    keys = (
+        "pageout_count",
+        "pageout_bytes",
+        "pagein_count",
+        "pagein_bytes",
+        "reclaim_limit",
+        "reclaim_alloc_failure",
+        "reclaim_explicit",
+        "prefetch_count",
+        "prefetch_hits",
+        "stall_ms",
+        "oom_count",
+        "limit_bytes",
+    )
+    out = {k: stats[k] for k in keys}
+    for gauge in ("managed_bytes", "pagedout_bytes", "host_bytes"):
+        out[f"{gauge}_peak"] = stats[gauge]["peak"]
+    return out
+
+
+def host_bytes() -> int:
+    return int(torch.cuda.lms_stats()["host_bytes"]["current"])
+
+
+def settle() -> None:
+    """Waits for the device, frees what died, returns cached device and host memory."""
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def check_capped_training(
+    make_model: Callable[[], torch.nn.Module],
+    make_batch: Callable[[int], Batch],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    steps: int,
+    record: Callable[[str, Any], None],
+    cap_share: float = 0.5,
+) -> None:
+    """The regression check of one model.
+
+    1. Trains uncapped with LMS off: the reference losses, gradients and parameters, the
+       peak memory P and the static memory S (parameters + Adam state).
+    2. Caps device memory at C = S + cap_share * (P - S) < P: training without LMS must
+       raise torch.OutOfMemoryError.
+    3. Trains under the same cap with LMS on (limit a margin below the cap): it must finish,
+       page out and in, and give bit-identical losses, gradients and parameters.
+    4. Device memory and LMS's pinned host memory return to their baselines.
+    """
+    settle()
+    baseline = torch.cuda.memory_allocated()
+    reference = train(make_model, make_batch, loss_fn, steps)
+    settle()
+    peak, static = reference.peak_bytes, reference.static_bytes
+    cap = int(static + cap_share * (peak - static))
+    record("peak_mib", round(peak / MiB, 1))
+    record("static_mib", round(static / MiB, 1))
+    record("cap_mib", round(cap / MiB, 1))
+    assert peak > cap
+
+    with memory_cap(cap):
+        oom = None
+        try:
+            train(make_model, make_batch, loss_fn, steps)
+        except torch.OutOfMemoryError as exc:
+            oom = exc
+        assert oom is not None, (
+            f"training fit under a cap of {cap / MiB:.0f} MiB without LMS "
+            f"(uncapped peak {peak / MiB:.0f} MiB): the cap proves nothing"
+        )
+        del oom
+        settle()
+
+        host_baseline = host_bytes()
+        torch.cuda.set_enabled_lms(True)
+        # A margin under the cap for the operator running when the limit is reached.
+        torch.cuda.set_limit_lms(int(cap * 0.75))
+        torch.cuda.reset_accumulated_lms_stats()
+        torch.cuda.reset_peak_lms_stats()
+        capped = train(make_model, make_batch, loss_fn, steps)
+        stats = torch.cuda.lms_stats()
+        record("lms", lms_summary(stats))
+    assert stats["pageout_count"] > 0, "LMS trained under the cap without paging anything out"
+    assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
+    assert capped.peak_bytes <= cap
+    assert_identical(reference, capped)
+
+    torch.cuda.set_enabled_lms(False)
+    del reference, capped
+    settle()
+    assert torch.cuda.memory_allocated() == baseline, "device memory did not return to baseline"
+    assert host_bytes() == host_baseline, "LMS still holds pinned host memory"
+    assert torch.cuda.lms_stats()["managed_bytes"]["current"] == 0

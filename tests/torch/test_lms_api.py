@@ -1,0 +1,268 @@
+"""torch/cuda/lms.py on the CPU: argument checks, device resolution, binding calls, stats and
+the memory_summary() section, against a fake bindings object."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs a torch wheel (the CPU one is enough)")
+
+LMS_PY = Path(__file__).resolve().parents[2] / "engine/torch/cuda/lms.py"
+MiB = 1024 * 1024
+
+
+def load_lms() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("lms_under_test", LMS_PY)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def stats_dict(**overrides: Any) -> dict[str, Any]:
+    stats: dict[str, Any] = {
+        "pageout_count": 3,
+        "pageout_bytes": 3 * 4 * MiB,
+        "pagein_count": 2,
+        "pagein_bytes": 2 * 4 * MiB,
+        "reclaim_limit": 1,
+        "reclaim_speculative": 0,
+        "reclaim_alloc_failure": 0,
+        "reclaim_explicit": 1,
+        "alloc_from_cache": 5,
+        "alloc_from_device": 7,
+        "alloc_after_reclaim": 1,
+        "prefetch_count": 4,
+        "prefetch_hits": 3,
+        "stall_ms": 1.25,
+        "oom_count": 0,
+        "limit_bytes": 2048 * MiB,
+    }
+    for gauge in ("managed_bytes", "active_bytes", "inactive_bytes", "pagedout_bytes"):
+        stats[gauge] = {"current": 4 * MiB, "peak": 12 * MiB}
+    stats["host_bytes"] = {"current": 16 * MiB, "peak": 16 * MiB}
+    stats.update(overrides)
+    return stats
+
+
+class FakeBindings:
+    """Records calls; behaves like the _cuda_lms_* contract."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.enabled = False
+        self.values: dict[str, int] = {"size": MiB, "prefetch": 0, "speculative": 0}
+        self.limits: dict[int, int] = {}
+
+    def _record(self, name: str, *args: Any) -> None:
+        self.calls.append((name, args))
+
+    def _cuda_lms_setEnabled(self, enabled: bool) -> None:
+        self._record("setEnabled", enabled)
+        self.enabled = enabled
+
+    def _cuda_lms_getEnabled(self) -> bool:
+        return self.enabled
+
+    def _cuda_lms_setLimit(self, device: int, limit: int) -> None:
+        self._record("setLimit", device, limit)
+        self.limits[device] = limit
+
+    def _cuda_lms_getLimit(self, device: int) -> int:
+        self._record("getLimit", device)
+        return self.limits.get(device, 1000)
+
+    def _cuda_lms_setSize(self, size: int) -> None:
+        self.values["size"] = size
+
+    def _cuda_lms_getSize(self) -> int:
+        return self.values["size"]
+
+    def _cuda_lms_setPrefetch(self, depth: int) -> None:
+        self.values["prefetch"] = depth
+
+    def _cuda_lms_getPrefetch(self) -> int:
+        return self.values["prefetch"]
+
+    def _cuda_lms_setSpeculative(self, margin: int) -> None:
+        self.values["speculative"] = margin
+
+    def _cuda_lms_getSpeculative(self) -> int:
+        return self.values["speculative"]
+
+    def _cuda_lms_reclaimInactive(self, device: int) -> int:
+        self._record("reclaimInactive", device)
+        return 8 * MiB
+
+    def _cuda_lms_stats(self, device: int) -> dict[str, Any]:
+        self._record("stats", device)
+        return stats_dict()
+
+    def _cuda_lms_resetPeakStats(self, device: int) -> None:
+        self._record("resetPeakStats", device)
+
+    def _cuda_lms_resetAccumulatedStats(self, device: int) -> None:
+        self._record("resetAccumulatedStats", device)
+
+    def _cuda_lms_storageState(self, tensor: Any) -> str:
+        return "unmanaged"
+
+    def _cuda_lms_access(self, tensor: Any) -> None:
+        self._record("access", tensor)
+
+
+@pytest.fixture
+def lms(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    module = load_lms()
+    fake = FakeBindings()
+    monkeypatch.setattr(module, "_lms_bindings", lambda: fake)
+    # No CUDA here: device=None resolves to device 0 as the current device would.
+    real = module._get_device_index
+    monkeypatch.setattr(
+        module, "_get_device_index", lambda d, optional=False: 0 if d is None else real(d, optional)
+    )
+    module.fake = fake  # type: ignore[attr-defined]
+    return module
+
+
+def test_settings_reach_the_bindings(lms: ModuleType) -> None:
+    lms.set_enabled_lms(True)
+    assert lms.get_enabled_lms() is True
+    lms.set_limit_lms(512 * MiB, device=1)
+    assert lms.fake.calls[-1] == ("setLimit", (1, 512 * MiB))
+    assert lms.get_limit_lms(1) == 512 * MiB
+    lms.set_limit_lms(256 * MiB)
+    assert lms.fake.calls[-1] == ("setLimit", (0, 256 * MiB))
+    lms.set_limit_lms(MiB, device=torch.device("cuda", 2))
+    assert lms.fake.calls[-1] == ("setLimit", (2, MiB))
+    lms.set_limit_lms(MiB, device="cuda:3")
+    assert lms.fake.calls[-1] == ("setLimit", (3, MiB))
+    lms.set_size_lms(3 * MiB)
+    assert lms.get_size_lms() == 3 * MiB
+    lms.set_prefetch_lms(4)
+    assert lms.get_prefetch_lms() == 4
+    lms.set_speculative_lms(64 * MiB)
+    assert lms.get_speculative_lms() == 64 * MiB
+    assert lms.reclaim_inactive() == 8 * MiB
+    lms.reset_peak_lms_stats(1)
+    lms.reset_accumulated_lms_stats()
+    assert lms.fake.calls[-2:] == [("resetPeakStats", (1,)), ("resetAccumulatedStats", (0,))]
+
+
+def test_numpy_integers_are_sizes(lms: ModuleType) -> None:
+    np = pytest.importorskip("numpy", reason="numpy integers")
+    lms.set_size_lms(np.int64(2 * MiB))
+    assert lms.get_size_lms() == 2 * MiB
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda m: m.set_enabled_lms(1), TypeError, "enable must be a bool, got int"),
+        (lambda m: m.set_enabled_lms("yes"), TypeError, "enable must be a bool, got str"),
+        (lambda m: m.set_limit_lms(-1), ValueError, "limit_bytes must be >= 0, got -1"),
+        (lambda m: m.set_limit_lms(1.5), TypeError, "limit_bytes must be an int, got float"),
+        (lambda m: m.set_limit_lms(True), TypeError, "limit_bytes must be an int, got bool"),
+        (lambda m: m.set_size_lms(-MiB), ValueError, "size_bytes must be >= 0"),
+        (lambda m: m.set_size_lms("1M"), TypeError, "size_bytes must be an int, got str"),
+        (lambda m: m.set_prefetch_lms(-2), ValueError, "depth must be >= 0"),
+        (lambda m: m.set_prefetch_lms(2**31), ValueError, "depth must be <= 2147483647"),
+        (lambda m: m.set_speculative_lms(None), TypeError, "margin_bytes must be an int"),
+        (lambda m: m.set_speculative_lms(-5), ValueError, "margin_bytes must be >= 0"),
+        (lambda m: m.lms_storage_state([1, 2]), TypeError, "tensor must be a torch.Tensor"),
+        (lambda m: m._lms_access(None), TypeError, "tensor must be a torch.Tensor"),
+        (lambda m: m.set_limit_lms(MiB, device="cpu"), ValueError, "Expected a cuda device"),
+    ],
+)
+def test_invalid_arguments(lms: ModuleType, call: Any, error: type, message: str) -> None:
+    before = list(lms.fake.calls)
+    with pytest.raises(error, match=message):
+        call(lms)
+    assert lms.fake.calls == before  # nothing reached the bindings
+
+
+def test_stats_keys_and_copy(lms: ModuleType) -> None:
+    stats = lms.lms_stats(device=1)
+    assert lms.fake.calls[-1] == ("stats", (1,))
+    assert set(stats) == set(lms._COUNTER_KEYS) | set(lms._GAUGE_KEYS)
+    for gauge in lms._GAUGE_KEYS:
+        assert set(stats[gauge]) == {"current", "peak"}
+
+
+def test_storage_state(lms: ModuleType) -> None:
+    assert lms.lms_storage_state(torch.zeros(1)) == "unmanaged"
+    assert "unmanaged" in lms._STORAGE_STATES
+
+
+def flat(stats: dict[str, Any], prefix: str = "lms.") -> dict[str, Any]:
+    out: dict[str, Any] = {"num_ooms": 0}
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            for sub, v in value.items():
+                out[f"{prefix}{key}.{sub}"] = v
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def test_summary_lines_format(lms: ModuleType) -> None:
+    lines = lms._memory_summary_lines(flat(stats_dict()))
+    assert lines, "LMS section expected once LMS managed memory"
+    assert all(len(line) == 75 for line in lines), [len(x) for x in lines]
+    text = "\n".join(lines)
+    assert "Large Model Support, limit 2048 MiB" in text
+    assert " Paged out             |       3    |  12288 KiB |" in text
+    assert " Pinned host memory    |  16384 KiB |  16384 KiB |" in text
+    assert "        Metric         | Cur Usage  | Peak Usage |" in text
+    assert "Stalled: 1.2 ms" in text or "Stalled: 1.3 ms" in text
+    assert "1 at limit" in text and "1 explicit" in text
+    assert "Prefetched: 4 (3 hits)" in text
+    # memory_summary() runs str.format over its lines: the section must survive it.
+    assert "|".join(lines).format() == "|".join(lines)
+
+
+def test_summary_lines_from_nested_stats(lms: ModuleType) -> None:
+    assert lms._memory_summary_lines(stats_dict(), prefix="") == lms._memory_summary_lines(
+        flat(stats_dict())
+    )
+
+
+def test_summary_lines_absent_without_lms(lms: ModuleType) -> None:
+    assert lms._memory_summary_lines({"num_ooms": 0, "allocation.all.current": 1}) == []
+    unused = stats_dict(pageout_count=0)
+    unused["managed_bytes"] = {"current": 0, "peak": 0}
+    assert lms._memory_summary_lines(flat(unused)) == []
+
+
+def test_missing_bindings_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = load_lms()
+    if hasattr(torch._C, "_cuda_lms_setEnabled"):
+        pytest.skip("this torch is built with Large Model Support")
+    monkeypatch.setitem(sys.modules, "torch_lms", None)  # import fails
+    monkeypatch.setitem(sys.modules, "torch_lms._C", None)
+    with pytest.raises(RuntimeError, match=r"Large Model Support patch series.*import torch_lms"):
+        module.get_enabled_lms()
+
+
+def test_extension_bindings_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = load_lms()
+    if hasattr(torch._C, "_cuda_lms_setEnabled"):
+        pytest.skip("this torch is built with Large Model Support")
+    fake = FakeBindings()
+    package = ModuleType("torch_lms")
+    package.__path__ = []  # type: ignore[attr-defined]
+    ext = ModuleType("torch_lms._C")
+    for name in dir(fake):
+        if name.startswith("_cuda_lms_"):
+            setattr(ext, name, getattr(fake, name))
+    monkeypatch.setitem(sys.modules, "torch_lms", package)
+    monkeypatch.setitem(sys.modules, "torch_lms._C", ext)
+    module.set_enabled_lms(True)
+    assert fake.enabled is True
+    assert module._lms_bindings() is ext

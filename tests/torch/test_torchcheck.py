@@ -1,0 +1,102 @@
+"""The T1 compile check of the LMS sources above c10 (lmstool torchcheck).
+
+The slow test applies the generated v2.6.0 series to a pristine checkout of the tarball, runs
+torchgen and compiles aten/src/ATen/cuda/LmsPinning.cpp, torch/csrc/cuda/LmsBindings.cpp and
+torch/csrc/cuda/Module.cpp to object files (a few minutes on two cores; never a full build).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmstool import torchcheck
+
+REPO = Path(__file__).resolve().parents[2]
+TAG = "v2.6.0"
+TARBALL = "pytorch_2.6.0+dfsg.orig.tar.xz"
+CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
+
+
+def sources_dir() -> Path | None:
+    env = os.environ.get("LMS_SOURCES", "").strip()
+    path = Path(env) if env else REPO.parent / "shared" / "sources"
+    return path if (path / TARBALL).is_file() else None
+
+
+def test_own_warnings_fail_the_check(tmp_path: Path) -> None:
+    cxx = shutil.which("g++")
+    if cxx is None:
+        pytest.skip("needs g++")
+    src = tmp_path / "LmsPinning.cpp"
+    src.write_text("int f(int unused) { int x; return 1; }\n")
+    cmd = [cxx, *torchcheck.WARNING_FLAGS, "-c", str(src), "-o", str(tmp_path / "a.o")]
+    result = torchcheck._compile(cmd, "aten/src/ATen/cuda/LmsPinning.cpp", own=True)
+    assert result.returncode == 0
+    assert result.own_warnings and not result.ok
+    # The same warnings in an upstream file are tolerated.
+    upstream = torchcheck._compile(cmd, "aten/src/ATen/cuda/LmsPinning.cpp", own=False)
+    assert upstream.ok
+    src.write_text("int f() { return 1; }\n")
+    assert torchcheck._compile(cmd, "aten/src/ATen/cuda/LmsPinning.cpp", own=True).ok
+
+
+def test_tree_without_series_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "torch/csrc/cuda").mkdir(parents=True)
+    (tmp_path / "torch/csrc/cuda/Module.cpp").write_text("")
+    with pytest.raises(torchcheck.LmsToolError, match=r"LargeModelSupport\.h"):
+        torchcheck.check_tree_layout(tmp_path)
+
+
+def test_math_headers_only_where_missing(tmp_path: Path) -> None:
+    cuda_include = tmp_path / "cuda/include"
+    cuda_include.mkdir(parents=True)
+    (cuda_include / "cusparse.h").write_text("// real\n")
+    dirs = torchcheck.write_config_headers(tmp_path / "build", cuda_include)
+    math_dir = tmp_path / "build/math-headers"
+    assert math_dir in dirs
+    assert not (math_dir / "cusparse.h").exists()
+    assert "cublasHandle_t" in (math_dir / "cublas_v2.h").read_text()
+    assert (tmp_path / "build/aten/src/ATen/cuda/CUDAConfig.h").is_file()
+    assert (tmp_path / "build/include/c10/macros/cmake_macros.h").is_file()
+
+
+def lmstool(*args: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lmstool", *args], cwd=REPO, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, f"lmstool {' '.join(args)}:\n{proc.stdout}\n{proc.stderr}"
+
+
+@pytest.mark.slow
+def test_patched_v260_compiles(tmp_path: Path) -> None:
+    sources = sources_dir()
+    if sources is None:
+        pytest.skip(f"needs {TARBALL} in ../shared/sources or $LMS_SOURCES")
+    if not (CUDA_HOME / "include/cuda_runtime_api.h").is_file():
+        pytest.skip(f"needs the CUDA toolkit at {CUDA_HOME} (or $CUDA_HOME)")
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    for module, why in (("pybind11", "pip install 'pybind11<3'"), ("yaml", "torchgen needs it")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs the {module} package ({why})")
+
+    series = tmp_path / "series"
+    tree = tmp_path / "pytorch"
+    lmstool("patches", TAG, "--to", str(series), "--sources", str(sources))
+    lmstool("checkout", TAG, "--dest", str(tree), "--sources", str(sources))
+    lmstool("apply", TAG, "--tree", str(tree), "--series", str(series))
+
+    results = torchcheck.check(tree, tmp_path / "build", cuda_home=CUDA_HOME, jobs=2)
+    assert [r.source for r in results] == [s for s, _ in torchcheck.SOURCES]
+    failures = [f"{r.source}:\n{r.output[-6000:]}" for r in results if not r.ok]
+    assert not failures, "\n\n".join(failures)
+    for r in results:
+        obj = tmp_path / "build/obj" / (r.source.replace("/", "_") + ".o")
+        assert obj.is_file() and obj.stat().st_size > 0
