@@ -36,6 +36,9 @@ std::atomic<size_t> g_speculative_margin{0};
 std::atomic<size_t> g_conf_limit{0};
 std::atomic<DeviceMemoryBackend*> g_backend{nullptr};
 std::atomic<EnabledObserver> g_enabled_observer{nullptr};
+// Set when the allocator's own malloc path reclaimed for this thread's
+// allocation (reclaimForFailedAllocation), for the allocation-source stats.
+thread_local bool t_reclaimed_in_malloc = false;
 
 // Makes a device current for a scope. (CUDAGuard would pull in the caching
 // allocator's headers, which include this one.)
@@ -567,9 +570,11 @@ void* allocateDevice(DeviceEngine& e, size_t size, cudaStream_t stream) {
   bool reclaimed = enforceLimit(e, size) > 0;
   const size_t reserved_before = b.reservedBytes(e.device);
   void* ptr = nullptr;
+  t_reclaimed_in_malloc = false;
   while (ptr == nullptr) {
     try {
       ptr = b.malloc(e.device, size, stream);
+      reclaimed = reclaimed || t_reclaimed_in_malloc;
     } catch (const c10::OutOfMemoryError&) {
       // The allocator has already tried its free list, its free-memory
       // callbacks and releasing its cache. Page out what is left, LRU first.
@@ -1297,7 +1302,9 @@ bool reclaimForFailedAllocation(c10::DeviceIndex device, size_t size) {
   if (!isEnabled()) {
     return false;
   }
-  return reclaim(engineFor(device), size, Trigger::AllocFailure) > 0;
+  const bool freed = reclaim(engineFor(device), size, Trigger::AllocFailure) > 0;
+  t_reclaimed_in_malloc = t_reclaimed_in_malloc || freed;
+  return freed;
 }
 
 void recordStream(const c10::DataPtr& data_ptr, cudaStream_t stream) {

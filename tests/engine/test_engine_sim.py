@@ -1,0 +1,86 @@
+"""The LMS engine suite (tests/engine/test_lms_engine.cpp) on the simulated GPU, against
+libc10_cuda built from the patched v2.6.0 source; the same binary runs on a real GPU."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from .conftest import executable
+
+pytestmark = pytest.mark.slow
+
+SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed(?:, (\d+) skipped)?$", re.M)
+
+
+def run_suite(binary: Path, env: dict[str, str], *args: str) -> tuple[str, int, int, int]:
+    proc = subprocess.run(
+        [str(binary), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=900,
+    )
+    out = proc.stdout + proc.stderr
+    match = SUMMARY.search(proc.stdout)
+    assert match, f"no summary line (exit {proc.returncode}):\n{out[-8000:]}"
+    passed, failed, skipped = (int(g or 0) for g in match.groups())
+    assert proc.returncode == (0 if failed == 0 else 1), out[-8000:]
+    return out, passed, failed, skipped
+
+
+def test_engine_suite_on_one_simulated_device(sim_build: Path) -> None:
+    out, passed, failed, skipped = run_suite(
+        executable(sim_build, "test_lms_engine"),
+        {"SIMGPU_DEVICE_COUNT": "1", "SIMGPU_CAPACITY_MB": "256"},
+    )
+    assert failed == 0, out[-8000:]
+    # Only the multi-device test may skip, and only for want of a second device.
+    assert skipped <= 1, out
+    assert passed >= 18, out
+
+
+def test_engine_suite_on_two_simulated_devices(sim_build: Path) -> None:
+    out, passed, failed, skipped = run_suite(
+        executable(sim_build, "test_lms_engine"),
+        {"SIMGPU_DEVICE_COUNT": "2", "SIMGPU_CAPACITY_MB": "256"},
+        "--filter",
+        "devices_reclaim_independently",
+        "--filter",
+        "multithreaded",
+    )
+    assert (failed, skipped) == (0, 0), out[-8000:]
+    assert passed == 2, out
+
+
+def test_simgpu_selftest_and_unpatched_allocator_smoke(sim_build: Path) -> None:
+    for name in ("simgpu_selftest", "simgpu_c10_smoke"):
+        out, _, failed, _ = run_suite(executable(sim_build, name), {})
+        assert failed == 0, out[-8000:]
+
+
+def test_copy_benchmark_runs(sim_build: Path) -> None:
+    """The throughput benchmark runs end to end (figures on a simulated GPU mean nothing)."""
+    proc = subprocess.run(
+        [
+            str(executable(sim_build, "bench_lms_copy")),
+            "--min-size",
+            str(1 << 20),
+            "--max-size",
+            str(4 << 20),
+            "--total",
+            str(16 << 20),
+            "--repeat",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^\s+1 MiB\s+\d+ \|", proc.stdout, re.M), proc.stdout
+    assert "LMS totals:" in proc.stdout
