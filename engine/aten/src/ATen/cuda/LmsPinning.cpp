@@ -132,7 +132,19 @@ void unpinAll(c10::SmallVector<PinnedStorage, 8>& pinned) {
   pinned.clear();
 }
 
+// Only dispatcher operators are operator boundaries. Other FUNCTION-scope
+// records are named ranges (RECORD_FUNCTION): the autograd engine wraps every
+// backward node in "autograd::engine::evaluate_function: ..." with no
+// inputs, and counting it as the outermost operator would leave the
+// operators inside the node, which read the saved activations, unpinned.
+bool isOperator(const at::RecordFunction& fn) {
+  return fn.operator_name().has_value();
+}
+
 std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
+  if (!isOperator(fn)) {
+    return nullptr;
+  }
   // Counted before anything can throw: the end callback runs (and
   // decrements) whenever the start callback ran, even if it threw.
   if (t_depth++ > 0) {
@@ -181,8 +193,7 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
 }
 
 void unpinInputs(const at::RecordFunction& fn, at::ObserverContext* context) {
-  (void)fn;
-  if (t_depth > 0) {
+  if (isOperator(fn) && t_depth > 0) {
     --t_depth;
   }
   if (context != nullptr) {
