@@ -178,10 +178,7 @@ class LmsFreeMemoryCallback final : public c10::FreeMemoryCallback {
       if (captureUnderway(device)) {
         return false; // a page-out copy cannot join a capture
       }
-      const size_t limit = effectiveLimit(device);
-      const size_t headroom = g_headroom.load();
-      const size_t target = limit > headroom ? limit - headroom : 0;
-      return reclaimDownTo(device, target) > 0;
+      return makeHeadroom(device) > 0;
     } catch (const std::exception& e) {
       // The allocator goes on to cudaMalloc and, failing that, raises its
       // own out-of-memory error; a callback must not throw through it.
@@ -232,7 +229,7 @@ void attachAllocatorHooks() {
         if (grown > headroom) {
           g_headroom.store(grown);
         }
-        (void)reclaimDownTo(index, limit > grown ? limit - grown : 0);
+        (void)makeHeadroom(index);
       } catch (const std::exception& e) {
         TORCH_WARN_ONCE(
             "Large Model Support: reclaim after out-of-memory failed: ",
@@ -264,6 +261,38 @@ size_t effectiveLimit(c10::DeviceIndex device) {
     limit = std::min(limit, capped);
   }
   return limit;
+}
+
+size_t makeHeadroom(c10::DeviceIndex device) {
+  lms::DeviceMemoryBackend* backend = lms::getBackend();
+  TORCH_CHECK(
+      backend != nullptr,
+      "torch_lms: the LMS backend is not installed; import torch_lms first");
+  const size_t headroom = g_headroom.load();
+  // Allocated bytes against the LMS limit...
+  const size_t limit = effectiveLimit(device);
+  const size_t allocated = backend->allocatedBytes(device);
+  size_t excess = allocated + headroom > limit ? allocated + headroom - limit : 0;
+  // ...and, under a memory-fraction cap, reserved bytes against the cap: a
+  // request the cached segments cannot serve needs a new segment, which the
+  // cap refuses once fragmentation has used it up. Paging out inactive
+  // storages frees space inside the segments for the free list instead.
+  const double fraction = alloc::get()->getMemoryFraction(device);
+  if (fraction > 0.0 && fraction < 1.0) {
+    size_t free_bytes = 0;
+    size_t total_bytes = 0;
+    {
+      c10::cuda::CUDAGuard guard(device);
+      C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    }
+    const auto cap =
+        static_cast<size_t>(fraction * static_cast<double>(total_bytes));
+    const size_t reserved = backend->reservedBytes(device);
+    if (reserved + headroom > cap) {
+      excess = std::max(excess, reserved + headroom - cap);
+    }
+  }
+  return excess == 0 ? 0 : lms::reclaimBytes(device, excess);
 }
 
 size_t reclaimDownTo(c10::DeviceIndex device, size_t target) {

@@ -32,6 +32,11 @@ size_t effectiveLimit(c10::DeviceIndex device);
 
 // Pages out least-recently-used inactive storages of `device` until the bytes
 // allocated to tensors are at most `target`. Returns the bytes freed.
+// Pages out inactive storages until the bytes allocated to tensors are the
+// headroom below the limit and, under a memory-fraction cap, the reserved
+// bytes are the headroom below the cap. Returns the bytes freed.
+size_t makeHeadroom(c10::DeviceIndex device);
+
 size_t reclaimDownTo(c10::DeviceIndex device, size_t target);
 
 // Applies PYTORCH_LMS_CONF (same syntax and keys as the patched build's
