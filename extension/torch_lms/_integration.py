@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 from types import ModuleType
 from typing import Any, Callable
 
@@ -196,6 +197,32 @@ def _guard_graph_capture(binding: ModuleType) -> None:
     context_class.__enter__ = graph_enter
 
 
+def _user_chose_expandable_segments() -> bool:
+    conf = ",".join(
+        os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    )
+    return "expandable_segments" in conf
+
+
+def _expandable_segments_with_lms(binding: ModuleType) -> None:
+    """Turns on the allocator's expandable segments when LMS is enabled.
+
+    Page-outs free memory in the middle of cached segments. The patched build retries a
+    failed device allocation after reclaiming and releasing the cache; a stock allocator
+    cannot be made to retry, so a large request that the scattered free space cannot serve
+    would fail under a memory cap. Expandable segments map and unmap pages wherever they
+    are free, so that space serves any request. A setting the user made is left alone.
+    """
+    set_enabled = binding._cuda_lms_setEnabled
+
+    def _cuda_lms_setEnabled(enable: bool) -> None:
+        if enable and not _user_chose_expandable_segments():
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        set_enabled(enable)
+
+    binding._cuda_lms_setEnabled = _cuda_lms_setEnabled
+
+
 def install(binding: ModuleType, api: ModuleType) -> None:
     """Puts the LMS API into ``torch.cuda`` (once)."""
     global _installed
@@ -218,6 +245,7 @@ def install(binding: ModuleType, api: ModuleType) -> None:
     _wrap_record_stream(binding)
     _use_triton_launcher()
     _guard_graph_capture(binding)
+    _expandable_segments_with_lms(binding)
     # LMS enabled through PYTORCH_LMS_CONF: finish what enabling through the API does
     # (initialize CUDA, attach the allocator hooks that adoption needs).
     if binding._cuda_lms_getEnabled():
