@@ -1,0 +1,310 @@
+"""The benchmark workloads: ResNet-152 at high resolution, ViT-L/16, a GPT-style transformer.
+
+Each :class:`Workload` builds its model, makes synthetic batches on the device, computes the
+loss and can wrap its blocks in activation checkpointing (``torch.utils.checkpoint``, one
+checkpoint per residual block / encoder block / transformer block). torchvision is imported
+only by the workloads that need it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Checkpointed(nn.Module):
+    """Runs ``inner`` under activation checkpointing (non-reentrant) while grad mode is on:
+    its activations are dropped after the forward pass and recomputed in the backward."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            out = checkpoint(self.inner, x, use_reentrant=False)
+            assert isinstance(out, torch.Tensor)
+            return out
+        return self.inner(x)
+
+
+def checkpoint_sequential_children(seq: nn.Sequential) -> int:
+    """Wraps every child of ``seq`` in :class:`Checkpointed`; returns how many."""
+    for i, child in enumerate(list(seq)):
+        if not isinstance(child, Checkpointed):
+            seq[i] = Checkpointed(child)
+    return len(seq)
+
+
+# ---------------------------------------------------------------------------------------
+# GPT-style decoder
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 32768
+    seq: int = 1024
+    dim: int = 1024
+    layers: int = 24
+    heads: int = 16
+
+    def validate(self) -> None:
+        for name in ("vocab", "seq", "dim", "layers", "heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPT {name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.heads:
+            raise ValueError(f"GPT dim ({self.dim}) must be a multiple of heads ({self.heads})")
+
+    def parameter_count(self) -> int:
+        per_block = 12 * self.dim * self.dim + 13 * self.dim  # qkv, proj, 2 MLP, 2 LayerNorms
+        embeddings = (self.vocab + self.seq) * self.dim
+        return self.layers * per_block + embeddings + 2 * self.dim + self.vocab * self.dim
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.tokens = nn.Embedding(config.vocab, config.dim)
+        self.positions = nn.Embedding(config.seq, config.dim)
+        self.blocks = nn.Sequential(
+            *(Block(config.dim, config.heads) for _ in range(config.layers))
+        )
+        self.ln = nn.LayerNorm(config.dim)
+        self.head = nn.Linear(config.dim, config.vocab, bias=False)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * config.layers) if name.endswith("proj.weight") else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tokens(idx) + self.positions(positions)
+        return self.head(self.ln(self.blocks(x)))
+
+
+# ---------------------------------------------------------------------------------------
+# Workloads
+# ---------------------------------------------------------------------------------------
+
+
+def classification_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = output.logits if hasattr(output, "logits") else output
+    return F.cross_entropy(logits, target)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def image_batch(
+    classes: int, image_size: int, channels_last: bool = False
+) -> Callable[[int, torch.device, int], Batch]:
+    def make(batch: int, device: torch.device, step: int) -> Batch:
+        g = torch.Generator(device=device).manual_seed(1000 + step)
+        images = torch.randn(batch, 3, image_size, image_size, device=device, generator=g)
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        labels = torch.randint(0, classes, (batch,), device=device, generator=g)
+        return images, labels
+
+    return make
+
+
+def token_batch(config: GPTConfig) -> Callable[[int, torch.device, int], Batch]:
+    def make(batch: int, device: torch.device, step: int) -> Batch:
+        g = torch.Generator(device=device).manual_seed(2000 + step)
+        data = torch.randint(0, config.vocab, (batch, config.seq + 1), device=device, generator=g)
+        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+    return make
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    default_batch: int
+    optimizer: str  # "sgd" or "adamw"
+    build: Callable[[], nn.Module]
+    make_batch: Callable[[int, torch.device, int], Batch]
+    loss: Callable[[Any, torch.Tensor], torch.Tensor]
+    checkpoint: Callable[[nn.Module], int]  # wraps the blocks in place; returns how many
+
+    def make_optimizer(self, model: nn.Module, kind: str | None = None) -> torch.optim.Optimizer:
+        return make_optimizer(model, kind or self.optimizer)
+
+
+def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-4)
+    raise ValueError(f"unknown optimizer {kind!r} (sgd or adamw)")
+
+
+def _torchvision_models() -> Any:
+    try:
+        import torchvision.models as models
+    except ImportError as exc:
+        raise RuntimeError(
+            "this workload needs torchvision (pip install torchvision matching torch)"
+        ) from exc
+    return models
+
+
+def resnet152_workload(image_size: int = 512, classes: int = 1000, batch: int = 8) -> Workload:
+    def build() -> nn.Module:
+        return _torchvision_models().resnet152(weights=None, num_classes=classes)
+
+    def wrap(model: nn.Module) -> int:
+        return sum(checkpoint_sequential_children(getattr(model, f"layer{i}")) for i in range(1, 5))
+
+    return Workload(
+        name="resnet152",
+        description=f"ResNet-152, {image_size}x{image_size} images, {classes} classes",
+        default_batch=batch,
+        optimizer="sgd",
+        build=build,
+        make_batch=image_batch(classes, image_size),
+        loss=classification_loss,
+        checkpoint=wrap,
+    )
+
+
+def vit_l_workload(
+    image_size: int = 224, layers: int = 24, classes: int = 1000, batch: int = 32
+) -> Workload:
+    if image_size % 16:
+        raise ValueError(f"ViT-L/16 needs an image size divisible by 16, got {image_size}")
+    if layers < 1:
+        raise ValueError(f"ViT layers must be >= 1, got {layers}")
+
+    def build() -> nn.Module:
+        vit = _torchvision_models().vision_transformer
+        return vit.VisionTransformer(
+            image_size=image_size,
+            patch_size=16,
+            num_layers=layers,
+            num_heads=16,
+            hidden_dim=1024,
+            mlp_dim=4096,
+            num_classes=classes,
+        )
+
+    def wrap(model: nn.Module) -> int:
+        return checkpoint_sequential_children(model.encoder.layers)  # type: ignore[union-attr,arg-type]
+
+    depth = "" if layers == 24 else f", {layers} of 24 encoder layers"
+    return Workload(
+        name="vit_l",
+        description=f"ViT-L/16 (torchvision vit_l_16{depth}), {image_size}x{image_size} images",
+        default_batch=batch,
+        optimizer="adamw",
+        build=build,
+        make_batch=image_batch(classes, image_size),
+        loss=classification_loss,
+        checkpoint=wrap,
+    )
+
+
+def gpt_workload(config: GPTConfig | None = None, batch: int = 8) -> Workload:
+    cfg = config or GPTConfig()
+    cfg.validate()
+
+    def wrap(model: nn.Module) -> int:
+        assert isinstance(model, GPT)
+        return checkpoint_sequential_children(model.blocks)
+
+    params = cfg.parameter_count() / 1e6
+    return Workload(
+        name="gpt",
+        description=(
+            f"GPT-style decoder, {cfg.layers} layers, width {cfg.dim}, {cfg.heads} heads, "
+            f"sequence {cfg.seq}, vocabulary {cfg.vocab} ({params:.0f}M parameters)"
+        ),
+        default_batch=batch,
+        optimizer="adamw",
+        build=lambda: GPT(cfg),
+        make_batch=token_batch(cfg),
+        loss=lm_loss,
+        checkpoint=wrap,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# save_on_cpu with byte counting
+# ---------------------------------------------------------------------------------------
+
+
+class SaveOnCpuCounter:
+    """``torch.autograd.graph.save_on_cpu(pin_memory=...)`` that counts what it copies.
+
+    Every tensor autograd saves is copied to (pinned) host memory when packed and back to its
+    device when unpacked; the counters add up those copies' bytes and numbers. Use
+    ``with counter.context(): loss = model(x)...`` around the forward pass.
+    """
+
+    def __init__(self, pin_memory: bool = True) -> None:
+        self.pin_memory = pin_memory
+        self.out_bytes = 0
+        self.in_bytes = 0
+        self.out_count = 0
+        self.in_count = 0
+
+    def context(self) -> torch.autograd.graph.saved_tensors_hooks:
+        hooks = torch.autograd.graph.save_on_cpu(pin_memory=self.pin_memory)
+        pack, unpack = hooks.pack_hook, hooks.unpack_hook
+
+        def counting_pack(tensor: torch.Tensor) -> Any:
+            self.out_bytes += tensor.numel() * tensor.element_size()
+            self.out_count += 1
+            return pack(tensor)
+
+        def counting_unpack(packed: Any) -> torch.Tensor:
+            tensor = unpack(packed)
+            self.in_bytes += tensor.numel() * tensor.element_size()
+            self.in_count += 1
+            return tensor
+
+        hooks.pack_hook = counting_pack
+        hooks.unpack_hook = counting_unpack
+        return hooks

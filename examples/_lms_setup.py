@@ -1,0 +1,217 @@
+"""Shared setup of the examples and benchmarks: the torch.cuda LMS API, its knobs, memory caps.
+
+The same code runs on a PyTorch built with the Large Model Support patch series (the API is
+``torch.cuda.set_enabled_lms`` and friends) and on a stock CUDA wheel with the drop-in
+extension: when ``torch.cuda`` lacks the API, :func:`ensure_lms_api` imports ``torch_lms``,
+looking in this checkout's ``extension/`` folder too (where ``setup.py build_ext --inplace``
+leaves it). Nothing here imports torch at module level, so argument handling and the pure
+helpers work without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXTENSION_DIR = REPO_ROOT / "extension"
+
+# Exit status of a probe subprocess whose training ran out of device memory.
+EXIT_OOM = 3
+
+
+class LmsUnavailable(RuntimeError):
+    """Neither a patched PyTorch nor the torch_lms extension provides the LMS API."""
+
+
+@dataclass(frozen=True)
+class LmsSettings:
+    """The LMS knobs of the examples, in the units of their command-line flags."""
+
+    enabled: bool = False
+    limit_mb: int | None = None  # None: the build's default limit
+    size_mb: float | None = None  # None: the build's default threshold (1 MiB)
+    prefetch: int = 0
+    speculative_mb: int = 0
+
+    def validate(self) -> None:
+        if self.limit_mb is not None and self.limit_mb <= 0:
+            raise ValueError(f"the LMS limit must be positive, got {self.limit_mb} MiB")
+        if self.size_mb is not None and self.size_mb < 0:
+            raise ValueError(f"the LMS size threshold must be >= 0, got {self.size_mb} MiB")
+        if self.prefetch < 0:
+            raise ValueError(f"the prefetch depth must be >= 0, got {self.prefetch}")
+        if self.speculative_mb < 0:
+            raise ValueError(f"the speculative margin must be >= 0, got {self.speculative_mb}")
+
+
+def ensure_lms_api() -> str:
+    """Makes ``torch.cuda.set_enabled_lms`` and friends available.
+
+    Returns:
+        ``"patched"`` when PyTorch has LMS built in, ``"extension"`` when the drop-in
+        extension provides it.
+
+    Raises:
+        LmsUnavailable: with the reason, when neither does.
+    """
+    import torch
+
+    if hasattr(torch.cuda, "set_enabled_lms"):
+        return "patched" if hasattr(torch._C, "_cuda_lms_setEnabled") else "extension"
+    if not torch.cuda.is_available():
+        raise LmsUnavailable("no CUDA device: Large Model Support needs a GPU")
+    try:
+        importlib.import_module("torch_lms")
+    except ImportError as first:
+        if str(EXTENSION_DIR) in sys.path or not (EXTENSION_DIR / "torch_lms").is_dir():
+            raise LmsUnavailable(_unavailable_message(first)) from first
+        sys.path.insert(0, str(EXTENSION_DIR))
+        try:
+            importlib.import_module("torch_lms")
+        except ImportError as second:
+            raise LmsUnavailable(_unavailable_message(second)) from second
+    return "extension"
+
+
+def _unavailable_message(error: BaseException) -> str:
+    return (
+        "this PyTorch has no Large Model Support and the torch_lms extension cannot be "
+        f"imported ({error}); build it with `cd extension && python setup.py build_ext "
+        "--inplace` (or `pip install --no-build-isolation --no-deps -e extension`)"
+    )
+
+
+def apply_lms(settings: LmsSettings) -> None:
+    """Sets every LMS knob, then enables or disables LMS.
+
+    Call it before the model and its data are created: only storages created (patched build)
+    or first used (extension) while LMS is enabled are paged out.
+    """
+    import torch
+
+    settings.validate()
+    torch.cuda.set_limit_lms(0 if settings.limit_mb is None else int(settings.limit_mb * MiB))
+    torch.cuda.set_size_lms(MiB if settings.size_mb is None else int(settings.size_mb * MiB))
+    torch.cuda.set_prefetch_lms(settings.prefetch)
+    torch.cuda.set_speculative_lms(int(settings.speculative_mb * MiB))
+    torch.cuda.set_enabled_lms(settings.enabled)
+    torch.cuda.reset_accumulated_lms_stats()
+    torch.cuda.reset_peak_lms_stats()
+
+
+def lms_available() -> bool:
+    import torch
+
+    return hasattr(torch.cuda, "lms_stats")
+
+
+def lms_stats() -> dict[str, Any] | None:
+    """``torch.cuda.lms_stats()`` of the current device, or None without LMS."""
+    import torch
+
+    if not lms_available() or not torch.cuda.is_initialized():
+        return None
+    return dict(torch.cuda.lms_stats())
+
+
+def settle() -> None:
+    """Waits for the device, frees what died and returns cached device (and LMS host) memory."""
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def cap_fraction(cap_bytes: int, total_bytes: int) -> float:
+    """The ``set_per_process_memory_fraction`` value that caps the allocator at ``cap_bytes``."""
+    if cap_bytes <= 0:
+        raise ValueError(f"the memory cap must be positive, got {cap_bytes} bytes")
+    if cap_bytes > total_bytes:
+        raise ValueError(
+            f"the memory cap ({cap_bytes / GiB:.2f} GiB) is above the device's memory "
+            f"({total_bytes / GiB:.2f} GiB)"
+        )
+    return cap_bytes / total_bytes
+
+
+@contextlib.contextmanager
+def memory_cap(cap_bytes: int | None) -> Iterator[None]:
+    """Caps the caching allocator of the current device at ``cap_bytes`` (None: no cap)."""
+    import torch
+
+    if cap_bytes is None:
+        yield
+        return
+    settle()
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap_fraction(cap_bytes, total))
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def is_oom(error: BaseException) -> bool:
+    """Whether an exception means the device ran out of memory (PyTorch's, cuBLAS', cuDNN's)."""
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(
+        marker in text
+        for marker in (
+            "CUDA out of memory",
+            "out of memory",
+            "CUBLAS_STATUS_ALLOC_FAILED",
+            "CUDNN_STATUS_ALLOC_FAILED",
+            "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+        )
+    )
+
+
+def environment() -> dict[str, Any]:
+    """Device, versions and LMS backend, for result files."""
+    import datetime
+    import platform
+
+    import torch
+
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "pytorch_lms_conf": os.environ.get("PYTORCH_LMS_CONF"),
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env["device"] = props.name
+        env["device_memory_bytes"] = props.total_memory
+        env["cudnn"] = torch.backends.cudnn.version()
+    try:
+        import torchvision
+
+        env["torchvision"] = torchvision.__version__
+    except ImportError:
+        env["torchvision"] = None
+    try:
+        env["lms_backend"] = ensure_lms_api()
+    except LmsUnavailable as exc:
+        env["lms_backend"] = f"unavailable: {exc}"
+    return env

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Builds the torch_lms extension against this machine's stock PyTorch (offline, exactly as
+# scripts/gpu/run-regression.sh does) and runs benchmarks/compare.py for one model group.
+#
+#   scripts/gpu/run-benchmarks.sh MODEL [compare.py arguments...]
+#       MODEL: resnet152 | vit_l | gpt; results under $OUT (default: out/benchmarks)
+#
+# Environment: PYTHON (default python3, the interpreter with torch, torchvision, matplotlib),
+# CUDA_HOME (default /usr/local/cuda), MAX_JOBS (parallel compile jobs, default 8),
+# TOTAL_S (whole-script budget in seconds, default 530: the build's time is taken from it and
+# the rest given to compare.py --time-budget-s, so the script ends within ~9 minutes).
+# Writes: run-benchmarks-MODEL.log, build.log, compare-MODEL.csv, compare-MODEL-goals.csv,
+# compare-MODEL.json, compare-MODEL.png.
+set -euo pipefail
+
+if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
+  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  [ $# -ge 1 ] && exit 0 || exit 2
+fi
+MODEL=$1
+shift
+case "$MODEL" in
+  resnet152|vit_l|gpt) ;;
+  *) echo "run-benchmarks.sh: unknown model group '$MODEL' (resnet152, vit_l or gpt)" >&2; exit 2 ;;
+esac
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+OUT=${OUT:-$ROOT/out/benchmarks}
+PY=${PYTHON:-python3}
+TOTAL_S=${TOTAL_S:-530}
+began=$(date +%s)
+mkdir -p "$OUT"
+exec > >(tee "$OUT/run-benchmarks-$MODEL.log") 2>&1
+
+echo "== environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PY" - <<'PY'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())
+for name in ("torchvision", "matplotlib"):
+    try:
+        module = __import__(name)
+        print(name, module.__version__)
+    except ImportError:
+        print(name, "missing")
+PY
+
+echo "== build torch_lms (offline)"
+start=$(date +%s)
+(
+  cd "$ROOT/extension"
+  export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+  export MAX_JOBS=${MAX_JOBS:-8}
+  "$PY" setup.py build_ext --inplace
+) >"$OUT/build.log" 2>&1 || { tail -n 60 "$OUT/build.log"; echo "build failed"; exit 1; }
+echo "built in $(( $(date +%s) - start )) s"
+
+export PYTHONPATH="$ROOT/extension${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+left=$(( TOTAL_S - ($(date +%s) - began) - 30 ))
+if [ "$left" -lt 120 ]; then
+  echo "only $left s left after the build: not enough for a benchmark run" >&2
+  exit 1
+fi
+echo "== benchmarks/compare.py --model $MODEL (time budget $left s)"
+cd "$ROOT"
+set +e
+timeout $(( left + 25 )) "$PY" benchmarks/compare.py --model "$MODEL" --out "$OUT" \
+  --time-budget-s "$left" --search-budget-s $(( left / 2 )) "$@"
+status=$?
+set -e
+if [ "$status" -eq 124 ]; then
+  echo "compare.py ran past its budget and was stopped"
+fi
+exit "$status"

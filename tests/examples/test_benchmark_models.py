@@ -1,0 +1,120 @@
+"""benchmarks/models.py on the CPU: the GPT model, checkpoint wrapping, save_on_cpu counting."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch.nn", reason="needs a torch wheel (the CPU one is enough)")
+import models
+import torch
+from models import GPT, Checkpointed, GPTConfig, SaveOnCpuCounter
+
+SMALL = GPTConfig(vocab=97, seq=16, dim=32, layers=3, heads=4)
+
+
+def grads_after_step(model: torch.nn.Module, workload: models.Workload, batch: int) -> list:
+    inputs, targets = workload.make_batch(batch, torch.device("cpu"), 0)
+    workload.loss(model(inputs), targets).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_gpt_shapes_and_parameter_count() -> None:
+    torch.manual_seed(0)
+    model = GPT(SMALL)
+    idx = torch.randint(0, SMALL.vocab, (2, SMALL.seq))
+    assert model(idx).shape == (2, SMALL.seq, SMALL.vocab)
+    assert sum(p.numel() for p in model.parameters()) == SMALL.parameter_count()
+
+
+@pytest.mark.parametrize(
+    "config", [GPTConfig(dim=30, heads=4), GPTConfig(layers=0), GPTConfig(vocab=0)]
+)
+def test_gpt_config_validation(config: GPTConfig) -> None:
+    with pytest.raises(ValueError):
+        config.validate()
+
+
+def test_gpt_trains() -> None:
+    torch.manual_seed(0)
+    workload = models.gpt_workload(SMALL, batch=4)
+    model = workload.build()
+    optimizer = workload.make_optimizer(model)
+    inputs, targets = workload.make_batch(4, torch.device("cpu"), 0)
+    losses = []
+    for _ in range(15):
+        loss = workload.loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_checkpointing_wraps_every_block_and_keeps_gradients() -> None:
+    workload = models.gpt_workload(SMALL, batch=2)
+    torch.manual_seed(0)
+    plain = workload.build()
+    torch.manual_seed(0)
+    wrapped = workload.build()
+    assert workload.checkpoint(wrapped) == SMALL.layers
+    assert all(isinstance(b, Checkpointed) for b in wrapped.blocks)
+    assert workload.checkpoint(wrapped) == SMALL.layers  # idempotent: no double wrapping
+    assert not isinstance(wrapped.blocks[0].inner, Checkpointed)
+    for a, b in zip(grads_after_step(plain, workload, 2), grads_after_step(wrapped, workload, 2)):
+        torch.testing.assert_close(a, b)
+
+
+def test_checkpointed_block_keeps_fewer_saved_tensors() -> None:
+    torch.manual_seed(0)
+    block = models.Block(32, 4)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    counts = []
+    for module in (block, Checkpointed(block)):
+        counter = SaveOnCpuCounter(pin_memory=True)
+        with counter.context():
+            module(x).sum().backward()
+        counts.append(counter.out_count)
+    assert counts[1] < counts[0]
+
+
+def test_save_on_cpu_counter_counts_saved_bytes() -> None:
+    w = torch.randn(64, 32, requires_grad=True)
+    x = torch.randn(16, 64)
+    counter = SaveOnCpuCounter(pin_memory=True)
+    with counter.context():
+        y = (x @ w).relu()  # saves x (w's gradient needs it) and relu's result
+    loss = y.sum()
+    assert counter.out_count == 2
+    assert counter.out_bytes == (x.numel() + y.numel()) * 4
+    assert counter.in_bytes == 0
+    loss.backward()
+    assert counter.in_count == counter.out_count
+    assert counter.in_bytes == counter.out_bytes
+    reference = (x @ w.detach().requires_grad_()).relu()
+    assert torch.equal(reference, y.detach())
+
+
+def test_image_workloads_need_torchvision_only_when_built() -> None:
+    workload = models.resnet152_workload(image_size=64, classes=10, batch=2)
+    images, labels = workload.make_batch(2, torch.device("cpu"), 0)
+    assert images.shape == (2, 3, 64, 64) and labels.shape == (2,)
+    with pytest.raises(ValueError, match="divisible by 16"):
+        models.vit_l_workload(image_size=100)
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match="needs torchvision"):
+            workload.build()
+    except Exception as exc:  # a torchvision that does not match this torch
+        pytest.skip(f"torchvision does not import here: {exc}")
+    else:
+        model = workload.build()
+        assert workload.checkpoint(model) == 3 + 8 + 36 + 3
+
+
+def test_make_optimizer() -> None:
+    model = torch.nn.Linear(2, 2)
+    assert isinstance(models.make_optimizer(model, "sgd"), torch.optim.SGD)
+    assert isinstance(models.make_optimizer(model, "adamw"), torch.optim.AdamW)
+    with pytest.raises(ValueError):
+        models.make_optimizer(model, "lion")

@@ -1,0 +1,125 @@
+"""The GPU paths of the examples and benchmarks: a tiny real run of each (GPU machine only)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+try:
+    import torch.cuda
+
+    _CUDA = torch.cuda.is_available()
+except ImportError:  # no torch (a folder named torch on the path is not one)
+    _CUDA = False
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU (and a CUDA build of torch)"),
+]
+
+
+def _lms_or_skip() -> None:
+    from _lms_setup import LmsUnavailable, ensure_lms_api
+
+    try:
+        ensure_lms_api()
+    except LmsUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "extension"), *filter(None, [env.get("PYTHONPATH")])]
+    )
+    return env
+
+
+def test_bandwidth_measurement_is_plausible() -> None:
+    import compare
+
+    bw = compare.measure_bandwidth(64 << 20, repeats=2)
+    for value in (bw.d2h, bw.h2d, bw.bidirectional):
+        assert 1e9 < value < 1e12
+
+
+def test_manymodel_trains_with_lms_and_writes_stats(tmp_path: Path) -> None:
+    pytest.importorskip("torchvision", reason="ManyModel.py trains torchvision models")
+    _lms_or_skip()
+    csv_path = tmp_path / "stats.csv"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "examples/ManyModel.py"),
+            "resnet18",
+            "--batch-size",
+            "8",
+            "--image-size",
+            "64",
+            "--iterations",
+            "3",
+            "--warmup",
+            "1",
+            "--lms",
+            "--limit-mb",
+            "64",
+            "--stats-csv",
+            str(csv_path),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    import lmsstats
+
+    rows = lmsstats.read_csv(csv_path)
+    assert len(rows) == 3
+    assert sum(r["pageout_bytes"] for r in rows) > 0
+
+
+def test_compare_probe_fits_and_runs_out_of_memory() -> None:
+    base = [
+        sys.executable,
+        str(REPO / "benchmarks/compare.py"),
+        "--model",
+        "gpt",
+        "--gpt-layers",
+        "2",
+        "--gpt-dim",
+        "256",
+        "--gpt-heads",
+        "4",
+        "--gpt-seq",
+        "128",
+        "--gpt-vocab",
+        "1024",
+        "--probe-iterations",
+        "1",
+    ]
+    fits = subprocess.run(
+        [*base, "--probe-batch", "2", "--probe-cap-bytes", str(4 << 30)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        check=False,
+    )
+    assert fits.returncode == 0, fits.stdout + fits.stderr
+    oom = subprocess.run(
+        [*base, "--probe-batch", "4096", "--probe-cap-bytes", str(256 << 20)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=300,
+        check=False,
+    )
+    assert oom.returncode == 3, oom.stdout + oom.stderr

@@ -1,0 +1,101 @@
+"""benchmarks/summarize.py: markdown tables from compare.py's CSVs, README section upkeep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import compare
+import pytest
+import summarize
+from compare import Bandwidth, Measurement, evaluate_goals, fill_roofline
+
+REPO = Path(__file__).resolve().parents[2]
+ENV = {
+    "device": "Fake GPU",
+    "torch": "9.9",
+    "cuda": "13.0",
+    "lms_backend": "extension",
+    "date": "2030-01-01T00:00:00+00:00",
+}
+
+
+def write_results(folder: Path, model: str) -> None:
+    rows = [
+        Measurement(model, "baseline", None, None, 8, iteration_times=[0.1]),
+        Measurement(
+            model,
+            "lms",
+            2.0,
+            4 << 30,
+            8,
+            iteration_times=[0.3],
+            out_bytes_per_iter=5e9,
+            in_bytes_per_iter=5e9,
+            largest_batch=50,
+        ),
+        Measurement(model, "no_lms", 2.0, 4 << 30, 3, iteration_times=[0.04], largest_batch=3),
+    ]
+    for m in rows:
+        m.finish_timing()
+    fill_roofline(rows, 0.1 / 8, Bandwidth(50e9, 50e9, 100e9))
+    goals = evaluate_goals(rows, [2.0])
+    folder.mkdir(parents=True, exist_ok=True)
+    compare.write_csv(
+        folder / f"compare-{model}.csv",
+        compare.MEASUREMENT_COLUMNS,
+        [compare.measurement_record(m) for m in rows],
+        ENV,
+    )
+    compare.write_csv(
+        folder / f"compare-{model}-goals.csv",
+        compare.GOAL_COLUMNS,
+        [compare.goal_record(model, g) for g in goals],
+        ENV,
+    )
+
+
+def test_without_results_says_nothing_was_measured(tmp_path: Path) -> None:
+    text = summarize.summary(tmp_path / "missing")
+    assert text.startswith("No GPU results have been measured yet.")
+    assert "|" not in text
+
+
+def test_tables_in_model_order(tmp_path: Path) -> None:
+    write_results(tmp_path, "gpt")
+    write_results(tmp_path, "resnet152")
+    text = summarize.summary(tmp_path, "benchmarks/results/compare")
+    assert "benchmarks/results/compare" in text
+    assert text.index("| resnet152 | baseline") < text.index("| gpt | baseline")
+    assert "| Fake GPU | 9.9 | 13.0 |" in text
+    assert "### Goals" in text and "| largest_batch_ratio | 2x | 16.67x | >= 10x | yes |" in text
+
+
+def test_readme_section_rewrite_and_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\n{summarize.BEGIN}\nold\n{summarize.END}\n\nafter\n")
+    results = tmp_path / "results"
+    assert summarize.main(["--results", str(results), "--readme", str(readme), "--check"]) == 1
+    assert summarize.main(["--results", str(results), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old" not in text and "No GPU results have been measured yet." in text
+    assert text.startswith("# Title\n") and text.endswith("\nafter\n")
+    assert summarize.main(["--results", str(results), "--readme", str(readme), "--check"]) == 0
+    write_results(results, "vit_l")
+    assert summarize.main(["--results", str(results), "--readme", str(readme), "--check"]) == 1
+    assert "stale" in capsys.readouterr().err
+
+
+def test_missing_markers_and_bad_csv(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("no markers\n")
+    assert summarize.main(["--results", str(tmp_path), "--readme", str(readme)]) == 2
+    (tmp_path / "compare-gpt.csv").write_text("a,b\n1,2\n")
+    assert summarize.main(["--results", str(tmp_path)]) == 2
+
+
+def test_committed_readme_is_up_to_date() -> None:
+    """benchmarks/README.md's generated section matches the committed CSVs (regenerate it with
+    `python benchmarks/summarize.py --readme benchmarks/README.md`)."""
+    assert summarize.main(["--readme", str(REPO / "benchmarks/README.md"), "--check"]) == 0
