@@ -11,12 +11,12 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <limits>
 #include <memory>
 #include <mutex>
-#include <sstream>
 #include <vector>
 
 namespace c10::cuda::lms {
@@ -1329,30 +1329,32 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
       ++reclaimable_count;
     }
   }
+  // snprintf rather than a stream: a locale-dependent stream in a process
+  // that mixes C++ runtimes (the drop-in extension) must not be what turns an
+  // out-of-memory error into a crash.
   auto mib = [](int64_t bytes) {
-    std::ostringstream os;
-    os.precision(2);
-    os << std::fixed << static_cast<double>(bytes) / kMiB << " MiB";
-    return os.str();
+    char text[32];
+    std::snprintf(
+        text, sizeof(text), "%.2f MiB", static_cast<double>(bytes) / kMiB);
+    return std::string(text);
   };
-  std::ostringstream os;
-  os << "CUDA out of memory with Large Model Support. Tried to allocate "
-     << mib(static_cast<int64_t>(size)) << " on device " << int(device)
-     << " after paging out every reclaimable storage. "
-     << mib(static_cast<int64_t>(allocated))
-     << " is allocated to tensors: " << mib(s.active_bytes.current)
-     << " pinned by the running operator(s), "
-     << mib(s.inactive_bytes.current) << " inactive (" << reclaimable_count
-     << " storages below the LMS size threshold of "
-     << mib(static_cast<int64_t>(g_size_threshold.load()))
-     << " or without pinned host memory to page to), the rest too small or "
-        "not yet used by an operator. LMS limit "
-     << mib(static_cast<int64_t>(limit)) << "; "
-     << mib(s.pagedout_bytes.current) << " paged out to host. "
-     << "The working set of one operator must fit on the device: reduce the "
-        "batch size or the operator's size, or lower the size threshold with "
-        "torch.cuda.set_size_lms().";
-  return os.str();
+  return "CUDA out of memory with Large Model Support. Tried to allocate " +
+      mib(static_cast<int64_t>(size)) + " on device " +
+      std::to_string(int(device)) +
+      " after paging out every reclaimable storage. " +
+      mib(static_cast<int64_t>(allocated)) + " is allocated to tensors: " +
+      mib(s.active_bytes.current) + " pinned by the running operator(s), " +
+      mib(s.inactive_bytes.current) + " inactive (" +
+      std::to_string(reclaimable_count) +
+      " storages below the LMS size threshold of " +
+      mib(static_cast<int64_t>(g_size_threshold.load())) +
+      " or without pinned host memory to page to), the rest too small or "
+      "not yet used by an operator. LMS limit " +
+      mib(static_cast<int64_t>(limit)) + "; " +
+      mib(s.pagedout_bytes.current) +
+      " paged out to host. The working set of one operator must fit on the "
+      "device: reduce the batch size or the operator's size, or lower the "
+      "size threshold with torch.cuda.set_size_lms().";
 }
 
 } // namespace c10::cuda::lms

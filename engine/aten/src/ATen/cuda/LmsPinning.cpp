@@ -141,6 +141,26 @@ bool isOperator(const at::RecordFunction& fn) {
   return fn.operator_name().has_value();
 }
 
+// RecordFunction only logs what a start callback throws, so say it where
+// Python users see it: which operator's inputs did not fit, and why.
+void warnPinFailure(const at::RecordFunction& fn) {
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    TORCH_WARN(
+        "Large Model Support: the inputs of ",
+        fn.name(),
+        " could not all be made resident; the operator runs without them and "
+        "fails. ",
+        e.what());
+  } catch (...) {
+    TORCH_WARN(
+        "Large Model Support: the inputs of ",
+        fn.name(),
+        " could not all be made resident (unknown error)");
+  }
+}
+
 std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   if (!isOperator(fn)) {
     return nullptr;
@@ -184,6 +204,7 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
     // the operator's raw data access pages it in (patched builds) and raises
     // the out-of-memory error to the caller if it still cannot fit.
     unpinAll(context->pinned);
+    warnPinFailure(fn);
     throw;
   }
   if (context->pinned.empty()) {
