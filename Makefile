@@ -34,6 +34,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
+	scripts/install-test-torch.sh $(PY)
 	@touch $@
 
 venv: $(VENV)/.installed ## create .venv with the tooling and test dependencies
