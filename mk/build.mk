@@ -29,12 +29,12 @@ LMS_BUILD_ARGS = $(TAG) --work $(WORK) \
 	$(if $(filter 1 yes true,$(PREFLIGHT)),--preflight)
 
 .PHONY: build channel recipe-render
-build:
+build: venv ## check out, patch, build wheel + conda package, run the regression suite (DRY_RUN=1: plan only)
 	$(PY) -m lmstool build $(LMS_BUILD_ARGS)
 
-channel:
+channel: venv ## index the private conda channel (CHANNEL=...)
 	$(PY) -m lmstool channel index $(CHANNEL)
 
-recipe-render:
+recipe-render: venv ## render the conda recipe for ARCH/CUDA/PYTHON
 	$(PY) -m lmstool recipe render $(if $(TAG),--tag $(TAG)) --arch $(or $(ARCH),x86_64) \
 		--python $(or $(PYTHON),3.11) --cuda $(or $(CUDA),12.6)

@@ -38,7 +38,8 @@ def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, **kwargs)  # type: ignore[call-overload]
     if proc.returncode != 0:
         raise AssertionError(
-            f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-8000:]}\n{proc.stderr[-8000:]}"
+            f"{' '.join(cmd)} exited {proc.returncode}\n"
+            f"{proc.stdout[-8000:]}\n{proc.stderr[-8000:]}"
         )
     return proc
 

@@ -1,0 +1,26 @@
+# Engine tiers (see README, "Verification ladder"):
+#   make engine                  T1: patched c10 + c10_cuda of TAG built on the simulated GPU,
+#                                engine suite and simgpu tests run (RUNTIME=real on a GPU host)
+#   make ppc64le                 the same cross-built for ppc64le and run under qemu-user
+#   make gpu-engine|gpu-regression|gpu-benchmarks MODEL=...
+#                                T2/T3 on a machine with a GPU (results under OUT)
+RUNTIME ?= sim
+MODEL ?= gpt
+OUT ?= out
+
+.PHONY: engine ppc64le gpu-engine gpu-regression gpu-benchmarks
+
+engine: patch ## build TAG's patched c10/c10_cuda (RUNTIME=sim|real) and run the engine suite
+	standalone/build.sh --source $(TREE) --build $(WORK)/engine-$(RUNTIME) --runtime $(RUNTIME) --test
+
+ppc64le: patch ## cross-build the patched c10/c10_cuda and engine suite for ppc64le, run under qemu
+	standalone/cross-ppc64le.sh --source $(TREE) --build $(WORK)/engine-ppc64le
+
+gpu-engine: ## on a GPU host: engine suite and copy benchmark on the real GPU (needs .carry/)
+	OUT=$(abspath $(OUT))/engine scripts/gpu/run-engine.sh
+
+gpu-regression: ## on a GPU host: build the drop-in extension, run tests/regression
+	OUT=$(abspath $(OUT))/regression scripts/gpu/run-regression.sh
+
+gpu-benchmarks: ## on a GPU host: compare LMS with the alternatives for MODEL=gpt|resnet152|vit_l
+	OUT=$(abspath $(OUT))/benchmarks scripts/gpu/run-benchmarks.sh $(MODEL)
