@@ -81,13 +81,3 @@ def sim_build(patched_tree: Path) -> Path:
         timeout=3600,
     )
     return build
-
-
-def executable(build: Path, name: str) -> Path:
-    for candidate in (build / name, build / "bin" / name):
-        if candidate.is_file():
-            return candidate
-    found = sorted(build.rglob(name))
-    if not found:
-        raise AssertionError(f"{name} was not built in {build}")
-    return found[0]

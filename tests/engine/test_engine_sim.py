@@ -10,9 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import executable
-
 pytestmark = pytest.mark.slow
+
+
+def executable(build: Path, name: str) -> Path:
+    for candidate in (build / name, build / "bin" / name):
+        if candidate.is_file():
+            return candidate
+    found = sorted(build.rglob(name))
+    if not found:
+        raise AssertionError(f"{name} was not built in {build}")
+    return found[0]
+
 
 SUMMARY = re.compile(r"^(\d+) passed, (\d+) failed(?:, (\d+) skipped)?$", re.M)
 
