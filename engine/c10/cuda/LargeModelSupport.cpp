@@ -599,6 +599,30 @@ void* allocateDevice(DeviceEngine& e, size_t size, cudaStream_t stream) {
 // Page-in and prefetch
 // ---------------------------------------------------------------------------
 
+// After the host-to-device copy of `r` into `ptr` was queued on `copied_on`:
+// the host buffer goes back to the pool once the copy has read it, and the
+// record points at its new memory, which belongs to `alloc_stream`'s pool and
+// holds the contents once `device_ready` is reached.
+void finishPageIn(
+    DeviceEngine& e,
+    Record& r,
+    void* ptr,
+    cudaStream_t alloc_stream,
+    cudaStream_t copied_on) {
+  cudaEvent_t read = e.events.get(/*timing=*/false);
+  C10_CUDA_CHECK(cudaEventRecord(read, copied_on));
+  hostPool().release(r.host, read, e.device);
+  cudaEvent_t ready = e.events.get(/*timing=*/false);
+  C10_CUDA_CHECK(cudaEventRecord(ready, copied_on));
+  e.events.put(r.host_ready);
+  r.host_ready = nullptr;
+  r.host = HostBuffer{};
+  r.device_ptr = ptr;
+  r.device_ready = ready;
+  r.stream = alloc_stream;
+  r.stream_known = true;
+}
+
 // Brings a busy, paged-out record back to the device on `stream`. The engine
 // lock is not held.
 void pageIn(DeviceEngine& e, Record& r, cudaStream_t stream) {
@@ -612,19 +636,7 @@ void pageIn(DeviceEngine& e, Record& r, cudaStream_t stream) {
   cudaEvent_t end = e.events.get(/*timing=*/true);
   C10_CUDA_CHECK(cudaEventRecord(end, stream));
   addStall(e, start, end);
-  // The host buffer is reusable once the copy has read it.
-  cudaEvent_t read = e.events.get(/*timing=*/false);
-  C10_CUDA_CHECK(cudaEventRecord(read, stream));
-  hostPool().release(r.host, read, e.device);
-  cudaEvent_t ready = e.events.get(/*timing=*/false);
-  C10_CUDA_CHECK(cudaEventRecord(ready, stream));
-  e.events.put(r.host_ready);
-  r.host_ready = nullptr;
-  r.host = HostBuffer{};
-  r.device_ptr = ptr;
-  r.device_ready = ready;
-  r.stream = stream;
-  r.stream_known = true;
+  finishPageIn(e, r, ptr, stream, stream);
 }
 
 // Starts paging in `r` on the copy stream, into memory allocated on `stream`,
@@ -649,19 +661,10 @@ bool prefetchOne(DeviceEngine& e, Record& r, cudaStream_t stream) {
   C10_CUDA_CHECK(cudaEventRecord(ev, stream));
   C10_CUDA_CHECK(cudaStreamWaitEvent(copy, ev, 0));
   C10_CUDA_CHECK(cudaStreamWaitEvent(copy, r.host_ready, 0));
+  e.events.put(ev);
   C10_CUDA_CHECK(cudaMemcpyAsync(
       ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, copy));
-  C10_CUDA_CHECK(cudaEventRecord(ev, copy));
-  hostPool().release(r.host, ev, e.device);
-  cudaEvent_t ready = e.events.get(/*timing=*/false);
-  C10_CUDA_CHECK(cudaEventRecord(ready, copy));
-  e.events.put(r.host_ready);
-  r.host_ready = nullptr;
-  r.host = HostBuffer{};
-  r.device_ptr = ptr;
-  r.device_ready = ready;
-  r.stream = stream;
-  r.stream_known = true;
+  finishPageIn(e, r, ptr, stream, copy);
   addUser(r, copy);
   return true;
 }
