@@ -11,7 +11,7 @@ OUT ?= out
 .PHONY: engine ppc64le gpu-engine gpu-regression gpu-benchmarks
 
 engine: patch ## build TAG's patched c10/c10_cuda (RUNTIME=sim|real) and run the engine suite
-	standalone/build.sh --source $(TREE) --build $(WORK)/engine-$(RUNTIME) --runtime $(RUNTIME) --test
+	PYTHON=$(PY) standalone/build.sh --source $(TREE) --build $(WORK)/engine-$(RUNTIME) --runtime $(RUNTIME) --test
 
 ppc64le: patch ## cross-build the patched c10/c10_cuda and engine suite for ppc64le, run under qemu
 	standalone/cross-ppc64le.sh --source $(TREE) --build $(WORK)/engine-ppc64le

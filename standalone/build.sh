@@ -134,6 +134,26 @@ if [[ -n "$carry" ]]; then
   fi
 fi
 
+# nvml.h: the carry folder above, else the CUDA toolkit, else the nvidia-nvml-dev wheel in
+# the Python environment ($PYTHON, default python3).
+if ! printf '%s\n' "${args[@]}" | grep -q '^-DNVML_INCLUDE_DIR=' &&
+   [[ ! -f "${CUDA_HOME:-/usr/local/cuda}/include/nvml.h" ]]; then
+  nvml_dir="$("${PYTHON:-python3}" - 2>/dev/null <<'PY' || true
+import glob
+import os
+import sys
+
+for base in sys.path:
+    for header in sorted(glob.glob(os.path.join(base, "nvidia", "*", "include", "nvml.h"))):
+        print(os.path.dirname(header))
+        sys.exit()
+PY
+)"
+  if [[ -n "$nvml_dir" ]]; then
+    args+=(-DNVML_INCLUDE_DIR="$nvml_dir")
+  fi
+fi
+
 if [[ -n "$overlay" ]]; then
   args+=(-DLMS_ENGINE_OVERLAY="$(cd "$overlay" && pwd)")
 fi

@@ -31,6 +31,13 @@ def missing_build_tools() -> list[str]:
         missing.append(f"CUDA toolkit headers in {cuda_home}/include")
     if not Path("/usr/include/fmt/format.h").is_file() and not (REPO / ".carry").is_dir():
         missing.append("libfmt-dev (or a .carry folder from scripts/prepare-carry.sh)")
+    nvml = (cuda_home / "include" / "nvml.h").is_file() or any(
+        next((Path(base) / "nvidia").glob("*/include/nvml.h"), None) is not None
+        for base in sys.path
+        if base
+    )
+    if not nvml and not (REPO / ".carry" / "nvml").is_dir():
+        missing.append("nvml.h (pip install nvidia-nvml-dev)")
     return missing
 
 
@@ -79,5 +86,7 @@ def sim_build(patched_tree: Path) -> Path:
             "sim",
         ],
         timeout=3600,
+        # nvml.h may come from the nvidia-nvml-dev wheel in this environment.
+        env={**os.environ, "PYTHON": sys.executable},
     )
     return build
