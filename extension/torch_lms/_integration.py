@@ -217,7 +217,11 @@ def _expandable_segments_with_lms(binding: ModuleType) -> None:
 
     def _cuda_lms_setEnabled(enable: bool) -> None:
         if enable and not _user_chose_expandable_segments():
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+            # Newer releases move the setter to the accelerator-generic API.
+            setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+            if setter is None:
+                setter = torch.cuda.memory._set_allocator_settings
+            setter("expandable_segments:True")
         set_enabled(enable)
 
     binding._cuda_lms_setEnabled = _cuda_lms_setEnabled
