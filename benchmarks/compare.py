@@ -53,7 +53,16 @@ for _path in (HERE, HERE.parent / "examples"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from _lms_setup import EXIT_OOM, GiB, LmsSettings, MiB  # noqa: E402
+from _lms_setup import (  # noqa: E402
+    EXIT_OOM,
+    GiB,
+    LmsSettings,
+    MiB,
+    fraction,
+    nonneg_int,
+    positive_float,
+    positive_int,
+)
 from _search import (  # noqa: E402
     Outcome,
     Probe,
@@ -612,34 +621,6 @@ def parse_factors(text: str) -> list[float]:
     return sorted(set(factors))
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="compare.py",
@@ -657,28 +638,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--batch",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="batch B of the uncapped and capped runs (default: per model: "
         "resnet152 8, vit_l 32, gpt 8)",
     )
     parser.add_argument(
         "--image-size",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="image size (default: resnet152 512, vit_l 224)",
     )
     parser.add_argument(
-        "--classes", type=_positive_int, default=1000, help="classes of the image models"
+        "--classes", type=positive_int, default=1000, help="classes of the image models"
     )
     parser.add_argument(
-        "--vit-layers", type=_positive_int, default=24, help="ViT-L encoder layers (24: full depth)"
+        "--vit-layers", type=positive_int, default=24, help="ViT-L encoder layers (24: full depth)"
     )
-    parser.add_argument("--gpt-layers", type=_positive_int, default=24, help="GPT layers")
-    parser.add_argument("--gpt-dim", type=_positive_int, default=1024, help="GPT width")
-    parser.add_argument("--gpt-heads", type=_positive_int, default=16, help="GPT attention heads")
-    parser.add_argument("--gpt-seq", type=_positive_int, default=1024, help="GPT sequence length")
-    parser.add_argument("--gpt-vocab", type=_positive_int, default=32768, help="GPT vocabulary")
+    parser.add_argument("--gpt-layers", type=positive_int, default=24, help="GPT layers")
+    parser.add_argument("--gpt-dim", type=positive_int, default=1024, help="GPT width")
+    parser.add_argument("--gpt-heads", type=positive_int, default=16, help="GPT attention heads")
+    parser.add_argument("--gpt-seq", type=positive_int, default=1024, help="GPT sequence length")
+    parser.add_argument("--gpt-vocab", type=positive_int, default=32768, help="GPT vocabulary")
     parser.add_argument(
         "--optimizer",
         choices=("sgd", "adamw"),
@@ -689,13 +670,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--amp", action="store_true", help="bf16 autocast (default fp32 with TF32 matmuls)"
     )
     parser.add_argument(
-        "--warmup", type=_nonneg_int, default=3, help="untimed iterations per measurement"
+        "--warmup", type=nonneg_int, default=3, help="untimed iterations per measurement"
     )
     parser.add_argument(
-        "--iterations", type=_positive_int, default=5, help="timed iterations per measurement"
+        "--iterations", type=positive_int, default=5, help="timed iterations per measurement"
     )
     parser.add_argument(
-        "--lms-limit-frac", type=_fraction, default=0.8, help="LMS limit as a share of the cap"
+        "--lms-limit-frac", type=fraction, default=0.8, help="LMS limit as a share of the cap"
     )
     parser.add_argument(
         "--size-mb",
@@ -703,23 +684,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="LMS size threshold in MiB (default: the build's)",
     )
-    parser.add_argument("--prefetch", type=_nonneg_int, default=0, help="LMS prefetch depth")
+    parser.add_argument("--prefetch", type=nonneg_int, default=0, help="LMS prefetch depth")
     parser.add_argument(
         "--speculative-mb",
-        type=_nonneg_int,
+        type=nonneg_int,
         default=0,
         help="LMS speculative page-out margin in MiB",
     )
     parser.add_argument(
         "--oom-retries",
-        type=_nonneg_int,
+        type=nonneg_int,
         default=0,
         help="retries of a step that ran out of memory with LMS on (the drop-in "
         "extension cannot retry inside an operator; counted in the results)",
     )
     parser.add_argument(
         "--bandwidth-mib",
-        type=_positive_int,
+        type=positive_int,
         default=1024,
         help="size of each copy of the bandwidth measurement",
     )
@@ -731,7 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--search-budget-s",
-        type=_positive_float,
+        type=positive_float,
         default=240.0,
         help="time for all batch searches together",
     )
@@ -743,32 +724,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--probe-iterations",
-        type=_positive_int,
+        type=positive_int,
         default=2,
         help="training iterations per search probe",
     )
     parser.add_argument(
         "--probe-timeout-s",
-        type=_positive_float,
+        type=positive_float,
         default=90.0,
         help="a probe running longer counts as not trainable",
     )
     parser.add_argument(
         "--host-budget-gib",
-        type=_positive_float,
+        type=positive_float,
         default=96.0,
         help="pinned host memory LMS may use: bounds the LMS batch search",
     )
     parser.add_argument(
         "--time-budget-s",
-        type=_positive_float,
+        type=positive_float,
         default=500.0,
         help="stop starting measurements after this long (what is left is reported as skipped)",
     )
     # Internal: one search probe, run by the search in a subprocess.
-    parser.add_argument("--probe-batch", type=_positive_int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-batch", type=positive_int, default=None, help=argparse.SUPPRESS)
     parser.add_argument(
-        "--probe-cap-bytes", type=_positive_int, default=None, help=argparse.SUPPRESS
+        "--probe-cap-bytes", type=positive_int, default=None, help=argparse.SUPPRESS
     )
     parser.add_argument("--probe-lms", action="store_true", help=argparse.SUPPRESS)
     return parser

@@ -31,38 +31,19 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _lms_setup import EXIT_OOM, GiB, LmsSettings, LmsUnavailable
+from _lms_setup import (
+    EXIT_OOM,
+    GiB,
+    LmsSettings,
+    LmsUnavailable,
+    nonneg_float,
+    nonneg_int,
+    positive_float,
+    positive_int,
+)
 from _search import SearchResult, find_largest, python_command, subprocess_probe
 
 SEARCH_DEFAULT_MAX = {"batch": 4096, "image-size": 8192}
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _nonneg_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def _nonneg_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,12 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--list-models", action="store_true", help="print the available model names and exit"
     )
     data = parser.add_argument_group("training")
-    data.add_argument("--batch-size", type=_positive_int, default=32, help="images per batch")
-    data.add_argument("--image-size", type=_positive_int, default=224, help="image side, pixels")
-    data.add_argument("--num-classes", type=_positive_int, default=1000, help="classes")
-    data.add_argument("--iterations", type=_positive_int, default=10, help="training iterations")
+    data.add_argument("--batch-size", type=positive_int, default=32, help="images per batch")
+    data.add_argument("--image-size", type=positive_int, default=224, help="image side, pixels")
+    data.add_argument("--num-classes", type=positive_int, default=1000, help="classes")
+    data.add_argument("--iterations", type=positive_int, default=10, help="training iterations")
     data.add_argument(
-        "--warmup", type=_nonneg_int, default=2, help="first iterations left out of the mean time"
+        "--warmup", type=nonneg_int, default=2, help="first iterations left out of the mean time"
     )
     data.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd", help="optimizer")
     data.add_argument("--amp", action="store_true", help="bf16 autocast")
@@ -98,31 +79,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     lms.add_argument(
         "--limit-mb",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="LMS limit in MiB (default: the build's, 95%% of free memory; the "
         "extension also lowers it to the --memory-cap-gb cap)",
     )
     lms.add_argument(
         "--size-mb",
-        type=_nonneg_float,
+        type=nonneg_float,
         default=None,
         help="smallest storage LMS pages out, MiB (default: the build's, 1 MiB)",
     )
-    lms.add_argument("--prefetch", type=_nonneg_int, default=0, help="LMS prefetch depth")
+    lms.add_argument("--prefetch", type=nonneg_int, default=0, help="LMS prefetch depth")
     lms.add_argument(
-        "--speculative-mb", type=_nonneg_int, default=0, help="LMS speculative page-out margin, MiB"
+        "--speculative-mb", type=nonneg_int, default=0, help="LMS speculative page-out margin, MiB"
     )
     lms.add_argument(
         "--oom-retries",
-        type=_nonneg_int,
+        type=nonneg_int,
         default=0,
         help="retry a step that ran out of memory this many times in all (with "
         "the drop-in extension an operator cannot retry by itself)",
     )
     parser.add_argument(
         "--memory-cap-gb",
-        type=_positive_float,
+        type=positive_float,
         default=None,
         help="cap the caching allocator at this many GiB "
         "(torch.cuda.set_per_process_memory_fraction)",
@@ -148,24 +129,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     search.add_argument(
         "--search-start",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="first value tried (default: --batch-size or --image-size)",
     )
     search.add_argument(
         "--search-max",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="largest value tried (default: 4096 images or 8192 pixels)",
     )
     search.add_argument(
         "--size-step",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="image sizes searched are multiples of this (e.g. 32, or the patch size of a ViT)",
     )
     search.add_argument(
-        "--search-iterations", type=_positive_int, default=2, help="iterations each probe trains"
+        "--search-iterations", type=positive_int, default=2, help="iterations each probe trains"
     )
     search.add_argument(
         "--search-tolerance",
@@ -175,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     search.add_argument(
         "--probe-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=300.0,
         help="seconds; a slower probe counts as not trainable",
     )

@@ -10,6 +10,7 @@ helpers work without it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import importlib
@@ -215,3 +216,39 @@ def environment() -> dict[str, Any]:
     except LmsUnavailable as exc:
         env["lms_backend"] = f"unavailable: {exc}"
     return env
+
+
+# argparse value types shared by the example and benchmark CLIs.
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def nonneg_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def nonneg_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
