@@ -27,28 +27,10 @@ namespace {
 
 namespace lms = c10::cuda::lms;
 
-size_t checkedBytes(int64_t bytes, const char* what) {
-  TORCH_CHECK_VALUE(
-      bytes >= 0,
-      "Large Model Support: ",
-      what,
-      " must be a non-negative number of bytes, got ",
-      bytes);
-  return static_cast<size_t>(bytes);
-}
-
 c10::DeviceIndex checkedDevice(int64_t device) {
   // Like torch.cuda.memory_stats(): statistics need an initialized allocator.
   torch::utils::device_lazy_init(at::kCUDA);
-  const int64_t count = c10::cuda::device_count();
-  TORCH_CHECK_VALUE(
-      device >= 0 && device < count,
-      "Large Model Support: invalid CUDA device index ",
-      device,
-      " (",
-      count,
-      " CUDA device(s) visible)");
-  return static_cast<c10::DeviceIndex>(device);
+  return torch::cuda::lms::checkedDevice(device);
 }
 
 // Enabling needs the allocator hooks that make adoption safe (its trace of
@@ -119,7 +101,7 @@ void releaseCachedHostMemory() {
 }
 
 void setHeadroomBytes(int64_t bytes) {
-  setHeadroom(checkedBytes(bytes, "the reclaim headroom"));
+  setHeadroom(torch::cuda::lms::checkedBytes(bytes, "the reclaim headroom"));
 }
 
 int64_t getHeadroomBytes() {

@@ -77,6 +77,8 @@ def test_vision_transformer(record: Callable[[str, Any], None]) -> None:
     )
 
 
+# A GPT of its own rather than benchmarks/models.py's: that one uses scaled_dot_product_attention
+# for speed, whose backward is not deterministic, and this suite compares gradients bit for bit.
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()

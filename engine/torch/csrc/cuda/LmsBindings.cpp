@@ -21,31 +21,6 @@ namespace {
 namespace py = pybind11;
 namespace engine = c10::cuda::lms;
 
-// The Python layer (torch/cuda/lms.py) validates arguments with friendlier
-// messages; these checks keep direct callers of the bindings from reaching
-// the engine with out-of-range values.
-c10::DeviceIndex checkedDevice(int64_t device) {
-  const int64_t count = c10::cuda::device_count();
-  TORCH_CHECK_VALUE(
-      device >= 0 && device < count,
-      "Large Model Support: invalid CUDA device index ",
-      device,
-      " (",
-      count,
-      " CUDA device(s) visible)");
-  return static_cast<c10::DeviceIndex>(device);
-}
-
-size_t checkedBytes(int64_t bytes, const char* what) {
-  TORCH_CHECK_VALUE(
-      bytes >= 0,
-      "Large Model Support: ",
-      what,
-      " must be a non-negative number of bytes, got ",
-      bytes);
-  return static_cast<size_t>(bytes);
-}
-
 int64_t asInt(size_t bytes) {
   return static_cast<int64_t>(bytes);
 }
@@ -144,6 +119,31 @@ void access(const at::Tensor& tensor) {
 }
 
 } // namespace
+
+// The Python layer (torch/cuda/lms.py) validates arguments with friendlier
+// messages; these checks keep direct callers of the bindings from reaching
+// the engine with out-of-range values.
+c10::DeviceIndex checkedDevice(int64_t device) {
+  const int64_t count = c10::cuda::device_count();
+  TORCH_CHECK_VALUE(
+      device >= 0 && device < count,
+      "Large Model Support: invalid CUDA device index ",
+      device,
+      " (",
+      count,
+      " CUDA device(s) visible)");
+  return static_cast<c10::DeviceIndex>(device);
+}
+
+size_t checkedBytes(int64_t bytes, const char* what) {
+  TORCH_CHECK_VALUE(
+      bytes >= 0,
+      "Large Model Support: ",
+      what,
+      " must be a non-negative number of bytes, got ",
+      bytes);
+  return static_cast<size_t>(bytes);
+}
 
 py::dict statsToDict(const engine::LmsStats& stats) {
   py::dict dict;

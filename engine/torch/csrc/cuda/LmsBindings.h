@@ -17,6 +17,11 @@ namespace torch::cuda::lms {
 // reports "lms.pageout_bytes", "lms.host_bytes.current", ...
 pybind11::dict statsToDict(const c10::cuda::lms::LmsStats& stats);
 
+// Argument checks of the bindings (ValueError with an LMS message); shared
+// with bindings that wrap these ones, such as the drop-in extension's.
+c10::DeviceIndex checkedDevice(int64_t device);
+size_t checkedBytes(int64_t bytes, const char* what);
+
 // Adds the _cuda_lms_* functions to `module`.
 void initLmsBindings(PyObject* module);
 
