@@ -1,6 +1,6 @@
 // torch_lms._C: the torch._C Large Model Support bindings of a patched build
-// (the shared torch/csrc/cuda/LmsBindings.cpp), adapted to a stock PyTorch
-// wheel whose caching allocator LMS cannot patch.
+// (the shared torch/csrc/cuda/LmsBindings.cpp), on a stock PyTorch wheel whose
+// caching allocator sits behind the LMS allocator (StockAllocatorBackend.h).
 
 #include "StockAllocatorBackend.h"
 
@@ -33,8 +33,8 @@ c10::DeviceIndex checkedDevice(int64_t device) {
   return torch::cuda::lms::checkedDevice(device);
 }
 
-// Enabling needs the allocator hooks that make adoption safe (its trace of
-// private pools, the out-of-memory observer), which need CUDA initialized.
+// Enabling needs the allocator hook that makes adoption safe (its trace of
+// private pools), which needs CUDA initialized.
 void setEnabled(bool enabled) {
   if (enabled) {
     torch::utils::device_lazy_init(at::kCUDA);
@@ -84,34 +84,6 @@ void accessRaw(py::handle obj) {
   lms::access(*storage);
 }
 
-// Tensor.record_stream on a storage LMS adopted: the stock allocator ignores
-// DataPtrs it does not own, so the engine records the stream itself.
-void recordStream(py::handle obj, int64_t stream) {
-  c10::intrusive_ptr<c10::StorageImpl> storage = storageOf(obj.ptr());
-  if (!storage) {
-    return;
-  }
-  lms::recordStream(
-      storage->_mutable_data_ptr_no_checks(),
-      reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)));
-}
-
-void releaseCachedHostMemory() {
-  lms::releaseCachedHostMemory();
-}
-
-void setHeadroomBytes(int64_t bytes) {
-  setHeadroom(torch::cuda::lms::checkedBytes(bytes, "the reclaim headroom"));
-}
-
-int64_t getHeadroomBytes() {
-  return static_cast<int64_t>(getHeadroom());
-}
-
-int64_t getEffectiveLimit(int64_t device) {
-  return static_cast<int64_t>(effectiveLimit(checkedDevice(device)));
-}
-
 // Replaces a binding of the shared set (m.def would add an overload that is
 // tried after the original).
 template <typename F>
@@ -129,9 +101,10 @@ PYBIND11_MODULE(_C, m) {
   using namespace torch_lms;
   m.doc() =
       "Large Model Support for a stock PyTorch wheel: the torch._C LMS "
-      "bindings of a patched build, on the unmodified CUDA caching allocator.";
+      "bindings of a patched build, with an LMS allocator in front of the "
+      "unmodified CUDA caching allocator.";
 
-  installBackend();
+  installAllocator();
   applyEnvironmentConfig();
 
   torch::cuda::lms::initLmsBindings(m.ptr());
@@ -140,15 +113,4 @@ PYBIND11_MODULE(_C, m) {
 
   // The extension's own functions (not part of the torch._C contract).
   m.def("_torch_lms_access", torch::wrap_pybind_function(&accessRaw));
-  m.def("_torch_lms_recordStream", torch::wrap_pybind_function(&recordStream));
-  m.def(
-      "_torch_lms_releaseCachedHostMemory",
-      torch::wrap_pybind_function_no_gil(&releaseCachedHostMemory));
-  m.def(
-      "_torch_lms_setHeadroom", torch::wrap_pybind_function(&setHeadroomBytes));
-  m.def(
-      "_torch_lms_getHeadroom", torch::wrap_pybind_function(&getHeadroomBytes));
-  m.def(
-      "_torch_lms_effectiveLimit",
-      torch::wrap_pybind_function(&getEffectiveLimit));
 }

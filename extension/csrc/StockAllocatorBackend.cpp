@@ -8,17 +8,24 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/LargeModelSupport.h>
 #include <c10/util/Exception.h>
+#include <torch/headeronly/version.h>
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <string>
-#include <string_view>
 #include <unordered_set>
+
+// The CUDAAllocator interface grows between releases; the LMS allocator
+// forwards every virtual of the release it is built against, so a new
+// method's default (often "not supported") never hides the stock one.
+#define TORCH_LMS_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) ||            \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 namespace torch_lms {
 
@@ -26,14 +33,6 @@ namespace {
 
 namespace alloc = c10::cuda::CUDACachingAllocator;
 namespace lms = c10::cuda::lms;
-
-constexpr size_t kMiB = 1024 * 1024;
-// Reclaims triggered by a free-list miss keep this much below the limit
-// unless lms_headroom_mb says otherwise: a miss does not tell the size of
-// the request, so the next few allocations of an operator need room.
-constexpr size_t kDefaultHeadroom = 256 * kMiB;
-
-std::atomic<size_t> g_headroom{kDefaultHeadroom};
 
 size_t statCurrent(const c10::CachingDeviceAllocator::StatArray& stat) {
   const int64_t current =
@@ -45,12 +44,10 @@ size_t statCurrent(const c10::CachingDeviceAllocator::StatArray& stat) {
 // Device memory LMS must never adopt and move: blocks the caching allocator
 // handed out into a private pool (CUDA graph pools, torch.cuda.MemPool),
 // which the stock allocator reveals only through its trace, and memory used
-// during CUDA graph capture. A captured graph bakes in these addresses.
+// during CUDA graph capture. A captured graph bakes in these addresses. Only
+// storages allocated before LMS took the allocation path are ever adopted.
 class PrivatePoolTracker {
  public:
-  // Memory an operator used during CUDA graph capture: the graph bakes in
-  // its address, so it must never be adopted afterwards. Forgotten when the
-  // allocator frees it.
   void addGraphUsed(const void* ptr) {
     std::lock_guard<std::mutex> lock(mutex_);
     ptrs_.insert(reinterpret_cast<size_t>(ptr));
@@ -99,34 +96,41 @@ bool captureUnderway(c10::DeviceIndex device) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+// The engine's access to device memory: the stock caching allocator itself,
+// never the LMS allocator in front of it (which would call the engine back).
 class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
  public:
+  explicit StockAllocatorBackend(alloc::CUDAAllocator* stock)
+      : stock_(stock) {}
+
   void* malloc(c10::DeviceIndex device, size_t size, cudaStream_t stream)
       override {
-    // raw_alloc_with_stream allocates on the current device; it throws
-    // c10::OutOfMemoryError when even an emptied cache cannot serve `size`.
+    // raw_alloc_with_stream allocates on the current device. It throws
+    // c10::OutOfMemoryError once its free list, a new segment and releasing
+    // its cached blocks (which gives them back to other processes too) have
+    // all failed; the engine then pages out and retries.
     c10::cuda::CUDAGuard guard(device);
-    return alloc::raw_alloc_with_stream(size, stream);
+    return stock_->raw_alloc_with_stream(size, stream);
   }
 
   void free(void* ptr) override {
-    alloc::raw_delete(ptr);
+    stock_->raw_delete(ptr);
   }
 
   c10::DataPtr makeDataPtr(void* ptr, c10::DeviceIndex device) override {
     return {
         ptr,
         ptr,
-        alloc::get()->raw_deleter(),
+        stock_->raw_deleter(),
         c10::Device(c10::DeviceType::CUDA, device)};
   }
 
   size_t allocatedBytes(c10::DeviceIndex device) override {
-    return statCurrent(alloc::getDeviceStats(device).allocated_bytes);
+    return statCurrent(stock_->getDeviceStats(device).allocated_bytes);
   }
 
   size_t reservedBytes(c10::DeviceIndex device) override {
-    return statCurrent(alloc::getDeviceStats(device).reserved_bytes);
+    return statCurrent(stock_->getDeviceStats(device).reserved_bytes);
   }
 
   void freeAfter(void* ptr, c10::DeviceIndex device, cudaStream_t stream)
@@ -139,18 +143,18 @@ class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
     c10::cuda::CUDAGuard guard(device);
     c10::DataPtr data_ptr = makeDataPtr(ptr, device);
     try {
-      alloc::recordStream(
+      stock_->recordStream(
           data_ptr, c10::cuda::getStreamFromExternal(stream, device));
     } catch (...) {
       (void)data_ptr.release_context();
       throw;
     }
     (void)data_ptr.release_context();
-    alloc::raw_delete(ptr);
+    stock_->raw_delete(ptr);
   }
 
   bool adoptable(const c10::DataPtr& data_ptr) override {
-    if (data_ptr.get_deleter() != alloc::get()->raw_deleter() ||
+    if (data_ptr.get_deleter() != stock_->raw_deleter() ||
         !g_hooks_attached.load()) {
       return false;
     }
@@ -162,46 +166,359 @@ class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
     }
     return !privatePools().contains(data_ptr.get());
   }
+
+  // Under torch.cuda.set_per_process_memory_fraction the stock allocator
+  // refuses to reserve more than that share of the device: the LMS limit
+  // stays within it, so reclaims happen before the allocator fails.
+  size_t capacityBytes(c10::DeviceIndex device) override {
+    const double fraction = stock_->getMemoryFraction(device);
+    if (!(fraction > 0.0 && fraction < 1.0)) {
+      return SIZE_MAX;
+    }
+    return static_cast<size_t>(
+        fraction * static_cast<double>(deviceTotal(device)));
+  }
+
+ private:
+  size_t deviceTotal(c10::DeviceIndex device) {
+    TORCH_CHECK(
+        device >= 0 && device < static_cast<c10::DeviceIndex>(totals_.size()),
+        "torch_lms: CUDA device index ",
+        static_cast<int>(device),
+        " is out of range");
+    size_t total = totals_[device].load(std::memory_order_relaxed);
+    if (total == 0) {
+      c10::cuda::CUDAGuard guard(device);
+      size_t free_bytes = 0;
+      C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+      totals_[device].store(total, std::memory_order_relaxed);
+    }
+    return total;
+  }
+
+  alloc::CUDAAllocator* stock_;
+  std::array<std::atomic<size_t>, C10_COMPILE_TIME_MAX_GPUS> totals_{};
 };
 
-// Called by the caching allocator, under its own (recursive) lock, whenever
-// its free list cannot serve a request. Pages out inactive storages until
-// the bytes allocated to tensors are `headroom` below the limit.
-class LmsFreeMemoryCallback final : public c10::FreeMemoryCallback {
+// The allocator PyTorch calls. It is what a pluggable allocator would be,
+// except that it keeps the stock caching allocator underneath: statistics,
+// snapshots, empty_cache, record_stream, CUDA graph pools, MemPool, IPC and
+// expandable segments all stay the stock allocator's.
+class LmsAllocator final : public alloc::CUDAAllocator {
  public:
-  bool Execute() override {
-    if (!lms::isEnabled() || lms::getBackend() == nullptr) {
-      return false;
+  explicit LmsAllocator(alloc::CUDAAllocator* stock) : stock_(stock) {}
+
+  alloc::CUDAAllocator* stock() const {
+    return stock_;
+  }
+
+  // --- The allocation path --------------------------------------------------
+
+  c10::DataPtr allocate(size_t size) override {
+    if (!lms::isEnabled() || size == 0) {
+      return stock_->allocate(size);
     }
-    try {
-      const c10::DeviceIndex device = c10::cuda::current_device();
-      if (captureUnderway(device)) {
-        return false; // a page-out copy cannot join a capture
-      }
-      return makeHeadroom(device) > 0;
-    } catch (const std::exception& e) {
-      // The allocator goes on to cudaMalloc and, failing that, raises its
-      // own out-of-memory error; a callback must not throw through it.
-      TORCH_WARN_ONCE(
-          "Large Model Support: reclaim on allocation failed: ", e.what());
-      return false;
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    if (routedToPool(device)) {
+      return stock_->allocate(size); // private pool: never paged
+    }
+    return lms::allocate(
+        device, size, c10::cuda::getCurrentCUDAStream(device).stream());
+  }
+
+  void* raw_alloc(size_t size) override {
+    return raw_alloc_with_stream(
+        size, c10::cuda::getCurrentCUDAStream().stream());
+  }
+
+  void* raw_alloc_with_stream(size_t size, cudaStream_t stream) override {
+    // Workspaces (cuBLAS, cuDNN, NCCL) are never paged out, but they need
+    // room like any tensor: the engine reclaims for them and retries.
+    if (!lms::isEnabled() || size == 0) {
+      return stock_->raw_alloc_with_stream(size, stream);
+    }
+    const c10::DeviceIndex device = c10::cuda::current_device();
+    if (routedToPool(device)) {
+      return stock_->raw_alloc_with_stream(size, stream);
+    }
+    return lms::allocateRaw(device, size, stream);
+  }
+
+  void raw_delete(void* ptr) override {
+    stock_->raw_delete(ptr);
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override {
+    return stock_->raw_deleter();
+  }
+
+  bool is_simple_data_ptr(const c10::DataPtr& data_ptr) const override {
+    return !lms::isManaged(data_ptr) && stock_->is_simple_data_ptr(data_ptr);
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count)
+      const override {
+    stock_->copy_data(dest, src, count);
+  }
+
+  using alloc::CUDAAllocator::recordStream;
+  void recordStream(const c10::DataPtr& ptr, c10::cuda::CUDAStream stream)
+      override {
+    if (lms::isManaged(ptr)) {
+      // The stock allocator does not know LMS DataPtrs: the engine orders a
+      // page-out, and the reuse of freed memory, after the stream.
+      lms::recordStream(ptr, stream.stream());
+      return;
+    }
+    stock_->recordStream(ptr, stream);
+  }
+
+  void emptyCache(c10::MempoolId_t mempool_id) override {
+    stock_->emptyCache(mempool_id);
+    if (mempool_id.first == 0 && mempool_id.second == 0) {
+      lms::releaseCachedHostMemory();
     }
   }
+
+  // Private pools (CUDA graphs, MemPool): while allocations of a device are
+  // routed into one, LMS leaves that device's allocations alone.
+  void beginAllocateToPool(
+      c10::DeviceIndex device,
+      c10::MempoolId_t mempool_id,
+      std::function<bool(cudaStream_t)> filter) override {
+    stock_->beginAllocateToPool(device, mempool_id, std::move(filter));
+    poolRouting(device).fetch_add(1);
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id)
+      override {
+    stock_->endAllocateToPool(device, mempool_id);
+    poolRouting(device).fetch_sub(1);
+  }
+
+  // --- Forwarded unchanged ----------------------------------------------------
+
+  void init(int device_count) override {
+    stock_->init(device_count);
+  }
+  bool initialized() override {
+    return stock_->initialized();
+  }
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    return stock_->getMemoryFraction(device);
+  }
+  void setMemoryFraction(double fraction, c10::DeviceIndex device) override {
+    stock_->setMemoryFraction(fraction, device);
+  }
+  std::vector<alloc::StreamSegmentSize> getExpandableSegmentSizes(
+      c10::DeviceIndex device) override {
+    return stock_->getExpandableSegmentSizes(device);
+  }
+  void enable(bool value) override {
+    stock_->enable(value);
+  }
+  bool isEnabled() const override {
+    return stock_->isEnabled();
+  }
+  void cacheInfo(c10::DeviceIndex device, size_t* largestBlock) override {
+    stock_->cacheInfo(device, largestBlock);
+  }
+  void* getBaseAllocation(void* ptr, size_t* size) override {
+    return stock_->getBaseAllocation(ptr, size);
+  }
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(
+      c10::DeviceIndex device) override {
+    return stock_->getDeviceStats(device);
+  }
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    stock_->resetAccumulatedStats(device);
+  }
+  void resetPeakStats(c10::DeviceIndex device) override {
+    stock_->resetPeakStats(device);
+  }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
+    return stock_->getMemoryInfo(device);
+  }
+  alloc::SnapshotInfo snapshot(
+      c10::MempoolId_t mempool_id,
+      bool include_traces) override {
+    return stock_->snapshot(mempool_id, include_traces);
+  }
+  void releasePool(c10::DeviceIndex device, c10::MempoolId_t mempool_id)
+      override {
+    stock_->releasePool(device, mempool_id);
+  }
+  int getPoolUseCount(c10::DeviceIndex device, c10::MempoolId_t mempool_id)
+      override {
+    return stock_->getPoolUseCount(device, mempool_id);
+  }
+  void createOrIncrefPool(
+      c10::DeviceIndex device,
+      c10::MempoolId_t mempool_id,
+      std::shared_ptr<alloc::CUDAAllocator> allocator) override {
+    stock_->createOrIncrefPool(device, mempool_id, std::move(allocator));
+  }
+  void setUseOnOOM(
+      c10::DeviceIndex device,
+      c10::MempoolId_t mempool_id,
+      bool use_on_oom) override {
+    stock_->setUseOnOOM(device, mempool_id, use_on_oom);
+  }
+  void setNoSplit(c10::DeviceIndex device, c10::MempoolId_t mempool_id)
+      override {
+    stock_->setNoSplit(device, mempool_id);
+  }
+  bool checkPoolLiveAllocations(
+      c10::DeviceIndex device,
+      c10::MempoolId_t mempool_id,
+      const std::unordered_set<void*>& expected_live_allocations) override {
+    return stock_->checkPoolLiveAllocations(
+        device, mempool_id, expected_live_allocations);
+  }
+  alloc::ShareableHandle shareIpcHandle(void* ptr) override {
+    return stock_->shareIpcHandle(ptr);
+  }
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    return stock_->getIpcDevPtr(std::move(handle));
+  }
+  bool isHistoryEnabled() override {
+    return stock_->isHistoryEnabled();
+  }
+  void recordHistory(
+      bool enabled,
+      alloc::CreateContextFn context_recorder,
+      size_t alloc_trace_max_entries,
+      alloc::RecordContext when,
+      bool clearHistory,
+      const std::vector<std::string>& skip_actions) override {
+    stock_->recordHistory(
+        enabled,
+        context_recorder,
+        alloc_trace_max_entries,
+        when,
+        clearHistory,
+        skip_actions);
+  }
+  void recordAnnotation(
+      const std::vector<std::pair<std::string, std::string>>& md) override {
+    stock_->recordAnnotation(md);
+  }
+  void pushCompileContext(std::string& md) override {
+    stock_->pushCompileContext(md);
+  }
+  void popCompileContext() override {
+    stock_->popCompileContext();
+  }
+  void setUserMetadata(const std::string& metadata) override {
+    stock_->setUserMetadata(metadata);
+  }
+  std::string getUserMetadata() override {
+    return stock_->getUserMetadata();
+  }
+  void attachOutOfMemoryObserver(alloc::OutOfMemoryObserver observer)
+      override {
+    stock_->attachOutOfMemoryObserver(std::move(observer));
+  }
+  void attachAllocatorTraceTracker(alloc::AllocatorTraceTracker tracker)
+      override {
+    stock_->attachAllocatorTraceTracker(std::move(tracker));
+  }
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access)
+      override {
+    stock_->enablePeerAccess(dev, dev_to_access);
+  }
+  cudaError_t memcpyAsync(
+      void* dst,
+      int dstDevice,
+      const void* src,
+      int srcDevice,
+      size_t count,
+      cudaStream_t stream,
+      bool p2p_enabled) override {
+    return stock_->memcpyAsync(
+        dst, dstDevice, src, srcDevice, count, stream, p2p_enabled);
+  }
+  std::shared_ptr<alloc::AllocatorState> getCheckpointState(
+      c10::DeviceIndex device,
+      c10::MempoolId_t id) override {
+    return stock_->getCheckpointState(device, id);
+  }
+  alloc::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex device,
+      std::shared_ptr<alloc::AllocatorState> pps) override {
+    return stock_->setCheckpointPoolState(device, std::move(pps));
+  }
+  // The stock name ("native", "cudaMallocAsync"): code that asks which
+  // backend is in use must get the same answer with LMS.
+  std::string name() override {
+    return stock_->name();
+  }
+
+#if TORCH_LMS_TORCH_AT_LEAST(2, 12)
+  std::shared_ptr<c10::GatheredContext> getContextForPointer(
+      const void* ptr) override {
+    return stock_->getContextForPointer(ptr);
+  }
+  void attachOomRejectionObserver(alloc::OomRejectionObserver observer)
+      override {
+    stock_->attachOomRejectionObserver(std::move(observer));
+  }
+#endif
+#if TORCH_LMS_TORCH_AT_LEAST(2, 13)
+  void markCaptureBegin(c10::DeviceIndex device) override {
+    stock_->markCaptureBegin(device);
+  }
+  void markCaptureEnd(c10::DeviceIndex device) override {
+    stock_->markCaptureEnd(device);
+  }
+  c10::DataPtr allocateWithAddress(size_t size, void* addr) override {
+    return stock_->allocateWithAddress(size, addr);
+  }
+#endif
+
+ private:
+  std::atomic<int>& poolRouting(c10::DeviceIndex device) {
+    TORCH_CHECK(
+        device >= 0 && device < static_cast<c10::DeviceIndex>(routing_.size()),
+        "torch_lms: CUDA device index ",
+        static_cast<int>(device),
+        " is out of range");
+    return routing_[device];
+  }
+
+  bool routedToPool(c10::DeviceIndex device) {
+    return poolRouting(device).load(std::memory_order_relaxed) > 0;
+  }
+
+  alloc::CUDAAllocator* stock_;
+  std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> routing_{};
 };
 
 } // namespace
 
-void installBackend() {
-  // Never destroyed: storage deleters may run during static destruction.
-  static auto* backend = new StockAllocatorBackend();
-  if (lms::getBackend() == nullptr) {
+void installAllocator() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    alloc::CUDAAllocator* stock = alloc::allocator.load();
+    TORCH_CHECK(
+        stock != nullptr,
+        "torch_lms: this PyTorch has no CUDA caching allocator to build on");
+    TORCH_CHECK(
+        lms::getBackend() == nullptr,
+        "torch_lms: another Large Model Support backend is already "
+        "installed; is this PyTorch built with LMS? Use its torch.cuda LMS "
+        "API instead of torch_lms.");
+    // Never destroyed: storage deleters may run during static destruction.
+    static auto* backend = new StockAllocatorBackend(stock);
+    static auto* allocator = new LmsAllocator(stock);
     lms::setBackend(backend);
-  }
-  TORCH_CHECK(
-      lms::getBackend() == backend,
-      "torch_lms: another Large Model Support backend is already installed; "
-      "is this PyTorch built with LMS? Use its torch.cuda LMS API instead of "
-      "torch_lms.");
+    // Where PyTorch's pluggable-allocator mechanism installs an allocator:
+    // the CUDA allocator pointer, and c10's registry (c10::GetAllocator,
+    // torch.accelerator). Memory the stock allocator handed out before keeps
+    // its stock deleter and returns to it directly.
+    alloc::allocator.store(allocator);
+    c10::SetAllocator(c10::DeviceType::CUDA, allocator, /*priority=*/255);
+  });
 }
 
 void attachAllocatorHooks() {
@@ -209,150 +526,15 @@ void attachAllocatorHooks() {
   std::call_once(once, [] {
     alloc::attachAllocatorTraceTracker(
         [](const alloc::TraceEntry& entry) { privatePools().onTrace(entry); });
-    // After an out-of-memory error inside an operator, make room for a retry
-    // of the same request and keep that much headroom from now on.
-    alloc::attachOutOfMemoryObserver([](int64_t device,
-                                        size_t /*allocated*/,
-                                        size_t /*device_total*/,
-                                        size_t /*device_free*/) {
-      if (!lms::isEnabled()) {
-        return;
-      }
-      try {
-        const auto index = static_cast<c10::DeviceIndex>(device);
-        if (captureUnderway(index)) {
-          return;
-        }
-        const size_t limit = effectiveLimit(index);
-        const size_t headroom = g_headroom.load();
-        const size_t grown = std::min(limit / 4, headroom * 2);
-        if (grown > headroom) {
-          g_headroom.store(grown);
-        }
-        (void)makeHeadroom(index);
-      } catch (const std::exception& e) {
-        TORCH_WARN_ONCE(
-            "Large Model Support: reclaim after out-of-memory failed: ",
-            e.what());
-      }
-    });
     g_hooks_attached.store(true);
   });
 }
 
-void setHeadroom(size_t bytes) {
-  g_headroom.store(bytes);
-}
-
-size_t getHeadroom() {
-  return g_headroom.load();
-}
-
-size_t effectiveLimit(c10::DeviceIndex device) {
-  size_t limit = lms::getLimit(device);
-  const double fraction = alloc::get()->getMemoryFraction(device);
-  if (fraction > 0.0 && fraction < 1.0) {
-    c10::cuda::CUDAGuard guard(device);
-    size_t free_bytes = 0;
-    size_t total_bytes = 0;
-    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    const auto capped =
-        static_cast<size_t>(fraction * static_cast<double>(total_bytes));
-    limit = std::min(limit, capped);
-  }
-  return limit;
-}
-
-size_t makeHeadroom(c10::DeviceIndex device) {
-  lms::DeviceMemoryBackend* backend = lms::getBackend();
-  TORCH_CHECK(
-      backend != nullptr,
-      "torch_lms: the LMS backend is not installed; import torch_lms first");
-  const size_t headroom = g_headroom.load();
-  // Allocated bytes against the LMS limit...
-  const size_t limit = effectiveLimit(device);
-  const size_t allocated = backend->allocatedBytes(device);
-  size_t excess = allocated + headroom > limit ? allocated + headroom - limit : 0;
-  // ...and, under a memory-fraction cap, reserved bytes against the cap: a
-  // request the cached segments cannot serve needs a new segment, which the
-  // cap refuses once fragmentation has used it up. Paging out inactive
-  // storages frees space inside the segments for the free list instead.
-  const double fraction = alloc::get()->getMemoryFraction(device);
-  if (fraction > 0.0 && fraction < 1.0) {
-    size_t free_bytes = 0;
-    size_t total_bytes = 0;
-    {
-      c10::cuda::CUDAGuard guard(device);
-      C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    }
-    const auto cap =
-        static_cast<size_t>(fraction * static_cast<double>(total_bytes));
-    const size_t reserved = backend->reservedBytes(device);
-    if (reserved + headroom > cap) {
-      excess = std::max(excess, reserved + headroom - cap);
-    }
-  }
-  return excess == 0 ? 0 : lms::reclaimBytes(device, excess);
-}
-
-size_t reclaimDownTo(c10::DeviceIndex device, size_t target) {
-  lms::DeviceMemoryBackend* backend = lms::getBackend();
-  TORCH_CHECK(
-      backend != nullptr,
-      "torch_lms: the LMS backend is not installed; import torch_lms first");
-  const size_t before = backend->allocatedBytes(device);
-  if (before <= target) {
-    return 0;
-  }
-  // The engine pages out least-recently-used inactive storages totalling at
-  // least the excess (counted as a limit-triggered reclaim).
-  (void)lms::reclaimBytes(device, before - target);
-  const size_t after = backend->allocatedBytes(device);
-  return before > after ? before - after : 0;
-}
-
 void applyEnvironmentConfig() {
-  const char* conf = std::getenv("PYTORCH_LMS_CONF");
-  if (conf == nullptr) {
-    return;
-  }
-  lms::parseConfig(conf);
-  // The extension's own key, same syntax.
-  std::string_view rest(conf);
-  while (!rest.empty()) {
-    const size_t comma = rest.find(',');
-    std::string_view item = rest.substr(0, comma);
-    rest = comma == std::string_view::npos ? std::string_view()
-                                           : rest.substr(comma + 1);
-    const size_t colon = item.find(':');
-    if (colon == std::string_view::npos) {
-      continue;
-    }
-    std::string key(item.substr(0, colon));
-    std::string value(item.substr(colon + 1));
-    key.erase(0, key.find_first_not_of(' '));
-    key.erase(key.find_last_not_of(' ') + 1);
-    if (key != "lms_headroom_mb") {
-      continue;
-    }
-    char* end = nullptr;
-    const double mib = std::strtod(value.c_str(), &end);
-    TORCH_CHECK(
-        end != value.c_str() && *end == '\0' && mib >= 0,
-        "PYTORCH_LMS_CONF: lms_headroom_mb expects a non-negative number of "
-        "MiB, got '",
-        value,
-        "'");
-    setHeadroom(static_cast<size_t>(mib * kMiB));
-  }
+  lms::parseConfig(
+      std::getenv("PYTORCH_LMS_CONF"),
+      /*only_lms_keys=*/true,
+      "PYTORCH_LMS_CONF");
 }
 
 } // namespace torch_lms
-
-namespace c10 {
-// The caching allocator runs every registered callback when its free list
-// misses, before it asks the device for more memory.
-REGISTER_FREE_MEMORY_CALLBACK(
-    LargeModelSupportReclaim,
-    torch_lms::LmsFreeMemoryCallback);
-} // namespace c10

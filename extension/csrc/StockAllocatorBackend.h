@@ -1,46 +1,29 @@
 #pragma once
 
-// LMS on a stock PyTorch wheel: the engine's DeviceMemoryBackend implemented
-// on top of the unmodified CUDA caching allocator, plus the reclaim triggers
-// the stock allocator offers to extensions (free-memory callbacks and
-// out-of-memory observers).
+// LMS on a stock PyTorch wheel. The extension owns the allocation path the
+// way PyTorch's pluggable allocators do: an LMS CUDAAllocator is installed at
+// c10::cuda::CUDACachingAllocator::allocator (and in c10's allocator registry)
+// and forwards everything to the stock caching allocator, except that every
+// allocation goes through the LMS engine first (limit trigger, reclaim and
+// retry when the device allocation fails, LMS-managed DataPtrs). The engine's
+// DeviceMemoryBackend talks to the stock allocator directly.
 
 #include <c10/core/Device.h>
 
-#include <cstddef>
-
 namespace torch_lms {
 
-// Installs the backend into the engine (c10::cuda::lms::setBackend). Safe to
-// call more than once; does not initialize CUDA.
-void installBackend();
+// Installs the LMS allocator in front of the stock caching allocator and the
+// engine's backend on top of it. Safe to call more than once; does not
+// initialize CUDA.
+void installAllocator();
 
-// Hooks that need an initialized caching allocator (allocation tracing, the
-// out-of-memory observer). Called once CUDA is initialized and LMS is first
-// turned on; idempotent.
+// Hooks that need an initialized caching allocator (allocation tracing, which
+// tells which memory sits in private pools). Called once CUDA is initialized
+// and LMS is first turned on; idempotent.
 void attachAllocatorHooks();
 
-// Bytes kept free below the limit by reclaims that run when the caching
-// allocator's free list misses (the request's size is unknown there).
-void setHeadroom(size_t bytes);
-size_t getHeadroom();
-
-// The limit the free-memory callback enforces on `device`: the engine's LMS
-// limit, lowered to the allocator's per-process memory fraction if that is
-// smaller.
-size_t effectiveLimit(c10::DeviceIndex device);
-
-// Pages out least-recently-used inactive storages of `device` until the bytes
-// allocated to tensors are at most `target`. Returns the bytes freed.
-// Pages out inactive storages until the bytes allocated to tensors are the
-// headroom below the limit and, under a memory-fraction cap, the reserved
-// bytes are the headroom below the cap. Returns the bytes freed.
-size_t makeHeadroom(c10::DeviceIndex device);
-
-size_t reclaimDownTo(c10::DeviceIndex device, size_t target);
-
 // Applies PYTORCH_LMS_CONF (same syntax and keys as the patched build's
-// PYTORCH_CUDA_ALLOC_CONF LMS options, plus lms_headroom_mb).
+// PYTORCH_CUDA_ALLOC_CONF LMS options).
 void applyEnvironmentConfig();
 
 } // namespace torch_lms

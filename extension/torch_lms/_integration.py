@@ -1,7 +1,8 @@
 """Installs the Large Model Support API into a stock ``torch.cuda``.
 
 A patched build has these hooks in its own sources; on a stock wheel they are put in place
-here, at import time:
+here, at import time (the allocation path itself, ``empty_cache`` and ``record_stream`` go
+through the LMS allocator that ``torch_lms._C`` installs in front of the caching allocator):
 
 * the public functions of ``torch/cuda/lms.py`` become attributes of ``torch.cuda``;
 * ``torch.cuda.memory_stats()`` gains ``lms.*`` keys and ``torch.cuda.memory_summary()`` an
@@ -10,9 +11,6 @@ here, at import time:
   in before returning its address (a patched build does this in ``StorageImpl``), so code that
   launches kernels itself from Python, such as Triton kernels of ``torch.compile``, sees
   resident memory;
-* ``torch.cuda.empty_cache()`` also frees the pinned host buffers LMS keeps cached;
-* ``torch.Tensor.record_stream`` also tells LMS about the stream (the stock allocator ignores
-  storages LMS has adopted);
 * Inductor's C++ static CUDA launcher, which reads tensor addresses without
   ``Tensor.data_ptr``, is turned off so compiled kernels launch through Triton's launcher;
 * ``torch.cuda.CUDAGraph.capture_begin`` refuses to start a capture while storages of the
@@ -126,30 +124,6 @@ def _wrap_data_ptr(binding: ModuleType) -> None:
     torch.UntypedStorage.data_ptr = untyped_storage_data_ptr  # type: ignore[method-assign]
 
 
-def _wrap_empty_cache(binding: ModuleType) -> None:
-    original: Callable[[], None] = torch.cuda.memory.empty_cache
-
-    @functools.wraps(original)
-    def empty_cache() -> None:
-        original()
-        binding._torch_lms_releaseCachedHostMemory()
-
-    torch.cuda.memory.empty_cache = empty_cache
-    torch.cuda.empty_cache = empty_cache
-
-
-def _wrap_record_stream(binding: ModuleType) -> None:
-    original = torch.Tensor.record_stream
-
-    @functools.wraps(original)
-    def record_stream(self: torch.Tensor, stream: torch.Stream) -> None:
-        original(self, stream)
-        if self.is_cuda:
-            binding._torch_lms_recordStream(self, torch.cuda.Stream(stream).cuda_stream)
-
-    torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
-
-
 def _use_triton_launcher() -> None:
     try:
         import torch._inductor.config as inductor_config
@@ -245,13 +219,11 @@ def install(binding: ModuleType, api: ModuleType) -> None:
     _wrap_memory_stats(binding)
     _wrap_memory_summary(binding, api)
     _wrap_data_ptr(binding)
-    _wrap_empty_cache(binding)
-    _wrap_record_stream(binding)
     _use_triton_launcher()
     _guard_graph_capture(binding)
     _expandable_segments_with_lms(binding)
     # LMS enabled through PYTORCH_LMS_CONF: finish what enabling through the API does
-    # (initialize CUDA, attach the allocator hooks that adoption needs).
+    # (initialize CUDA, attach the allocator hook that adoption needs).
     if binding._cuda_lms_getEnabled():
         binding._cuda_lms_setEnabled(True)
     _installed = True

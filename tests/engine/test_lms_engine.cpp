@@ -21,6 +21,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -181,6 +183,16 @@ bool matches(c10::StorageImpl& s, uint64_t seed) {
   C10_CUDA_CHECK(cudaStreamSynchronize(stream()));
   lms::unpin(s);
   return std::memcmp(got.data(), expected.data(), s.nbytes()) == 0;
+}
+
+// An out-of-memory error as the engine would raise it.
+std::exception_ptr oomError(const char* message) {
+  try {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, message);
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
 }
 
 lms::StorageState state(const StoragePtr& s) {
@@ -563,6 +575,131 @@ TEST_CASE(pinned_working_set_too_large_gives_lms_oom) {
     }
     pinned.clear();
     cca::setMemoryFraction(1.0, 0);
+  }
+  env.checkBaseline();
+}
+
+// A paged-out storage's address is its pinned host copy, which unified
+// addressing makes valid on the device: code that reads it without going
+// through LMS sees the contents instead of freed device memory.
+TEST_CASE(paged_out_storage_points_at_its_host_copy) {
+  Env env(64 * kMiB);
+  {
+    auto s = newStorage(2 * kMiB);
+    write(*s, 11);
+    const void* resident = s->_mutable_data_ptr_no_checks().get();
+    lms::reclaimInactive(0);
+    REQUIRE(state(s) == lms::StorageState::PagedOut);
+    const void* paged_out = s->_mutable_data_ptr_no_checks().get();
+    REQUIRE(paged_out != nullptr);
+    CHECK(paged_out != resident);
+    C10_CUDA_CHECK(cudaDeviceSynchronize()); // the page-out copy is done
+    CHECK(std::memcmp(paged_out, pattern(2 * kMiB, 11).data(), 2 * kMiB) == 0);
+    CHECK(matches(*s, 11)); // and it pages back in
+    CHECK(s->_mutable_data_ptr_no_checks().get() != paged_out);
+  }
+  env.checkBaseline();
+}
+
+// An operator whose inputs did not all fit runs on the host copy of those
+// left out: what it writes there is what the next page-in brings back.
+TEST_CASE(host_use_of_a_paged_out_storage_is_ordered_and_kept) {
+  Env env(64 * kMiB);
+  {
+    auto s = newStorage(2 * kMiB);
+    write(*s, 21);
+    lms::reclaimInactive(0);
+    REQUIRE(state(s) == lms::StorageState::PagedOut);
+    lms::beginHostUse(*s);
+    void* host = s->_mutable_data_ptr_no_checks().get();
+    const auto fresh = pattern(2 * kMiB, 22);
+    C10_CUDA_CHECK(cudaMemcpyAsync(
+        host, fresh.data(), 2 * kMiB, cudaMemcpyDefault, stream()));
+    lms::endHostUse(*s);
+    CHECK(state(s) == lms::StorageState::PagedOut);
+    CHECK(matches(*s, 22));
+    // Resident and unmanaged storages are left alone.
+    lms::beginHostUse(*s);
+    lms::endHostUse(*s);
+    CHECK(matches(*s, 22));
+  }
+  env.checkBaseline();
+}
+
+// Pinning hands an operator's failure to the engine; the operator's next LMS
+// allocation on this thread raises it, once.
+TEST_CASE(pending_error_is_raised_by_the_next_allocation) {
+  Env env(64 * kMiB);
+  {
+    const auto failures = lms::getStats(0).pin_failures;
+    CHECK(!lms::hasPendingError());
+    lms::setPendingError(
+        0, oomError("op did not fit"));
+    CHECK(lms::hasPendingError());
+    CHECK_EQ(lms::getStats(0).pin_failures, failures + 1);
+    CHECK_THROWS_AS(newStorage(2 * kMiB), c10::OutOfMemoryError, "op did not fit");
+    CHECK(!lms::hasPendingError());
+    auto s = newStorage(2 * kMiB); // raised once only
+    write(*s, 1);
+    CHECK(matches(*s, 1));
+    // Raw allocations raise it too; clearPendingError() drops it.
+    lms::setPendingError(
+        0, oomError("raw"));
+    CHECK_THROWS_AS(
+        lms::allocateRaw(0, 2 * kMiB, stream()), c10::OutOfMemoryError, "raw");
+    lms::setPendingError(
+        0, oomError("dropped"));
+    lms::clearPendingError();
+    void* raw = lms::allocateRaw(0, 2 * kMiB, stream());
+    CHECK(raw != nullptr);
+    lms::getBackend()->free(raw);
+  }
+  env.checkBaseline();
+}
+
+// Raw allocations (workspaces) are not managed, but they get room the same
+// way tensors do: the limit trigger pages out inactive storages first.
+TEST_CASE(raw_allocation_reclaims_under_the_limit) {
+  Env env(16 * kMiB);
+  {
+    std::vector<StoragePtr> s;
+    for (int i = 0; i < 3; ++i) {
+      s.push_back(newStorage(4 * kMiB));
+      write(*s.back(), 30 + i);
+    }
+    void* raw = lms::allocateRaw(0, 8 * kMiB, stream());
+    REQUIRE(raw != nullptr);
+    const auto st = lms::getStats(0);
+    CHECK(st.reclaim_limit > 0);
+    CHECK(st.pageout_bytes >= int64_t(4 * kMiB));
+    CHECK_LE(allocatedBytes(), size_t(16 * kMiB));
+    CHECK(!lms::isManaged(c10::DataPtr(raw, c10::Device(c10::kCUDA, 0))));
+    lms::getBackend()->free(raw);
+    for (int i = 0; i < 3; ++i) {
+      CHECK(matches(*s[i], 30 + i));
+    }
+  }
+  env.checkBaseline();
+}
+
+// What the limit cannot hold back (pinned by running operators) is reported.
+TEST_CASE(bytes_over_the_limit_are_reported) {
+  Env env(8 * kMiB);
+  {
+    std::vector<StoragePtr> pinned;
+    for (int i = 0; i < 3; ++i) { // 12 MiB pinned under an 8 MiB limit
+      pinned.push_back(newStorage(4 * kMiB));
+      lms::pin(*pinned.back());
+    }
+    const auto st = lms::getStats(0);
+    CHECK(st.over_limit_bytes.peak >= int64_t(4 * kMiB));
+    CHECK_LE(st.over_limit_bytes.peak, int64_t(4 * kMiB));
+    for (auto& s : pinned) {
+      lms::unpin(*s);
+    }
+    pinned.clear();
+    auto s = newStorage(4 * kMiB); // back under the limit
+    CHECK_EQ(lms::getStats(0).over_limit_bytes.current, int64_t(0));
   }
   env.checkBaseline();
 }

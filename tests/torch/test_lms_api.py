@@ -42,11 +42,13 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "prefetch_hits": 3,
         "stall_ms": 1.25,
         "oom_count": 0,
+        "pin_failures": 0,
         "limit_bytes": 2048 * MiB,
     }
     for gauge in ("managed_bytes", "active_bytes", "inactive_bytes", "pagedout_bytes"):
         stats[gauge] = {"current": 4 * MiB, "peak": 12 * MiB}
     stats["host_bytes"] = {"current": 16 * MiB, "peak": 16 * MiB}
+    stats["over_limit_bytes"] = {"current": 0, "peak": 2 * MiB}
     stats.update(overrides)
     return stats
 

@@ -39,6 +39,9 @@ std::atomic<EnabledObserver> g_enabled_observer{nullptr};
 // Set when the allocator's own malloc path reclaimed for this thread's
 // allocation (reclaimForFailedAllocation), for the allocation-source stats.
 thread_local bool t_reclaimed_in_malloc = false;
+// An operator on this thread could not make its inputs resident; its next
+// LMS allocation raises this (see setPendingError()).
+thread_local std::exception_ptr t_pending_error;
 
 // Makes a device current for a scope. (CUDAGuard would pull in the caching
 // allocator's headers, which include this one.)
@@ -366,6 +369,20 @@ size_t limitOf(DeviceEngine& e) {
   return e.default_limit;
 }
 
+// The limit in force: never more than the allocator may hold.
+size_t effectiveLimit(DeviceEngine& e) {
+  return std::min(limitOf(e), backend().capacityBytes(e.device));
+}
+
+// Raises the error an operator's pinning left for its first allocation.
+void raisePendingError() {
+  if (C10_UNLIKELY(t_pending_error != nullptr)) {
+    std::exception_ptr error = std::move(t_pending_error);
+    t_pending_error = nullptr;
+    std::rethrow_exception(error);
+  }
+}
+
 void enqueuePageOut(
     DeviceEngine& e,
     Record& r,
@@ -373,12 +390,14 @@ void enqueuePageOut(
     StorageRef& keep_alive);
 
 // A paged-out storage must not keep pointing at memory the allocator may
-// already have handed to someone else: code that reads the address without
-// going through LMS (no StorageImpl hook in a stock build, or an operator
-// whose pin failed) then sees a null pointer instead of someone else's data.
+// already have handed to someone else. It points at its pinned host copy
+// instead, which unified addressing maps into every device's address space:
+// code that reads the address without going through LMS (no StorageImpl hook
+// in a stock build, or an operator whose inputs could not all be made
+// resident) reads and writes the real contents over the bus and never faults.
 // The storage reference comes back in `keep_alive`: if it is the last one,
 // the storage must die only after the record is no longer busy.
-void forgetAddress(Record& r, StorageRef& keep_alive) {
+void pointAtHostCopy(Record& r, void* host_ptr, StorageRef& keep_alive) {
   keep_alive = r.owner.lock();
   if (!keep_alive) {
     return; // dying: its deleter is waiting for this page-out to finish
@@ -390,7 +409,7 @@ void forgetAddress(Record& r, StorageRef& keep_alive) {
   }
   const c10::Device device = dp.device();
   void* ctx = dp.release_context();
-  dp = c10::DataPtr(nullptr, ctx, &deleteRecord, device);
+  dp = c10::DataPtr(host_ptr, ctx, &deleteRecord, device);
 }
 
 // Copies a victim's contents to pinned host memory and returns its device
@@ -459,7 +478,7 @@ void enqueuePageOut(
     e.events.put(r.device_ready);
     r.device_ready = nullptr;
   }
-  forgetAddress(r, keep_alive);
+  pointAtHostCopy(r, host.ptr, keep_alive);
   r.device_ptr = nullptr;
   r.host = host;
   r.host_ready = done;
@@ -542,11 +561,25 @@ size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
 // Makes room for an allocation of `size` bytes under the limit. Returns the
 // bytes paged out for it.
 size_t enforceLimit(DeviceEngine& e, size_t size) {
-  const size_t limit = limitOf(e);
+  const size_t limit = effectiveLimit(e);
   const size_t allocated = backend().allocatedBytes(e.device);
   const size_t wanted = allocated + size;
   if (wanted > limit) {
-    return reclaim(e, wanted - limit, Trigger::Limit);
+    const size_t freed = reclaim(e, wanted - limit, Trigger::Limit);
+    // What is left above the limit could not be paged out: it is pinned by
+    // running operators, or not (yet) reclaimable.
+    const size_t after = wanted > freed ? wanted - freed : 0;
+    const auto over =
+        static_cast<int64_t>(after > limit ? after - limit : size_t{0});
+    std::lock_guard<std::mutex> lock(e.mutex);
+    e.stats.over_limit_bytes.current = over;
+    e.stats.over_limit_bytes.peak =
+        std::max(e.stats.over_limit_bytes.peak, over);
+    return freed;
+  }
+  if (e.stats.over_limit_bytes.current != 0) {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    e.stats.over_limit_bytes.current = 0;
   }
   const size_t margin = g_speculative_margin.load();
   if (margin != 0 && limit > margin && wanted > limit - margin) {
@@ -643,7 +676,7 @@ void pageIn(DeviceEngine& e, Record& r, cudaStream_t stream) {
 // without reclaiming anything. Returns false when the limit leaves no room.
 bool prefetchOne(DeviceEngine& e, Record& r, cudaStream_t stream) {
   DeviceMemoryBackend& b = backend();
-  if (b.allocatedBytes(e.device) + r.size > limitOf(e)) {
+  if (b.allocatedBytes(e.device) + r.size > effectiveLimit(e)) {
     return false;
   }
   DeviceScope guard(e.device);
@@ -998,7 +1031,8 @@ void setLimit(c10::DeviceIndex device, size_t bytes) {
 }
 
 size_t getLimit(c10::DeviceIndex device) {
-  return limitOf(engineFor(device));
+  DeviceEngine& e = engineFor(device);
+  return g_backend.load() != nullptr ? effectiveLimit(e) : limitOf(e);
 }
 
 void setSizeThreshold(size_t bytes) {
@@ -1076,10 +1110,12 @@ bool parseConfigOption(std::string_view key, std::string_view value) {
   return true;
 }
 
-void parseConfig(const char* conf) {
+void parseConfig(const char* conf, bool only_lms_keys, const char* source) {
   if (conf == nullptr) {
     return;
   }
+  constexpr const char* kKeys =
+      "lms, lms_limit_mb, lms_size_mb, lms_prefetch, lms_speculative_mb";
   // Same syntax as the caching allocator: "key:value,key:value".
   std::string_view rest(conf);
   while (!rest.empty()) {
@@ -1089,6 +1125,14 @@ void parseConfig(const char* conf) {
                                            : rest.substr(comma + 1);
     const size_t colon = item.find(':');
     if (colon == std::string_view::npos) {
+      TORCH_CHECK(
+          !only_lms_keys || item.find_first_not_of(' ') == std::string::npos,
+          source,
+          ": expected key:value, got '",
+          std::string(item),
+          "' (keys: ",
+          kKeys,
+          ")");
       continue;
     }
     auto trim = [](std::string_view s) {
@@ -1100,7 +1144,15 @@ void parseConfig(const char* conf) {
       }
       return s;
     };
-    parseConfigOption(trim(item.substr(0, colon)), trim(item.substr(colon + 1)));
+    const std::string_view key = trim(item.substr(0, colon));
+    const bool known = parseConfigOption(key, trim(item.substr(colon + 1)));
+    TORCH_CHECK(
+        known || !only_lms_keys,
+        source,
+        ": unknown key '",
+        std::string(key),
+        "'; Large Model Support keys are ",
+        kKeys);
   }
 }
 
@@ -1232,7 +1284,7 @@ LmsStats getStats(c10::DeviceIndex device) {
   const HostPool::Usage host = hostPool().usage();
   s.host_bytes.current = host.held_bytes;
   s.host_bytes.peak = host.peak_held_bytes;
-  s.limit_bytes = g_backend.load() != nullptr ? limitOf(e) : 0;
+  s.limit_bytes = g_backend.load() != nullptr ? effectiveLimit(e) : 0;
   return s;
 }
 
@@ -1243,7 +1295,8 @@ void resetPeakStats(c10::DeviceIndex device) {
        {&e.stats.managed_bytes,
         &e.stats.active_bytes,
         &e.stats.inactive_bytes,
-        &e.stats.pagedout_bytes}) {
+        &e.stats.pagedout_bytes,
+        &e.stats.over_limit_bytes}) {
     stat->peak = stat->current;
   }
   hostPool().resetPeak();
@@ -1258,6 +1311,7 @@ void resetAccumulatedStats(c10::DeviceIndex device) {
     fresh.active_bytes = e.stats.active_bytes;
     fresh.inactive_bytes = e.stats.inactive_bytes;
     fresh.pagedout_bytes = e.stats.pagedout_bytes;
+    fresh.over_limit_bytes = e.stats.over_limit_bytes;
     e.stats = fresh;
   }
   pollStalls(e, /*wait=*/true);
@@ -1277,6 +1331,7 @@ c10::DataPtr allocate(
     c10::DeviceIndex device,
     size_t size,
     cudaStream_t stream) {
+  raisePendingError();
   DeviceEngine& e = engineFor(device);
   pollStalls(e, /*wait=*/false);
   if (isCapturing(stream)) {
@@ -1301,6 +1356,73 @@ c10::DataPtr allocate(
       ptr, r, &deleteRecord, c10::Device(c10::DeviceType::CUDA, device));
 }
 
+void* allocateRaw(
+    c10::DeviceIndex device,
+    size_t size,
+    cudaStream_t stream) {
+  raisePendingError();
+  if (isCapturing(stream)) {
+    return backend().malloc(device, size, stream);
+  }
+  return allocateDevice(engineFor(device), size, stream);
+}
+
+void setPendingError(c10::DeviceIndex device, std::exception_ptr error) {
+  if (device >= 0) {
+    DeviceEngine& e = engineFor(device);
+    std::lock_guard<std::mutex> lock(e.mutex);
+    ++e.stats.pin_failures;
+  }
+  t_pending_error = std::move(error);
+}
+
+void clearPendingError() {
+  t_pending_error = nullptr;
+}
+
+bool hasPendingError() {
+  return t_pending_error != nullptr;
+}
+
+void beginHostUse(c10::StorageImpl& storage) {
+  Record* r = recordOf(storage);
+  if (r == nullptr) {
+    return;
+  }
+  DeviceEngine& e = *r->engine;
+  std::unique_lock<std::mutex> lock(e.mutex);
+  e.settled.wait(lock, [&] { return !r->busy; });
+  if (r->state != State::PagedOut || r->host_ready == nullptr) {
+    return;
+  }
+  rememberOwner(*r, storage);
+  c10::DataPtr& dp = storage._mutable_data_ptr_no_checks();
+  if (dp.get() != r->host.ptr) {
+    const c10::Device device = dp.device();
+    void* ctx = dp.release_context();
+    dp = c10::DataPtr(r->host.ptr, ctx, &deleteRecord, device);
+  }
+  DeviceScope guard(e.device);
+  C10_CUDA_CHECK(cudaStreamWaitEvent(currentStream(e.device), r->host_ready, 0));
+}
+
+void endHostUse(c10::StorageImpl& storage) {
+  Record* r = recordOf(storage);
+  if (r == nullptr) {
+    return;
+  }
+  DeviceEngine& e = *r->engine;
+  std::unique_lock<std::mutex> lock(e.mutex);
+  e.settled.wait(lock, [&] { return !r->busy; });
+  if (r->state != State::PagedOut || r->host_ready == nullptr) {
+    return;
+  }
+  // A page-in waits for host_ready: move it past the operator's work, which
+  // may have written the host copy.
+  DeviceScope guard(e.device);
+  C10_CUDA_CHECK(cudaEventRecord(r->host_ready, currentStream(e.device)));
+}
+
 bool reclaimForFailedAllocation(c10::DeviceIndex device, size_t size) {
   if (!isEnabled()) {
     return false;
@@ -1321,7 +1443,7 @@ void recordStream(const c10::DataPtr& data_ptr, cudaStream_t stream) {
 
 std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
   DeviceEngine& e = engineFor(device);
-  const size_t limit = limitOf(e);
+  const size_t limit = effectiveLimit(e);
   const size_t allocated = backend().allocatedBytes(device);
   LmsStats s;
   size_t reclaimable_count = 0;

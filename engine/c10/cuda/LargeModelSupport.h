@@ -24,6 +24,11 @@
 // allocation itself fails. Victims are taken least recently used first and
 // only among storages of at least the size threshold.
 //
+// While a storage is paged out its DataPtr holds the address of its pinned
+// host copy, which unified addressing makes valid on every device: code that
+// reads the address without going through LMS sees the right contents over
+// the bus instead of faulting on freed device memory.
+//
 // The engine depends only on c10 and the CUDA runtime. It talks to the
 // allocator through DeviceMemoryBackend so the same code serves PyTorch's
 // patched caching allocator and the drop-in extension for stock wheels.
@@ -37,6 +42,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <string>
 #include <string_view>
 
@@ -61,7 +67,9 @@ C10_CUDA_API void setEnabledObserver(EnabledObserver observer);
 // Soft limit, in bytes, of device memory allocated to tensors before LMS
 // reclaims inactive storages. Until set, the limit of a device is 95% of
 // (free + reserved) device memory measured at the device's first LMS
-// allocation. Setting 0 restores that default.
+// allocation. Setting 0 restores that default. Either way the limit in force
+// never exceeds what the allocator may hold (DeviceMemoryBackend::
+// capacityBytes, e.g. a per-process memory fraction).
 C10_CUDA_API void setLimit(c10::DeviceIndex device, size_t bytes);
 C10_CUDA_API size_t getLimit(c10::DeviceIndex device);
 
@@ -94,8 +102,12 @@ C10_CUDA_API size_t getSpeculativeMargin();
 C10_CUDA_API bool parseConfigOption(std::string_view key, std::string_view value);
 
 // Applies every LMS option found in a PYTORCH_CUDA_ALLOC_CONF string and
-// ignores the others.
-C10_CUDA_API void parseConfig(const char* conf);
+// ignores the others; with `only_lms_keys` (a configuration string of LMS
+// options alone, named `source` in errors), any other key is an error.
+C10_CUDA_API void parseConfig(
+    const char* conf,
+    bool only_lms_keys = false,
+    const char* source = "PYTORCH_CUDA_ALLOC_CONF");
 
 // ---------------------------------------------------------------------------
 // Operator boundaries and raw access
@@ -122,6 +134,26 @@ C10_CUDA_API void access(c10::StorageImpl& storage);
 
 C10_CUDA_API StorageState getState(const c10::StorageImpl& storage);
 C10_CUDA_API bool isManaged(const c10::DataPtr& data_ptr);
+
+// When an operator's inputs cannot all be made resident, operator-boundary
+// pinning cannot always raise where it notices (a RecordFunction callback
+// only logs what it throws). It hands the error to the engine instead, and
+// the next LMS allocation on this thread raises it: inside the operator,
+// before it launches a kernel on an output. Cleared when the operator ends.
+// `device` is the device whose statistics count the failure.
+C10_CUDA_API void setPendingError(
+    c10::DeviceIndex device,
+    std::exception_ptr error);
+C10_CUDA_API void clearPendingError();
+C10_CUDA_API bool hasPendingError();
+
+// An operator whose input stays paged out reads and writes the pinned host
+// copy in place (see the top of this file). beginHostUse() orders the
+// current stream after the page-out copy that filled the host copy;
+// endHostUse() orders a later page-in after the operator's work on it.
+// Both do nothing for storages that are resident or unmanaged.
+C10_CUDA_API void beginHostUse(c10::StorageImpl& storage);
+C10_CUDA_API void endHostUse(c10::StorageImpl& storage);
 
 // Pages out every inactive storage of `device` now; returns the bytes freed.
 C10_CUDA_API size_t reclaimInactive(c10::DeviceIndex device);
@@ -175,12 +207,17 @@ struct LmsStats {
   // consumer stream, and waits for page-outs whose memory they reuse).
   double stall_ms = 0.0;
   int64_t oom_count = 0; // LMS out-of-memory errors raised
+  // Operators whose inputs could not all be made resident.
+  int64_t pin_failures = 0;
   // Gauges, in bytes.
   LmsStat managed_bytes; // every LMS storage, resident or not
   LmsStat active_bytes; // pinned by running operators
   LmsStat inactive_bytes; // resident and reclaimable
   LmsStat pagedout_bytes; // contents held in host memory
   LmsStat host_bytes; // pinned host memory held by LMS (process-wide)
+  // Bytes allocated on the device beyond the limit after an allocation's
+  // reclaim: what running operators pin, and storages LMS cannot page out.
+  LmsStat over_limit_bytes;
   size_t limit_bytes = 0;
 };
 
@@ -221,6 +258,12 @@ class C10_CUDA_API DeviceMemoryBackend {
     (void)data_ptr;
     return false;
   }
+  // The most device memory the allocator may hold for `device` (a per-process
+  // memory fraction, for instance); the LMS limit never exceeds it.
+  virtual size_t capacityBytes(c10::DeviceIndex device) {
+    (void)device;
+    return SIZE_MAX;
+  }
 };
 
 // Installs the backend; must be called before the first LMS allocation.
@@ -231,6 +274,14 @@ C10_CUDA_API DeviceMemoryBackend* getBackend();
 // or when the device allocation fails, and returns a DataPtr that LMS manages
 // when `size` is at least the size threshold.
 C10_CUDA_API c10::DataPtr allocate(
+    c10::DeviceIndex device,
+    size_t size,
+    cudaStream_t stream);
+
+// Device memory for `size` bytes on `stream` that LMS does not manage
+// (workspaces, raw allocations): the same limit trigger and reclaim-and-retry
+// as allocate(). Free it with the backend's free().
+C10_CUDA_API void* allocateRaw(
     c10::DeviceIndex device,
     size_t size,
     cudaStream_t stream);

@@ -64,6 +64,7 @@ _COUNTER_KEYS = (
     "prefetch_hits",
     "stall_ms",
     "oom_count",
+    "pin_failures",
     "limit_bytes",
 )
 _GAUGE_KEYS = (
@@ -72,6 +73,7 @@ _GAUGE_KEYS = (
     "inactive_bytes",
     "pagedout_bytes",
     "host_bytes",
+    "over_limit_bytes",
 )
 _STORAGE_STATES = ("unmanaged", "allocated", "active", "inactive", "paged out")
 
@@ -282,11 +284,19 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       operator then found resident.
     - ``stall_ms``: time compute streams waited for LMS copies.
     - ``oom_count``: LMS out-of-memory errors raised.
-    - ``limit_bytes``: the current limit (``0`` before CUDA is initialized).
+    - ``pin_failures``: operators whose inputs could not all be made resident
+      (each raised :class:`torch.OutOfMemoryError` at its first allocation, or,
+      allocating nothing, ran on the host copies of the inputs left out).
+    - ``limit_bytes``: the limit in force (``0`` before CUDA is initialized):
+      the one set with :func:`set_limit_lms`, or the default, and never more
+      than the allocator may hold (e.g. under
+      :func:`~torch.cuda.set_per_process_memory_fraction`).
 
     The gauges ``managed_bytes``, ``active_bytes``, ``inactive_bytes``,
-    ``pagedout_bytes`` and ``host_bytes`` (pinned host memory LMS holds,
-    process-wide) are dicts ``{"current": int, "peak": int}``.
+    ``pagedout_bytes``, ``host_bytes`` (pinned host memory LMS holds,
+    process-wide) and ``over_limit_bytes`` (bytes allocated beyond the limit
+    after an allocation's reclaim: pinned by running operators or not
+    reclaimable) are dicts ``{"current": int, "peak": int}``.
 
     With LMS built in, :func:`~torch.cuda.memory_stats` reports the same values
     under ``"lms."`` keys.
@@ -439,6 +449,7 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
         ("inactive_bytes", "Reclaimable memory"),
         ("pagedout_bytes", "Paged out to host"),
         ("host_bytes", "Pinned host memory"),
+        ("over_limit_bytes", "Over the limit"),
     ):
         current, peak = gauges[key]
         lines.append(row(name, _format_size(current), _format_size(peak)))
@@ -473,7 +484,10 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
     )
     lines.append(
         f" Prefetched: {counters['prefetch_count']} ({counters['prefetch_hits']} hits) | "
-        f"Stalled: {float(counters['stall_ms']):.1f} ms | "
-        f"LMS OOMs: {counters['oom_count']}".ljust(_WIDTH)
+        f"Stalled: {float(counters['stall_ms']):.1f} ms".ljust(_WIDTH)
+    )
+    lines.append(
+        f" LMS OOMs: {counters['oom_count']} | "
+        f"Operators whose inputs did not fit: {counters['pin_failures']}".ljust(_WIDTH)
     )
     return [line.replace("{", "{{").replace("}", "}}") for line in lines]

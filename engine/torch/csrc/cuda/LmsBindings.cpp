@@ -162,12 +162,14 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["prefetch_hits"] = stats.prefetch_hits;
   dict["stall_ms"] = stats.stall_ms;
   dict["oom_count"] = stats.oom_count;
+  dict["pin_failures"] = stats.pin_failures;
   dict["limit_bytes"] = asInt(stats.limit_bytes);
   dict["managed_bytes"] = gaugeToDict(stats.managed_bytes);
   dict["active_bytes"] = gaugeToDict(stats.active_bytes);
   dict["inactive_bytes"] = gaugeToDict(stats.inactive_bytes);
   dict["pagedout_bytes"] = gaugeToDict(stats.pagedout_bytes);
   dict["host_bytes"] = gaugeToDict(stats.host_bytes);
+  dict["over_limit_bytes"] = gaugeToDict(stats.over_limit_bytes);
   return dict;
 }
 

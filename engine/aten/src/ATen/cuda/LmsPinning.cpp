@@ -16,9 +16,11 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <string>
 
 namespace at::cuda::lms {
 
@@ -43,6 +45,9 @@ struct PinnedStorage {
 
 struct PinnedStorages final : at::ObserverContext {
   c10::SmallVector<PinnedStorage, 8> pinned;
+  // Inputs that stayed paged out because the operator's inputs did not all
+  // fit: the operator reads and writes their host copies in place.
+  c10::SmallVector<c10::intrusive_ptr<c10::StorageImpl>, 2> on_host;
 };
 
 using StorageList = c10::SmallVector<c10::StorageImpl*, 16>;
@@ -141,26 +146,70 @@ bool isOperator(const at::RecordFunction& fn) {
   return fn.operator_name().has_value();
 }
 
-// RecordFunction only logs what a start callback throws, so say it where
-// Python users see it: which operator's inputs did not fit, and why.
-void warnPinFailure(const at::RecordFunction& fn) {
-  try {
-    throw;
-  } catch (const std::exception& e) {
-    TORCH_WARN(
-        "Large Model Support: the inputs of ",
-        fn.name(),
-        " could not all be made resident; the operator runs without them and "
-        "fails. ",
-        e.what());
-  } catch (...) {
-    TORCH_WARN(
-        "Large Model Support: the inputs of ",
-        fn.name(),
-        " could not all be made resident (unknown error)");
-  }
+std::string mib(size_t bytes) {
+  char text[32];
+  std::snprintf(
+      text,
+      sizeof(text),
+      "%.2f MiB",
+      static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return text;
 }
 
+// The error the operator raises when its inputs cannot all be resident: what
+// did not fit, and what to change. A failure that is not a lack of memory (a
+// CUDA error, say) is passed on as it is.
+std::exception_ptr pinError(
+    const at::RecordFunction& fn,
+    const StorageList& storages,
+    std::exception_ptr cause) {
+  try {
+    std::rethrow_exception(cause);
+  } catch (const c10::OutOfMemoryError& e) {
+    size_t bytes = 0;
+    for (const c10::StorageImpl* storage : storages) {
+      bytes += storage->nbytes();
+    }
+    try {
+      TORCH_CHECK_WITH(
+          OutOfMemoryError,
+          false,
+          "Large Model Support: the inputs of ",
+          fn.name(),
+          " (",
+          storages.size(),
+          " storages, ",
+          mib(bytes),
+          ") cannot all be resident on the device at once. ",
+          e.what_without_backtrace(),
+          " For an optimizer step, foreach=False updates one parameter per "
+          "operator instead of all of them at once.");
+    } catch (...) {
+      return std::current_exception();
+    }
+  } catch (...) {
+    return std::current_exception();
+  }
+  return cause;
+}
+
+c10::DeviceIndex deviceOf(const StorageList& storages) {
+  for (const c10::StorageImpl* storage : storages) {
+    return storage->device().index();
+  }
+  return -1;
+}
+
+// Pins the storages of every input of the outermost operator on this thread.
+//
+// When they cannot all be made resident, RecordFunction would only log an
+// exception thrown here, and the operator would run on inputs that are not
+// where their DataPtrs say. Instead the operator keeps what could be pinned,
+// the inputs left out keep pointing at their host copies (valid device
+// addresses under unified addressing), and the engine raises the
+// out-of-memory error at the operator's first allocation, before any kernel
+// writes an output. An operator that allocates nothing runs on the host
+// copies, slowly but correctly.
 std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   if (!isOperator(fn)) {
     return nullptr;
@@ -184,41 +233,80 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
 
   auto context = std::make_unique<PinnedStorages>();
   context->pinned.reserve(storages.size());
-  try {
-    for (c10::StorageImpl* storage : storages) {
-      engine::pin(*storage);
-      // pin() ignores storages LMS does not manage (small, allocated with LMS
-      // off, not adoptable); those need no unpin.
-      const c10::DataPtr& data_ptr = storage->_mutable_data_ptr_no_checks();
-      if (engine::isManaged(data_ptr)) {
-        context->pinned.push_back(PinnedStorage{
-            c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage),
-            data_ptr.get_context()});
+  std::exception_ptr failure;
+  for (c10::StorageImpl* storage : storages) {
+    // After a failure, a storage that is still paged out would need room
+    // that is not there: it stays on the host. Resident ones are still
+    // pinned, which allocates nothing.
+    if (failure == nullptr ||
+        engine::getState(*storage) != engine::StorageState::PagedOut) {
+      try {
+        engine::pin(*storage);
+        // pin() ignores storages LMS does not manage (small, allocated with
+        // LMS off, not adoptable); those need no unpin.
+        const c10::DataPtr& data_ptr = storage->_mutable_data_ptr_no_checks();
+        if (engine::isManaged(data_ptr)) {
+          context->pinned.push_back(PinnedStorage{
+              c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage),
+              data_ptr.get_context()});
+        }
+        continue;
+      } catch (...) {
+        if (failure == nullptr) {
+          failure = std::current_exception();
+        }
       }
     }
-  } catch (...) {
-    // The working set of this operator does not fit (LMS out of memory) or a
-    // copy failed. Release what was pinned so it can be reclaimed, then
-    // report. RecordFunction logs exceptions from callbacks and goes on with
-    // the operator; the storage that could not be pinned is still armed, so
-    // the operator's raw data access pages it in (patched builds) and raises
-    // the out-of-memory error to the caller if it still cannot fit.
-    unpinAll(context->pinned);
-    warnPinFailure(fn);
-    throw;
+    try {
+      engine::beginHostUse(*storage);
+      context->on_host.push_back(
+          c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage));
+    } catch (const std::exception& e) {
+      TORCH_WARN(
+          "Large Model Support: could not order ",
+          fn.name(),
+          " after the page-out of an input: ",
+          e.what());
+    }
   }
-  if (context->pinned.empty()) {
+  if (failure != nullptr) {
+    engine::setPendingError(
+        deviceOf(storages), pinError(fn, storages, failure));
+  }
+  if (context->pinned.empty() && context->on_host.empty()) {
     return nullptr;
   }
   return context;
 }
 
 void unpinInputs(const at::RecordFunction& fn, at::ObserverContext* context) {
-  if (isOperator(fn) && t_depth > 0) {
-    --t_depth;
+  if (isOperator(fn) && t_depth > 0 && --t_depth == 0 &&
+      engine::hasPendingError()) {
+    // The operator allocated nothing through LMS after its pin failed, so it
+    // ran on the host copies of the inputs left out.
+    engine::clearPendingError();
+    TORCH_WARN_ONCE(
+        "Large Model Support: the inputs of ",
+        fn.name(),
+        " did not all fit on the device; it ran on the host copies of those "
+        "left out, over the bus. Give the operator more room (a higher limit "
+        "or memory cap, a smaller batch) if this is slow.");
   }
   if (context != nullptr) {
-    unpinAll(static_cast<PinnedStorages*>(context)->pinned);
+    auto* storages = static_cast<PinnedStorages*>(context);
+    unpinAll(storages->pinned);
+    for (const auto& storage : storages->on_host) {
+      try {
+        engine::endHostUse(*storage);
+      } catch (const std::exception& e) {
+        TORCH_WARN(
+            "Large Model Support: could not order later page-ins after ",
+            fn.name(),
+            ": ",
+            e.what());
+      }
+    }
+    storages->on_host.clear();
   }
 }
 
