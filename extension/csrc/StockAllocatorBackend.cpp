@@ -184,7 +184,7 @@ class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
     TORCH_CHECK(
         device >= 0 && device < static_cast<c10::DeviceIndex>(totals_.size()),
         "torch_lms: CUDA device index ",
-        static_cast<int>(device),
+        std::to_string(device),
         " is out of range");
     size_t total = totals_[device].load(std::memory_order_relaxed);
     if (total == 0) {
@@ -481,7 +481,7 @@ class LmsAllocator final : public alloc::CUDAAllocator {
     TORCH_CHECK(
         device >= 0 && device < static_cast<c10::DeviceIndex>(routing_.size()),
         "torch_lms: CUDA device index ",
-        static_cast<int>(device),
+        std::to_string(device),
         " is out of range");
     return routing_[device];
   }

@@ -222,7 +222,7 @@ std::vector<DeviceEngine*> g_engines; // never freed: used by late deleters
 
 DeviceEngine& engineFor(c10::DeviceIndex device) {
   std::lock_guard<std::mutex> lock(g_engines_mutex);
-  TORCH_CHECK(device >= 0, "LMS: invalid CUDA device index ", int(device));
+  TORCH_CHECK(device >= 0, "LMS: invalid CUDA device index ", std::to_string(device));
   if (static_cast<size_t>(device) >= g_engines.size()) {
     g_engines.resize(device + 1, nullptr);
   }
@@ -854,7 +854,7 @@ void makeResident(
     TORCH_CHECK(
         !isCapturing(stream),
         "LMS: a storage of ",
-        r.size,
+        std::to_string(r.size),
         " bytes is paged out while CUDA graph capture is underway on the "
         "current stream; a page-in cannot be captured. Run the captured "
         "region once before capturing so its inputs are resident, or "
@@ -1044,7 +1044,7 @@ size_t getSizeThreshold() {
 }
 
 void setPrefetchDepth(int depth) {
-  TORCH_CHECK(depth >= 0, "LMS: prefetch depth must be >= 0, got ", depth);
+  TORCH_CHECK(depth >= 0, "LMS: prefetch depth must be >= 0, got ", std::to_string(depth));
   g_prefetch_depth.store(depth);
 }
 

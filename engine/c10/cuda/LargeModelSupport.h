@@ -29,6 +29,12 @@
 // reads the address without going through LMS sees the right contents over
 // the bus instead of faulting on freed device memory.
 //
+// Error and warning messages format numbers with std::to_string or snprintf,
+// never by streaming them into c10::str: in the drop-in extension, built
+// against a stock wheel with another toolchain, std::ostream's numeric
+// insertion has crashed the process (a segmentation fault where an
+// out-of-memory error was being raised).
+//
 // The engine depends only on c10 and the CUDA runtime. It talks to the
 // allocator through DeviceMemoryBackend so the same code serves PyTorch's
 // patched caching allocator and the drop-in extension for stock wheels.

@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 namespace c10::cuda::lms {
@@ -89,7 +90,7 @@ HostBuffer HostPool::allocate(size_t size) {
     TORCH_CHECK(
         err == cudaErrorMemoryAllocation,
         "LMS: cudaHostAlloc of ",
-        rounded,
+        std::to_string(rounded),
         " bytes failed: ",
         cudaGetErrorString(err));
     (void)cudaGetLastError();

@@ -74,9 +74,9 @@ void setPrefetch(int64_t depth) {
   TORCH_CHECK_VALUE(
       depth >= 0 && depth <= std::numeric_limits<int>::max(),
       "Large Model Support: the prefetch depth must be between 0 and ",
-      std::numeric_limits<int>::max(),
+      std::to_string(std::numeric_limits<int>::max()),
       ", got ",
-      depth);
+      std::to_string(depth));
   engine::setPrefetchDepth(static_cast<int>(depth));
 }
 
@@ -128,9 +128,9 @@ c10::DeviceIndex checkedDevice(int64_t device) {
   TORCH_CHECK_VALUE(
       device >= 0 && device < count,
       "Large Model Support: invalid CUDA device index ",
-      device,
+      std::to_string(device),
       " (",
-      count,
+      std::to_string(count),
       " CUDA device(s) visible)");
   return static_cast<c10::DeviceIndex>(device);
 }
@@ -141,7 +141,7 @@ size_t checkedBytes(int64_t bytes, const char* what) {
       "Large Model Support: ",
       what,
       " must be a non-negative number of bytes, got ",
-      bytes);
+      std::to_string(bytes));
   return static_cast<size_t>(bytes);
 }
 

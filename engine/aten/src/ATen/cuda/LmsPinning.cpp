@@ -129,7 +129,7 @@ void unpinAll(c10::SmallVector<PinnedStorage, 8>& pinned) {
       // which wastes memory but loses nothing.
       TORCH_WARN(
           "Large Model Support: could not unpin an operator input of ",
-          storage.nbytes(),
+          std::to_string(storage.nbytes()),
           " bytes; it stays resident. ",
           e.what());
     }
@@ -177,7 +177,7 @@ std::exception_ptr pinError(
           "Large Model Support: the inputs of ",
           fn.name(),
           " (",
-          storages.size(),
+          std::to_string(storages.size()),
           " storages, ",
           mib(bytes),
           ") cannot all be resident on the device at once. ",
