@@ -251,6 +251,9 @@ def test_memory_returns_to_baseline() -> None:
     settle()
     baseline = torch.cuda.memory_allocated()
     host_baseline = host_bytes()
+    # Storages that earlier tests keep alive (compiled-code caches, a captured graph's
+    # tensors) were LMS-managed from their allocation and stay so.
+    managed_baseline = torch.cuda.lms_stats()["managed_bytes"]["current"]
     torch.cuda.set_enabled_lms(True)
     tensors = [_data(200 + i, 4 * N) for i in range(8)]
     _page_out(*tensors)
@@ -263,9 +266,10 @@ def test_memory_returns_to_baseline() -> None:
     settle()
     assert torch.cuda.memory_allocated() == baseline
     stats = torch.cuda.lms_stats()
-    assert stats["managed_bytes"]["current"] == 0
-    assert stats["pagedout_bytes"]["current"] == 0
-    assert host_bytes() == host_baseline
+    assert stats["managed_bytes"]["current"] == managed_baseline
+    # Only those earlier storages may still be paged out, and only they hold host memory.
+    assert stats["pagedout_bytes"]["current"] <= managed_baseline
+    assert host_bytes() <= host_baseline + stats["pagedout_bytes"]["current"]
     summary = torch.cuda.memory_summary()
     assert "Large Model Support" in summary
     assert "lms.pageout_count" in torch.cuda.memory_stats()
