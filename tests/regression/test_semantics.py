@@ -269,7 +269,8 @@ def test_memory_returns_to_baseline() -> None:
     assert stats["managed_bytes"]["current"] == managed_baseline
     # Only those earlier storages may still be paged out, and only they hold host memory.
     assert stats["pagedout_bytes"]["current"] <= managed_baseline
-    assert host_bytes() <= host_baseline + stats["pagedout_bytes"]["current"]
+    # (a host buffer is rounded up to at most twice its storage)
+    assert host_bytes() <= host_baseline + 2 * stats["pagedout_bytes"]["current"]
     summary = torch.cuda.memory_summary()
     assert "Large Model Support" in summary
     assert "lms.pageout_count" in torch.cuda.memory_stats()
