@@ -268,3 +268,110 @@ def test_extension_bindings_used(monkeypatch: pytest.MonkeyPatch) -> None:
     module.set_enabled_lms(True)
     assert fake.enabled is True
     assert module._lms_bindings() is ext
+
+
+class _CudaLike(torch.Tensor):
+    """A CPU tensor that says it is on a CUDA device, for the launch wrapper's filter."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+class _Pins:
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def release(self) -> None:
+        self.events.append("release")
+
+
+def _autotuner_module(events: list[str], fail: bool = False) -> ModuleType:
+    def triton_poi_fused_add_0() -> None:
+        """Stands for the Triton JIT function the autotuner launches."""
+
+    class CachingAutotuner:
+        fn = staticmethod(triton_poi_fused_add_0)
+
+        def run(self, *args: Any, stream: int, **kwargs: Any) -> str:
+            events.append(f"launch:{len(args)}")
+            if fail:
+                raise RuntimeError("kernel failed")
+            return "done"
+
+    module = ModuleType("fake_triton_runtime")
+    module.CachingAutotuner = CachingAutotuner  # type: ignore[attr-defined]
+    return module
+
+
+def test_compiled_kernel_launch_pins_its_tensor_arguments(lms: ModuleType) -> None:
+    events: list[str] = []
+    pinned: list[tuple[int, str]] = []
+
+    def pin_for_launch(tensors: list[Any], name: str) -> _Pins:
+        pinned.append((len(tensors), name))
+        events.append("pin")
+        return _Pins(events)
+
+    lms.fake._cuda_lms_pinForLaunch = pin_for_launch
+    module = _autotuner_module(events)
+    lms._pin_compiled_kernel_launches(module)
+    lms._pin_compiled_kernel_launches(module)  # wrapping twice is harmless
+    cuda_like = torch.zeros(4).as_subclass(_CudaLike)
+    args = (cuda_like, torch.zeros(4), 7, cuda_like)
+
+    lms.fake.enabled = False
+    assert module.CachingAutotuner().run(*args, stream=0) == "done"
+    assert events == ["launch:4"] and pinned == []
+
+    lms.fake.enabled = True
+    events.clear()
+    assert module.CachingAutotuner().run(*args, stream=0) == "done"
+    # Only the CUDA tensors are pinned, before the launch, and released after it.
+    assert events == ["pin", "launch:4", "release"]
+    assert pinned == [(2, "triton_poi_fused_add_0")]
+
+
+def test_compiled_kernel_launch_releases_after_a_failure_and_never_runs_unpinned(
+    lms: ModuleType,
+) -> None:
+    events: list[str] = []
+    lms.fake.enabled = True
+    lms.fake._cuda_lms_pinForLaunch = lambda tensors, name: _Pins(events)
+    module = _autotuner_module(events, fail=True)
+    lms._pin_compiled_kernel_launches(module)
+    cuda_like = torch.zeros(4).as_subclass(_CudaLike)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        module.CachingAutotuner().run(cuda_like, stream=0)
+    assert events == ["launch:1", "release"]
+
+    def no_room(tensors: list[Any], name: str) -> _Pins:
+        raise torch.OutOfMemoryError(f"Large Model Support: the inputs of {name} ...")
+
+    events.clear()
+    lms.fake._cuda_lms_pinForLaunch = no_room
+    module = _autotuner_module(events)
+    lms._pin_compiled_kernel_launches(module)
+    with pytest.raises(torch.OutOfMemoryError, match="Large Model Support"):
+        module.CachingAutotuner().run(cuda_like, stream=0)
+    assert events == []  # the kernel never launched
+
+
+def test_inductor_launcher_is_wrapped_when_its_module_is_imported() -> None:
+    """In a fresh interpreter: loading lms.py imports nothing of Inductor, and importing
+    Inductor's runtime afterwards wraps its launcher."""
+    import subprocess
+
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('lms', {str(LMS_PY)!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        f"assert {'torch._inductor.runtime.triton_heuristics'!r} not in sys.modules\n"
+        "from torch._inductor.runtime import triton_heuristics as th\n"
+        "print(getattr(th.CachingAutotuner.run, '_lms_launch_pins', False))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "True"

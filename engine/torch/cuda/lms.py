@@ -13,14 +13,25 @@ Enable LMS before the tensors it should manage are created, with
 The functions are available as ``torch.cuda.<name>`` in a PyTorch built with the
 Large Model Support patch series, and from the drop-in extension
 (``import torch_lms``) on a stock PyTorch.
+
+Compiled code: the Triton kernels that ``torch.compile`` generates are launched
+from Python, outside the dispatcher, so each launch is an operator boundary of
+its own: the storages of its tensor arguments are pinned for the launch and
+reclaimable again after it (Inductor's ``CachingAutotuner.run``, wrapped when
+its module is first imported).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.abc
+import importlib.util
 import operator
-from collections.abc import Mapping
-from typing import Any, Optional, Union
+import sys
+from collections.abc import Mapping, Sequence
+from types import ModuleType
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch.cuda._utils import _get_device_index
@@ -103,6 +114,75 @@ def _lms_bindings() -> Any:
     if not hasattr(module, "_cuda_lms_setEnabled"):
         raise RuntimeError(_MISSING_BINDINGS)
     return module
+
+
+# Inductor's runtime module, whose CachingAutotuner.run launches compiled Triton kernels.
+_TRITON_RUNTIME = "torch._inductor.runtime.triton_heuristics"
+
+
+def _pin_compiled_kernel_launches(module: ModuleType) -> None:
+    """Wraps ``CachingAutotuner.run`` so that each launch pins its tensor arguments."""
+    autotuner = getattr(module, "CachingAutotuner", None)
+    if autotuner is None or getattr(autotuner.run, "_lms_launch_pins", False):
+        return
+    launch: Callable[..., Any] = autotuner.run
+
+    @functools.wraps(launch)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        bindings = _lms_bindings()
+        if not bindings._cuda_lms_getEnabled():
+            return launch(self, *args, **kwargs)
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.is_cuda]
+        if not tensors:
+            return launch(self, *args, **kwargs)
+        name = getattr(getattr(self, "fn", None), "__name__", "a compiled Triton kernel")
+        # Raises torch.OutOfMemoryError with the LMS message before the launch when the
+        # kernel's arguments cannot all be resident.
+        pins = bindings._cuda_lms_pinForLaunch(tensors, name)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            pins.release()
+
+    run._lms_launch_pins = True  # type: ignore[attr-defined]
+    autotuner.run = run
+
+
+class _PinLaunchesOnImport(importlib.abc.MetaPathFinder):
+    """Wraps Inductor's kernel launcher when its module is imported (never imports it)."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> Any:
+        if fullname != _TRITON_RUNTIME:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_and_pin(module: ModuleType) -> None:
+            exec_module(module)
+            _pin_compiled_kernel_launches(module)
+
+        loader.exec_module = exec_and_pin
+        return spec
+
+
+def _install_launch_pinning() -> None:
+    module = sys.modules.get(_TRITON_RUNTIME)
+    if module is not None:
+        _pin_compiled_kernel_launches(module)
+    elif not any(isinstance(f, _PinLaunchesOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PinLaunchesOnImport())
+
+
+_install_launch_pinning()
 
 
 def _check_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None) -> int:

@@ -4,6 +4,7 @@
 
 #include <torch/csrc/cuda/LmsBindings.h>
 
+#include <ATen/cuda/LmsPinning.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
@@ -12,7 +13,9 @@
 
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <string>
+#include <vector>
 
 namespace torch::cuda::lms {
 
@@ -44,6 +47,21 @@ c10::StorageImpl& storageOf(const at::Tensor& tensor, const char* function) {
 
 void setEnabled(bool enabled) {
   engine::setEnabled(enabled);
+}
+
+// The pins of one compiled kernel launch (see at::cuda::lms::LaunchPins),
+// held by Python until the launch has been queued. A type of this file's own,
+// so that the Python class has this file's visibility.
+struct LaunchPinsHandle {
+  at::cuda::lms::LaunchPins pins;
+};
+
+std::unique_ptr<LaunchPinsHandle> pinForLaunch(
+    const std::vector<at::Tensor>& tensors,
+    const std::string& kernel) {
+  auto handle = std::make_unique<LaunchPinsHandle>();
+  handle->pins.pin(tensors, kernel.c_str());
+  return handle;
 }
 
 bool getEnabled() {
@@ -201,6 +219,14 @@ void initLmsBindings(PyObject* module) {
       torch::wrap_pybind_function_no_gil(&resetAccumulatedStats));
   m.def("_cuda_lms_storageState", torch::wrap_pybind_function(&storageState));
   m.def("_cuda_lms_access", torch::wrap_pybind_function_no_gil(&access));
+  py::class_<LaunchPinsHandle>(m, "_CudaLmsLaunchPins")
+      .def(
+          "release",
+          torch::wrap_pybind_function_no_gil(
+              [](LaunchPinsHandle& handle) { handle.pins.release(); }));
+  m.def(
+      "_cuda_lms_pinForLaunch",
+      torch::wrap_pybind_function_no_gil(&pinForLaunch));
 }
 
 } // namespace torch::cuda::lms

@@ -160,7 +160,7 @@ std::string mib(size_t bytes) {
 // did not fit, and what to change. A failure that is not a lack of memory (a
 // CUDA error, say) is passed on as it is.
 std::exception_ptr pinError(
-    const at::RecordFunction& fn,
+    const char* what,
     const StorageList& storages,
     std::exception_ptr cause) {
   try {
@@ -175,7 +175,7 @@ std::exception_ptr pinError(
           OutOfMemoryError,
           false,
           "Large Model Support: the inputs of ",
-          fn.name(),
+          what,
           " (",
           std::to_string(storages.size()),
           " storages, ",
@@ -271,7 +271,7 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   }
   if (failure != nullptr) {
     engine::setPendingError(
-        deviceOf(storages), pinError(fn, storages, failure));
+        deviceOf(storages), pinError(fn.name(), storages, failure));
   }
   if (context->pinned.empty() && context->on_host.empty()) {
     return nullptr;
@@ -327,6 +327,47 @@ const bool g_registered = [] {
 }();
 
 } // namespace
+
+LaunchPins::LaunchPins() = default;
+
+LaunchPins::~LaunchPins() {
+  release();
+}
+
+void LaunchPins::pin(c10::ArrayRef<at::Tensor> tensors, const char* what) {
+  TORCH_CHECK(state_ == nullptr, "LaunchPins: pin() called twice");
+  StorageList storages;
+  for (const at::Tensor& tensor : tensors) {
+    collectTensor(tensor, storages);
+  }
+  std::sort(storages.begin(), storages.end());
+  storages.erase(std::unique(storages.begin(), storages.end()), storages.end());
+  auto state = std::make_unique<PinnedStorages>();
+  try {
+    for (c10::StorageImpl* storage : storages) {
+      engine::pin(*storage);
+      const c10::DataPtr& data_ptr = storage->_mutable_data_ptr_no_checks();
+      if (engine::isManaged(data_ptr)) {
+        state->pinned.push_back(PinnedStorage{
+            c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage),
+            data_ptr.get_context()});
+      }
+    }
+  } catch (...) {
+    // Nothing has been launched yet: release what was pinned and raise the
+    // LMS message from here, where the caller sees it.
+    unpinAll(state->pinned);
+    std::rethrow_exception(pinError(what, storages, std::current_exception()));
+  }
+  state_ = std::move(state);
+}
+
+void LaunchPins::release() {
+  if (state_ != nullptr) {
+    unpinAll(static_cast<PinnedStorages*>(state_.get())->pinned);
+    state_.reset();
+  }
+}
 
 void registerOperatorPinning() {
   engine::setEnabledObserver(&setOperatorPinning);
