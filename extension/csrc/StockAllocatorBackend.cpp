@@ -15,6 +15,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -55,16 +56,42 @@ class PrivatePoolTracker {
 
   void onTrace(const alloc::TraceEntry& entry) {
     const auto& pool = entry.mempool_;
-    if (entry.action_ == alloc::TraceEntry::ALLOC) {
-      if (pool.first == 0 && pool.second == 0) {
-        return;
+    const bool private_pool = pool.first != 0 || pool.second != 0;
+    const auto size = static_cast<int64_t>(entry.size_);
+    switch (entry.action_) {
+      case alloc::TraceEntry::ALLOC:
+        if (private_pool) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          ptrs_.insert(entry.addr_);
+        }
+        break;
+      case alloc::TraceEntry::FREE_REQUESTED: {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ptrs_.erase(entry.addr_);
+        break;
       }
-      std::lock_guard<std::mutex> lock(mutex_);
-      ptrs_.insert(entry.addr_);
-    } else if (entry.action_ == alloc::TraceEntry::FREE_REQUESTED) {
-      std::lock_guard<std::mutex> lock(mutex_);
-      ptrs_.erase(entry.addr_);
+      case alloc::TraceEntry::SEGMENT_ALLOC:
+      case alloc::TraceEntry::SEGMENT_MAP:
+        if (private_pool) {
+          reservedOf(entry.device_).fetch_add(size);
+        }
+        break;
+      case alloc::TraceEntry::SEGMENT_FREE:
+      case alloc::TraceEntry::SEGMENT_UNMAP:
+        if (private_pool) {
+          reservedOf(entry.device_).fetch_sub(size);
+        }
+        break;
+      default:
+        break;
     }
+  }
+
+  // Bytes the private pools of `device` reserved since the trace was
+  // attached (segments reserved before that are not counted).
+  size_t reservedBytes(c10::DeviceIndex device) {
+    const int64_t bytes = reservedOf(device).load();
+    return bytes > 0 ? static_cast<size_t>(bytes) : 0;
   }
 
   bool contains(const void* ptr) {
@@ -73,8 +100,16 @@ class PrivatePoolTracker {
   }
 
  private:
+  std::atomic<int64_t>& reservedOf(c10::DeviceIndex device) {
+    static std::atomic<int64_t> unknown{0};
+    return device >= 0 && device < C10_COMPILE_TIME_MAX_GPUS
+        ? reserved_[device]
+        : unknown;
+  }
+
   std::mutex mutex_;
   std::unordered_set<size_t> ptrs_;
+  std::array<std::atomic<int64_t>, C10_COMPILE_TIME_MAX_GPUS> reserved_{};
 };
 
 PrivatePoolTracker& privatePools() {
@@ -167,6 +202,10 @@ class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
     return !privatePools().contains(data_ptr.get());
   }
 
+  size_t privatePoolBytes(c10::DeviceIndex device) override {
+    return privatePools().reservedBytes(device);
+  }
+
   // Under torch.cuda.set_per_process_memory_fraction the stock allocator
   // refuses to reserve more than that share of the device: the LMS limit
   // stays within it, so reclaims happen before the allocator fails.
@@ -220,7 +259,7 @@ class LmsAllocator final : public alloc::CUDAAllocator {
     }
     const c10::DeviceIndex device = c10::cuda::current_device();
     if (routedToPool(device)) {
-      return stock_->allocate(size); // private pool: never paged
+      return inPrivatePool(device, size, [&] { return stock_->allocate(size); });
     }
     return lms::allocate(
         device, size, c10::cuda::getCurrentCUDAStream(device).stream());
@@ -239,7 +278,9 @@ class LmsAllocator final : public alloc::CUDAAllocator {
     }
     const c10::DeviceIndex device = c10::cuda::current_device();
     if (routedToPool(device)) {
-      return stock_->raw_alloc_with_stream(size, stream);
+      return inPrivatePool(device, size, [&] {
+        return stock_->raw_alloc_with_stream(size, stream);
+      });
     }
     return lms::allocateRaw(device, size, stream);
   }
@@ -477,6 +518,51 @@ class LmsAllocator final : public alloc::CUDAAllocator {
 #endif
 
  private:
+  // Memory in a private pool is never paged out (a graph bakes in its
+  // addresses), but LMS makes room for the pool by paging out other inactive
+  // storages, except while a capture is underway (a page-out copy cannot join
+  // a capture). When that is not enough the error says why.
+  template <typename Allocate>
+  auto inPrivatePool(c10::DeviceIndex device, size_t size, Allocate&& allocate)
+      -> decltype(allocate()) {
+    while (true) {
+      try {
+        return allocate();
+      } catch (const c10::OutOfMemoryError& e) {
+        const bool capturing = captureUnderway(device);
+        if (!capturing && lms::reclaimBytes(device, size) > 0) {
+          continue;
+        }
+        TORCH_CHECK_WITH(
+            OutOfMemoryError,
+            false,
+            "Large Model Support: out of memory for a private memory pool "
+            "(a CUDA graph or torch.cuda.MemPool), whose memory LMS never pages "
+            "out. ",
+            capturing ? "A CUDA graph capture is underway, and page-outs cannot "
+                        "be captured. "
+                      : "Every inactive storage outside the pools is already "
+                        "paged out. ",
+            "Private pools hold ",
+            mebibytes(privatePools().reservedBytes(device)),
+            " on this device. Leave room for them under the cap (a higher "
+            "memory fraction or LMS limit, a smaller batch), or compile "
+            "without mode=\"reduce-overhead\". ",
+            e.what_without_backtrace());
+      }
+    }
+  }
+
+  static std::string mebibytes(size_t bytes) {
+    char text[32];
+    std::snprintf(
+        text,
+        sizeof(text),
+        "%.2f MiB",
+        static_cast<double>(bytes) / (1024.0 * 1024.0));
+    return text;
+  }
+
   std::atomic<int>& poolRouting(c10::DeviceIndex device) {
     TORCH_CHECK(
         device >= 0 && device < static_cast<c10::DeviceIndex>(routing_.size()),

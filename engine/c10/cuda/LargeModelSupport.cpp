@@ -1285,6 +1285,14 @@ LmsStats getStats(c10::DeviceIndex device) {
   s.host_bytes.current = host.held_bytes;
   s.host_bytes.peak = host.peak_held_bytes;
   s.limit_bytes = g_backend.load() != nullptr ? effectiveLimit(e) : 0;
+  if (DeviceMemoryBackend* b = g_backend.load()) {
+    const auto pools = static_cast<int64_t>(b->privatePoolBytes(device));
+    std::lock_guard<std::mutex> lock(e.mutex);
+    e.stats.private_pool_bytes.current = pools;
+    e.stats.private_pool_bytes.peak =
+        std::max(e.stats.private_pool_bytes.peak, pools);
+    s.private_pool_bytes = e.stats.private_pool_bytes;
+  }
   return s;
 }
 
@@ -1463,6 +1471,12 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
         text, sizeof(text), "%.2f MiB", static_cast<double>(bytes) / kMiB);
     return std::string(text);
   };
+  const size_t pools = backend().privatePoolBytes(device);
+  const std::string pool_note = pools == 0 ? std::string()
+                                           : " " + mib(static_cast<int64_t>(pools)) +
+          " is reserved by private pools (CUDA graphs, torch.cuda.MemPool), "
+          "which LMS never pages out: leave room for them under the cap, or "
+          "compile without mode=\"reduce-overhead\".";
   return "CUDA out of memory with Large Model Support. Tried to allocate " +
       mib(static_cast<int64_t>(size)) + " on device " +
       std::to_string(int(device)) +
@@ -1479,7 +1493,8 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
       mib(s.pagedout_bytes.current) +
       " paged out to host. The working set of one operator must fit on the "
       "device: reduce the batch size or the operator's size, or lower the "
-      "size threshold with torch.cuda.set_size_lms().";
+      "size threshold with torch.cuda.set_size_lms()." +
+      pool_note;
 }
 
 } // namespace c10::cuda::lms

@@ -224,6 +224,9 @@ struct LmsStats {
   // Bytes allocated on the device beyond the limit after an allocation's
   // reclaim: what running operators pin, and storages LMS cannot page out.
   LmsStat over_limit_bytes;
+  // Device memory reserved by private pools (CUDA graphs, MemPool), which
+  // LMS never pages out: a captured graph bakes in its addresses.
+  LmsStat private_pool_bytes;
   size_t limit_bytes = 0;
 };
 
@@ -269,6 +272,11 @@ class C10_CUDA_API DeviceMemoryBackend {
   virtual size_t capacityBytes(c10::DeviceIndex device) {
     (void)device;
     return SIZE_MAX;
+  }
+  // Device memory reserved by the allocator's private pools, when it knows.
+  virtual size_t privatePoolBytes(c10::DeviceIndex device) {
+    (void)device;
+    return 0;
   }
 };
 

@@ -85,6 +85,7 @@ _GAUGE_KEYS = (
     "pagedout_bytes",
     "host_bytes",
     "over_limit_bytes",
+    "private_pool_bytes",
 )
 _STORAGE_STATES = ("unmanaged", "allocated", "active", "inactive", "paged out")
 
@@ -374,9 +375,11 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
 
     The gauges ``managed_bytes``, ``active_bytes``, ``inactive_bytes``,
     ``pagedout_bytes``, ``host_bytes`` (pinned host memory LMS holds,
-    process-wide) and ``over_limit_bytes`` (bytes allocated beyond the limit
+    process-wide), ``over_limit_bytes`` (bytes allocated beyond the limit
     after an allocation's reclaim: pinned by running operators or not
-    reclaimable) are dicts ``{"current": int, "peak": int}``.
+    reclaimable) and ``private_pool_bytes`` (device memory reserved by CUDA
+    graph pools and :class:`torch.cuda.MemPool`, which LMS never pages out)
+    are dicts ``{"current": int, "peak": int}``.
 
     With LMS built in, :func:`~torch.cuda.memory_stats` reports the same values
     under ``"lms."`` keys.
@@ -530,6 +533,7 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
         ("pagedout_bytes", "Paged out to host"),
         ("host_bytes", "Pinned host memory"),
         ("over_limit_bytes", "Over the limit"),
+        ("private_pool_bytes", "Private pools (graphs)"),
     ):
         current, peak = gauges[key]
         lines.append(row(name, _format_size(current), _format_size(peak)))
