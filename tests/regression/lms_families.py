@@ -539,3 +539,59 @@ def mlp_batch(tokens: int, width: int, seed: int, device: torch.device) -> Batch
     x = torch.randn(tokens, width, device=device, generator=g)
     y = torch.randn(tokens, 1, device=device, generator=g)
     return x, y
+
+
+# ---------------------------------------------------------------------------------------
+# Training, the same on a GPU and (for the CPU tests) on a CPU
+# ---------------------------------------------------------------------------------------
+
+
+def make_scaler(fam: Family, device: torch.device) -> torch.amp.GradScaler | None:
+    """The GradScaler of an ``amp`` family, else ``None``."""
+    return torch.amp.GradScaler(device.type) if fam.amp else None
+
+
+def autocast(fam: Family, device: torch.device) -> torch.autocast:
+    """fp16 autocast for an ``amp`` family on a GPU (bfloat16 on a CPU); off otherwise."""
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    return torch.autocast(device.type, dtype=dtype, enabled=fam.amp)
+
+
+def train_step(
+    fam: Family,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    step: int,
+    device: torch.device,
+    after_forward: Callable[[], None] | None = None,
+    before_update: Callable[[], None] | None = None,
+) -> list[torch.Tensor]:
+    """One optimizer step of ``fam``: ``accumulation`` micro-batches, then the update.
+
+    Returns the micro-batches' losses (detached, on the CPU, as computed: divided by
+    ``accumulation``). ``after_forward`` runs after the first micro-batch's loss, while
+    its activations are alive; ``before_update`` runs when the gradients are complete.
+    """
+    losses: list[torch.Tensor] = []
+    for micro in range(fam.accumulation):
+        inputs, targets = fam.make_batch(step * fam.accumulation + micro, device)
+        with autocast(fam, device):
+            loss = fam.loss(model(inputs), targets)
+        if fam.accumulation > 1:
+            loss = loss / fam.accumulation
+        del inputs, targets
+        if micro == 0 and after_forward is not None:
+            after_forward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        losses.append(loss.detach().float().cpu())
+        del loss
+    if before_update is not None:
+        before_update()
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return losses
