@@ -76,9 +76,22 @@ from lms_regression_harness import (  # noqa: E402
 # an operator larger than this cannot be made room for by the reclaim that runs before it.
 EXTENSION_HEADROOM_BYTES = 256 * MiB
 
+# The collective backend of the DDP run (the CPU tests of this module use gloo).
+DDP_BACKEND = "nccl"
+
 # DeepMLP shape of the no-cap rows and of the processes sharing a GPU.
 MLP_WIDTH = 1024
 MLP_LAYERS = 16
+
+
+def worker_device() -> torch.device:
+    """The device this process trains on (the CPU tests of this module replace it)."""
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def rank_device(rank: int) -> torch.device:
+    """The device of DDP rank ``rank``."""
+    return torch.device("cuda", rank)
 
 
 # ---------------------------------------------------------------------------------------
@@ -199,7 +212,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         v.numel() * v.element_size()
         for state in optimizer.state.values()
         for v in state.values()
-        if isinstance(v, torch.Tensor) and v.is_cuda
+        if isinstance(v, torch.Tensor) and v.dim() > 0  # not the scalar step counts
     )
 
 
@@ -211,7 +224,7 @@ def train_family(fam: Family, probe: bool = False) -> FamilyRun:
     first forward pass, and the largest parameter (its gradient is allocated inside the
     backward operator).
     """
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = worker_device()
     deterministic()
     settle()
     torch.cuda.reset_peak_memory_stats()
@@ -270,9 +283,9 @@ def train_family(fam: Family, probe: bool = False) -> FamilyRun:
     return run
 
 
-def run_family(name: str, cap_share: float, out: Path) -> int:
-    """The ``family`` command; returns the exit status."""
-    fam = family(name)
+def run_family(name: str, cap_share: float, out: Path, tiny: bool = False) -> int:
+    """The ``family`` command; returns the exit status. ``tiny``: the CPU-test size."""
+    fam = family(name, tiny)
     results = Results(
         out,
         family=name,
@@ -392,7 +405,7 @@ def run_nocap(factor: float, steps: int, out: Path) -> int:
     try:
         backend = ensure_lms_api()
         results.update(**environment(backend))
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = worker_device()
         total = torch.cuda.get_device_properties(device).total_memory
         need = int(factor * total)
         tokens = mlp_tokens_for(need, MLP_WIDTH, MLP_LAYERS)
@@ -539,7 +552,7 @@ def run_share(
     try:
         backend = ensure_lms_api()
         results.update(**environment(backend))
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = worker_device()
         torch.empty(1, device=device)  # create the CUDA context before the start line
         total = torch.cuda.get_device_properties(device).total_memory
         tokens = mlp_tokens_for(int(fraction * total), MLP_WIDTH, MLP_LAYERS)
@@ -619,13 +632,15 @@ def train_ddp(rank: int, steps: int, probe: bool) -> FamilyRun:
     """One seeded DDP training run of this rank (its own data: the seed depends on rank)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    device = torch.device("cuda", rank)
+    device = rank_device(rank)
     deterministic()
     settle()
     torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(0)
     module, run_name = ddp_model()
-    model = DistributedDataParallel(module.to(device), device_ids=[rank])
+    model = DistributedDataParallel(
+        module.to(device), device_ids=[rank] if device.type == "cuda" else None
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     run = FamilyRun(RunResult(), model=run_name)
     found: dict[str, Any] = {"bytes": 0, "source": ""}
@@ -673,7 +688,8 @@ def ddp_rank(rank: int, world: int, cap_share: float, steps: int, out_dir: str, 
 
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    torch.cuda.set_device(rank)
+    if rank_device(rank).type == "cuda":
+        torch.cuda.set_device(rank)
     results = Results(
         Path(out_dir) / f"ddp-rank{rank}.json", rank=rank, world=world, cap_share=cap_share
     )
@@ -682,7 +698,7 @@ def ddp_rank(rank: int, world: int, cap_share: float, steps: int, out_dir: str, 
         results.update(**environment(backend), steps=steps, stage="start")
         results.save()
         dist.init_process_group(
-            "nccl", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180)
+            DDP_BACKEND, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=180)
         )
         results["stage"] = "reference"
         first = train_ddp(rank, steps, probe=True)
@@ -769,6 +785,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = sub.add_parser("family", help="one model family, uncapped twice then capped")
     p.add_argument("--family", required=True)
     p.add_argument("--cap-share", type=float, required=True)
+    p.add_argument("--tiny", action="store_true", help="the CPU-test size (a quick smoke run)")
     p.add_argument("--out", type=Path, required=True)
 
     p = sub.add_parser("nocap", help="a need of FACTOR x the device, no cap")
@@ -795,7 +812,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.command == "family":
-        return run_family(args.family, args.cap_share, args.out)
+        return run_family(args.family, args.cap_share, args.out, args.tiny)
     if args.command == "nocap":
         return run_nocap(args.factor, args.steps, args.out)
     if args.command == "share":

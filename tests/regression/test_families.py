@@ -94,11 +94,9 @@ def check_done(data: dict[str, Any]) -> None:
 
 
 FAMILY_KEYS = (
-    "family",
     "description",
     "device",
     "lms_backend",
-    "cap",
     "reference_peak_reserved_bytes",
     "cap_bytes",
     "deficit_bytes",
@@ -151,12 +149,13 @@ def check_against_reference(data: dict[str, Any]) -> None:
 def test_family(name: str, cap: str, record: Record, tmp_path: Path) -> None:
     """One family under a cap of 1/2 or 1/4 of its uncapped peak, default LMS settings."""
     share = CAPS[cap]
+    record("family", name)
+    record("cap", CAP_LABELS[share])
     out = tmp_path / "result.json"
     proc = run_worker(
         ["family", "--family", name, "--cap-share", str(share), "--out", str(out)], FAMILY_TIMEOUT_S
     )
     data = read_results(out, proc)
-    data["cap"] = CAP_LABELS[share]
     if "capped_s_per_iter" in data:
         data["s_per_iter"] = data["capped_s_per_iter"]
     if data.get("cap_bytes"):
@@ -200,21 +199,19 @@ def test_nocap(factor: float, record: Record, tmp_path: Path) -> None:
             f"host memory {host / 2**30:.0f} GiB is less than {factor + 0.1:.1f}x the device "
             f"memory ({needed / 2**30:.0f} GiB): page-outs need pinned host memory"
         )
+    record("family", "deep_mlp")
+    record("cap", f"none ({factor}x device)")
     out = tmp_path / "result.json"
     proc = run_worker(
         ["nocap", "--factor", str(factor), "--steps", "2", "--out", str(out)], FAMILY_TIMEOUT_S
     )
     data = read_results(out, proc)
-    data["family"] = "deep_mlp"
-    data["cap"] = f"none ({factor}x device)"
     data["bit_identical"] = None
     data["reference_repeatable"] = None
     record_all(
         record,
         data,
         (
-            "family",
-            "cap",
             "device",
             "lms_backend",
             "tokens",
@@ -262,14 +259,14 @@ def test_ddp_two_gpus(record: Record, tmp_path: Path) -> None:
     """ResNet-50 (torchvision; a CNN of our own without it) under DistributedDataParallel
     on two GPUs (NCCL), capped at 1/2 of each rank's own uncapped peak, LMS on with default
     settings; each rank is compared with its uncapped DDP run."""
+    record("family", "ddp_resnet50")
+    record("cap", "1/2 per GPU")
     proc = run_worker(["ddp", "--cap-share", "0.5", "--out-dir", str(tmp_path)], FAMILY_TIMEOUT_S)
     ranks = []
     for rank in range(2):
         data = read_results(tmp_path / f"ddp-rank{rank}.json", proc)
         ranks.append(data)
     first = ranks[0]
-    record("family", "ddp_resnet50")
-    record("cap", "1/2 per GPU")
     for key in ("model", "device", "lms_backend"):
         if key in first:
             record(key, first[key])
@@ -323,9 +320,9 @@ def test_share_one_gpu(processes: int, fraction: float, record: Record, tmp_path
             f"host memory {host / 2**30:.0f} GiB is less than the {needed / 2**30:.0f} GiB the "
             "processes' page-outs and the processes themselves need"
         )
-    lms = launch_share(processes, fraction, steps=3, lms=True, folder=tmp_path / "lms")
     record("family", "deep_mlp")
-    record("cap", f"none ({processes} x {fraction:.0%} of the device)")
+    record("cap", f"none ({processes} processes x {fraction:.0%} of the device)")
+    lms = launch_share(processes, fraction, steps=3, lms=True, folder=tmp_path / "lms")
     record("exit_codes", [r["returncode"] for r in lms])
     for key in (
         "need_bytes",
