@@ -11,7 +11,9 @@
 # Environment: OUT (default out/matrix), PYTHON (default python3, the interpreter that has
 # torch and torchvision), CUDA_HOME (default /usr/local/cuda), MAX_JOBS (parallel compile
 # jobs, default 8), PYTEST_ARGS (extra pytest arguments, split as shell words: quotes work),
-# MATRIX_TIMEOUT (seconds for the whole pytest run, default 1500).
+# MATRIX_TIMEOUT (seconds for the whole pytest run, default 540; run the matrix in parts
+# with PYTEST_ARGS, each part with its own OUT, and summarize them together:
+# python tests/regression/lms_matrix_summary.py out/matrix-*/regression-results.json).
 # Writes under OUT: run-matrix.log, build.log (when it builds), junit.xml,
 # regression-results.json/.csv, matrix-summary.md.
 set -euo pipefail
@@ -57,12 +59,13 @@ export LMS_RESULTS_DIR="$OUT"
 cd "$ROOT"
 eval "extra=(${PYTEST_ARGS:-})"
 set +e
-timeout "${MATRIX_TIMEOUT:-1500}" "$PY" -m pytest tests/regression/test_families.py -v -ra \
+# SIGINT first: pytest then stops like on Ctrl-C and still writes the results and junit.
+timeout -s INT -k 60 "${MATRIX_TIMEOUT:-540}" "$PY" -m pytest tests/regression/test_families.py -v -ra \
   -p no:cacheprovider --junitxml="$OUT/junit.xml" "${extra[@]}"
 status=$?
 set -e
 if [ "$status" -eq 124 ]; then
-  echo "the regression matrix ran past ${MATRIX_TIMEOUT:-1500} s and was stopped"
+  echo "the regression matrix ran past ${MATRIX_TIMEOUT:-540} s and was stopped"
 fi
 
 echo "== summary"

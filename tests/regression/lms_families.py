@@ -547,8 +547,12 @@ def mlp_batch(tokens: int, width: int, seed: int, device: torch.device) -> Batch
 
 
 def make_scaler(fam: Family, device: torch.device) -> torch.amp.GradScaler | None:
-    """The GradScaler of an ``amp`` family, else ``None``."""
-    return torch.amp.GradScaler(device.type) if fam.amp else None
+    """The GradScaler of an ``amp`` family, else ``None``.
+
+    It starts at a scale of 2**10 rather than 2**16, so that the few steps of a regression
+    run update the weights instead of being skipped while the scale comes down.
+    """
+    return torch.amp.GradScaler(device.type, init_scale=2.0**10) if fam.amp else None
 
 
 def autocast(fam: Family, device: torch.device) -> torch.autocast:

@@ -1,6 +1,6 @@
 """Markdown table of the LMS regression matrix from ``regression-results.json``.
 
-    python tests/regression/lms_matrix_summary.py out/matrix/regression-results.json
+    python tests/regression/lms_matrix_summary.py out/matrix*/regression-results.json
 
 One row per test of ``test_families.py`` (a skipped one is named by its test id): family,
 cap, seconds per iteration (LMS run and uncapped reference), bytes paged out per iteration,
@@ -80,19 +80,24 @@ def row(entry: dict[str, Any]) -> list[str]:
     ]
 
 
-def render(results: dict[str, Any]) -> str:
-    """The markdown table (with a line naming the device) of a results document."""
+def render(*documents: dict[str, Any]) -> str:
+    """The markdown table of one or more results documents (runs of parts of the matrix,
+    e.g. on a one-GPU and a two-GPU machine), after a line naming each one's device."""
     entries = [
-        t for t in results.get("tests", []) if "family" in t or "test_families.py" in t["test"]
+        t
+        for results in documents
+        for t in results.get("tests", [])
+        if "family" in t or "test_families.py" in t.get("test", "")
     ]
-    env = results.get("environment", {})
     lines = []
-    if env:
-        lines.append(
-            f"Device: {env.get('device', 'unknown')}, torch {env.get('torch', '?')}, "
-            f"LMS backend {env.get('lms_backend', '?')}, {env.get('date', '')}"
-        )
-        lines.append("")
+    for results in documents:
+        env = results.get("environment", {})
+        if env:
+            lines.append(
+                f"Device: {env.get('device', 'unknown')}, torch {env.get('torch', '?')}, "
+                f"LMS backend {env.get('lms_backend', '?')}, {env.get('date', '')}"
+            )
+            lines.append("")
     lines.append("| " + " | ".join(COLUMNS) + " |")
     lines.append("|" + " --- |" * len(COLUMNS))
     for entry in entries:
@@ -105,10 +110,10 @@ def render(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", type=Path, help="regression-results.json")
+    parser.add_argument("results", type=Path, nargs="+", help="regression-results.json files")
     parser.add_argument("--output", type=Path, help="write the table here too")
     args = parser.parse_args(argv)
-    table = render(json.loads(args.results.read_text()))
+    table = render(*(json.loads(path.read_text()) for path in args.results))
     sys.stdout.write(table)
     if args.output is not None:
         args.output.write_text(table)

@@ -548,7 +548,7 @@ def run_share(
     results = Results(
         out, rank=rank, processes=processes, fraction=fraction, steps=steps, lms=lms, stage="start"
     )
-    barrier = FileBarrier(barrier_dir, processes, rank)
+    barrier = FileBarrier(barrier_dir, processes, rank, timeout_s=300)
     try:
         backend = ensure_lms_api()
         results.update(**environment(backend))

@@ -262,17 +262,22 @@ def tensors_of(run: RunResult) -> list[tuple[str, torch.Tensor]]:
 
 
 def first_difference(expected: RunResult, actual: RunResult) -> str | None:
-    """``None`` when the runs' losses, gradients and parameters are bit-identical, else
-    what differs first."""
+    """``None`` when the runs' losses, gradients and parameters are bit-identical (compared
+    as bytes), else what differs first."""
     a, b = tensors_of(expected), tensors_of(actual)
     if [n for n, _ in a] != [n for n, _ in b]:
         return f"the runs have different tensors ({len(a)} vs {len(b)})"
     for (name, x), (_, y) in zip(a, b):
         if x.shape != y.shape or x.dtype != y.dtype:
             return f"{name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}"
-        if not torch.equal(x, y):
+        if not torch.equal(_bits(x), _bits(y)):
             return f"{name} differs"
     return None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (so that NaNs compare, and -0.0 differs from 0.0)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def max_relative_difference(expected: RunResult, actual: RunResult) -> float:

@@ -201,6 +201,12 @@ def test_first_difference_and_relative_difference() -> None:
     assert max_relative_difference(a, d) == float("inf")
     e = RunResult(losses=[torch.zeros(2)], grads=[], params=[])
     assert "different tensors" in (first_difference(a, e) or "")
+    # Compared as bits: NaNs of the same pattern match, -0.0 is not 0.0.
+    nan = _run([float("nan"), 1.0])
+    assert first_difference(nan, _run([float("nan"), 1.0])) is None
+    assert first_difference(_run([0.0, 1.0]), _run([-0.0, 1.0])) == "loss 0 differs"
+    scalar = RunResult(losses=[torch.tensor(1.5)], grads=[], params=[])
+    assert first_difference(scalar, RunResult(losses=[torch.tensor(1.5)])) is None
 
 
 # ---------------------------------------------------------------------------------------
@@ -398,6 +404,33 @@ def test_file_barrier_waits_for_all_and_counts_failures(tmp_path: Path) -> None:
         worker.FileBarrier(tmp_path / "alone", 2, 0, timeout_s=0.1).wait("start")
 
 
+FAKE_SHARE_WORKER = """
+import json, sys, time
+from pathlib import Path
+sys.path.insert(0, {regression!r})
+from lms_matrix_worker import FileBarrier, parse_args
+args = parse_args(sys.argv[1:])
+if args.rank == 0:
+    sys.exit(3)  # dies without marking the barrier, as a crash would
+FileBarrier(args.barrier, args.processes, args.rank, timeout_s=60).wait("start")
+args.out.write_text(json.dumps({{"rank": args.rank, "stage": "done"}}))
+"""
+
+
+def test_launch_share_marks_crashed_workers(
+    families_test: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    script = tmp_path / "fake_worker.py"
+    regression = str(Path(families_test.__file__).resolve().parent)
+    script.write_text(FAKE_SHARE_WORKER.format(regression=regression))
+    monkeypatch.setattr(families_test, "WORKER", script)
+    monkeypatch.setattr(families_test, "SHARE_TIMEOUT_S", 60)
+    results = families_test.launch_share(2, 0.6, steps=1, lms=True, folder=tmp_path / "run")
+    assert [r["returncode"] for r in results] == [3, 0]
+    assert results[1]["stage"] == "done" and "stage" not in results[0]
+    assert (tmp_path / "run" / "barrier" / "failed-0").exists()
+
+
 def test_ddp_rank_on_cpu_with_gloo(
     fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -489,6 +522,12 @@ def test_summary_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert lms_matrix_summary.main([str(results), "--output", str(out)]) == 0
     assert "(no matrix results)" in capsys.readouterr().out
     assert "(no matrix results)" in out.read_text()
+
+    second = tmp_path / "two-gpus.json"
+    second.write_text(json.dumps(SYNTHETIC))
+    assert lms_matrix_summary.main([str(results), str(second)]) == 0
+    table = capsys.readouterr().out
+    assert "| cnn2d | 1/2 |" in table and "(no matrix results)" not in table
 
 
 def test_run_matrix_script_parses() -> None:
