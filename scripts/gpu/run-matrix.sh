@@ -56,6 +56,7 @@ echo "== regression matrix"
 export PYTHONPATH="$ROOT/extension${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export LMS_RESULTS_DIR="$OUT"
+export LMS_MATRIX=1
 cd "$ROOT"
 eval "extra=(${PYTEST_ARGS:-})"
 set +e

@@ -8,6 +8,9 @@ Further rows: no cap at all with a need of 1.1x and 1.5x the device memory (``-k
 DistributedDataParallel on two GPUs (``-k ddp``) and several processes sharing one GPU
 (``-k share``).
 
+It runs when ``LMS_MATRIX=1`` is set (``scripts/gpu/run-matrix.sh`` does), so that the
+quick regression run of ``tests/regression`` stays quick.
+
 Every run trains in a process of its own (``lms_matrix_worker.py``), so a device fault in
 one run cannot take the rest of the matrix with it; the results it writes are recorded with
 the test (``LMS_RESULTS_DIR``: ``regression-results.json``). ``lms_matrix_summary.py``
@@ -34,6 +37,13 @@ from lms_regression_harness import MiB, host_memory_bytes
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "lms_matrix_worker.py"
+
+# The matrix takes several minutes per part: it runs when asked for (scripts/gpu/run-matrix.sh
+# sets LMS_MATRIX=1), not as part of every run of tests/regression (run-regression.sh).
+pytestmark = pytest.mark.skipif(
+    os.environ.get("LMS_MATRIX", "") != "1",
+    reason="the regression matrix runs with LMS_MATRIX=1 (scripts/gpu/run-matrix.sh)",
+)
 
 CAPS = {"half": 0.5, "quarter": 0.25}
 CAP_LABELS = {0.5: "1/2", 0.25: "1/4"}
