@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -64,19 +65,35 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def run_worker(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+def kill_group(proc: subprocess.Popen[Any]) -> None:
+    """Ends a worker and the processes it started (its own session: DDP ranks too)."""
     try:
-        return subprocess.run(
-            [sys.executable, str(WORKER), *args],
-            env=worker_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        err = exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_worker(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Runs the worker with ``args``; a worker past ``timeout_s`` fails the test."""
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), *args],
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_group(proc)
+        out, err = proc.communicate()
         pytest.fail(f"worker {args[0]} ran past {timeout_s:.0f} s; stderr tail:\n{err[-3000:]}")
+    except BaseException:  # interrupted: leave no worker behind
+        kill_group(proc)
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def read_results(path: Path, proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
@@ -403,19 +420,22 @@ def launch_share(
                     env=worker_env(),
                     stdout=log,
                     stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             )
     deadline = time.monotonic() + SHARE_TIMEOUT_S
-    while any(p.poll() is None for p in procs):
-        for rank, p in enumerate(procs):
-            if p.poll() not in (None, 0):
-                (barrier / f"failed-{rank}").touch()
-        if time.monotonic() > deadline:
-            for p in procs:
-                p.kill()
-                p.wait()
-            pytest.fail(f"the {processes} processes ran past {SHARE_TIMEOUT_S} s")
-        time.sleep(0.1)
+    try:
+        while any(p.poll() is None for p in procs):
+            for rank, p in enumerate(procs):
+                if p.poll() not in (None, 0):
+                    (barrier / f"failed-{rank}").touch()
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {processes} processes ran past {SHARE_TIMEOUT_S} s")
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_group(p)
     results = []
     for rank, p in enumerate(procs):
         path = folder / f"rank{rank}.json"

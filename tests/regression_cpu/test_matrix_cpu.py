@@ -13,6 +13,7 @@ import contextlib
 import json
 import subprocess
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -429,6 +430,42 @@ def test_launch_share_marks_crashed_workers(
     assert [r["returncode"] for r in results] == [3, 0]
     assert results[1]["stage"] == "done" and "stage" not in results[0]
     assert (tmp_path / "run" / "barrier" / "failed-0").exists()
+
+
+SLOW_WORKER = """
+import subprocess, sys, time
+from pathlib import Path
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+Path(sys.argv[2]).write_text(str(child.pid))
+time.sleep(60)
+"""
+
+
+def test_run_worker_ends_a_worker_and_its_children_at_the_timeout(
+    families_test: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    script = tmp_path / "slow_worker.py"
+    script.write_text(SLOW_WORKER)
+    monkeypatch.setattr(families_test, "WORKER", script)
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(pytest.fail.Exception, match="ran past 3 s"):
+        families_test.run_worker(["slow", str(pid_file)], 3)
+    child = int(pid_file.read_text())
+    for _ in range(100):  # the child is killed with its group; wait until it is reaped
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the worker's child {child} still runs")
+
+    script.write_text("import sys; print('out'); sys.exit(5)")
+    proc = families_test.run_worker(["quick"], 30)
+    assert (proc.returncode, proc.stdout) == (5, "out\n")
 
 
 def test_ddp_rank_on_cpu_with_gloo(
