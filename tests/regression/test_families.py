@@ -351,6 +351,8 @@ def test_share_one_gpu(processes: int, fraction: float, record: Record, tmp_path
     record("family", "deep_mlp")
     record("cap", f"none ({processes} processes x {fraction:.0%} of the device)")
     lms = launch_share(processes, fraction, steps=3, lms=True, folder=tmp_path / "lms")
+    # The control runs whatever the LMS run gave, so that the results show both.
+    control = launch_share(processes, fraction, steps=1, lms=False, folder=tmp_path / "nolms")
     record("exit_codes", [r["returncode"] for r in lms])
     for key in (
         "need_bytes",
@@ -365,6 +367,12 @@ def test_share_one_gpu(processes: int, fraction: float, record: Record, tmp_path
         "error_type",
     ):
         record(key, [r.get(key) for r in lms])
+    needs = [r.get("need_bytes") for r in lms]
+    if all(isinstance(n, int) for n in needs):
+        record("deficit_bytes", sum(needs) - device_bytes)  # together beyond the device
+    record("without_lms_exit_codes", [r["returncode"] for r in control])
+    record("without_lms_errors", [r.get("error_type") for r in control])
+
     failed = [r for r in lms if r["returncode"] != 0 or r.get("stage") != "done"]
     assert not failed, "\n\n".join(
         f"process {r.get('rank')} (exit {r['returncode']}, stage {r.get('stage')!r}): "
@@ -373,10 +381,6 @@ def test_share_one_gpu(processes: int, fraction: float, record: Record, tmp_path
     )
     for r in lms:
         assert r["finite"], f"process {r['rank']}: losses {r['losses']}"
-
-    control = launch_share(processes, fraction, steps=1, lms=False, folder=tmp_path / "nolms")
-    record("without_lms_exit_codes", [r["returncode"] for r in control])
-    record("without_lms_errors", [r.get("error_type") for r in control])
     ooms = [r for r in control if r.get("error_type") == "OutOfMemoryError"]
     assert ooms, (
         "without LMS every process finished: the processes' needs did not exceed the device"
