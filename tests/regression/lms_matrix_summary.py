@@ -4,7 +4,8 @@
 
 One row per test of ``test_families.py`` (a skipped one is named by its test id): family,
 cap, seconds per iteration (LMS run and uncapped reference), bytes paged out per iteration,
-the deficit (uncapped peak minus cap, or need minus LMS limit without a cap), stall time,
+the deficit (uncapped peak minus cap, or need minus LMS limit without a cap), the largest
+allocation seen inside an operator (a lower bound, from the uncapped run), stall time,
 whether the LMS run is bit-identical to the reference and whether the reference repeats,
 and the outcome. Values recorded per rank or per process are shown joined by ``/``.
 """
@@ -27,6 +28,7 @@ COLUMNS = (
     "s/iter (uncapped)",
     "paged out/iter",
     "deficit",
+    "largest alloc",
     "stall ms",
     "bit-identical",
     "reference repeats",
@@ -73,6 +75,7 @@ def row(entry: dict[str, Any]) -> list[str]:
         fmt_seconds(entry.get("reference_s_per_iter")),
         fmt_gib(entry.get("pageout_bytes_per_iter")),
         fmt_gib(entry.get("deficit_bytes")),
+        fmt_gib(entry.get("largest_alloc_bytes")),
         fmt_ms(entry.get("stall_ms")),
         fmt_flag(entry.get("bit_identical")),
         fmt_flag(entry.get("reference_repeatable")),

@@ -416,6 +416,8 @@ def run_nocap(factor: float, steps: int, out: Path) -> int:
             tokens=tokens,
             width=MLP_WIDTH,
             layers=MLP_LAYERS,
+            largest_alloc_bytes=tokens * MLP_WIDTH * 4,
+            largest_alloc_source="output of each Linear and GELU (tokens x width, fp32)",
             need_bytes=need,
             need_over_device=need / total,
             reference=f"the same batch in {chunks} micro-batches without LMS",
@@ -557,7 +559,12 @@ def run_share(
         total = torch.cuda.get_device_properties(device).total_memory
         tokens = mlp_tokens_for(int(fraction * total), MLP_WIDTH, MLP_LAYERS)
         need = mlp_need_bytes(tokens, MLP_WIDTH, MLP_LAYERS)
-        results.update(tokens=tokens, need_bytes=need, need_over_device=need / total)
+        results.update(
+            tokens=tokens,
+            need_bytes=need,
+            need_over_device=need / total,
+            largest_alloc_bytes=tokens * MLP_WIDTH * 4,
+        )
         results.save()
         barrier.wait("start")
 

@@ -243,6 +243,8 @@ def test_nocap(factor: float, record: Record, tmp_path: Path) -> None:
             "device",
             "lms_backend",
             "tokens",
+            "largest_alloc_bytes",
+            "largest_alloc_source",
             "need_bytes",
             "need_over_device",
             "live_after_forward_bytes",
@@ -357,6 +359,7 @@ def test_share_one_gpu(processes: int, fraction: float, record: Record, tmp_path
     for key in (
         "need_bytes",
         "need_over_device",
+        "largest_alloc_bytes",
         "s_per_iter",
         "pageout_bytes",
         "pageout_bytes_per_iter",

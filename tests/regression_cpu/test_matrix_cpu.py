@@ -518,6 +518,7 @@ SYNTHETIC = {
             "reference_s_per_iter": 0.1234,
             "pageout_bytes_per_iter": 3 * 1024**3,
             "deficit_bytes": 3.5 * 1024**3,
+            "largest_alloc_bytes": 288 * MiB,
             "stall_ms": 812.4,
             "bit_identical": True,
             "reference_repeatable": True,
@@ -545,7 +546,8 @@ def test_summary_renders_a_markdown_table() -> None:
     rows = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
     assert len(rows) == 3  # test_gpt is no matrix row
     assert rows[0] == (
-        "| cnn2d | 1/2 | 0.457 | 0.123 | 3.00 GiB | 3.50 GiB | 812 | yes | yes | passed |"
+        "| cnn2d | 1/2 | 0.457 | 0.123 | 3.00 GiB | 3.50 GiB | 0.28 GiB | 812 | yes | yes "
+        "| passed |"
     )
     assert "| 1.00 GiB / 2.00 GiB |" in rows[1]
     assert "| n/a | yes / no | failed |" in rows[1]
