@@ -674,7 +674,9 @@ def train_ddp(rank: int, steps: int, probe: bool) -> FamilyRun:
                 run.result.losses.append(loss.detach().cpu())
                 del loss
                 if step == steps - 1:
-                    run.result.grads = [p.grad.detach().cpu() for p in model.parameters()]
+                    run.result.grads = [
+                        p.grad.detach().cpu() for p in model.parameters() if p.grad is not None
+                    ]
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 torch.cuda.synchronize()
