@@ -3,10 +3,10 @@
 # torch_lms extension (built in place first when extension/torch_lms/_C*.so is missing;
 # offline: no pip downloads), then prints the results as a markdown table.
 #
-#   scripts/gpu/run-matrix.sh                                   everything this machine can run
-#   PYTEST_ARGS='-k "not ddp and not nocap"' scripts/gpu/run-matrix.sh    one GPU, capped rows
-#   PYTEST_ARGS='-k nocap' scripts/gpu/run-matrix.sh                      need > device rows
-#   PYTEST_ARGS='-k ddp' scripts/gpu/run-matrix.sh                        two GPUs
+#   scripts/gpu/run-matrix.sh                                  everything this machine can run
+#   PYTEST_ARGS='-k test_family' scripts/gpu/run-matrix.sh            7 families x 2 caps (1 GPU)
+#   PYTEST_ARGS='-k "share or nocap"' scripts/gpu/run-matrix.sh       shared GPU, need > device
+#   PYTEST_ARGS='-k ddp' scripts/gpu/run-matrix.sh                    DDP (2 GPUs)
 #
 # Environment: OUT (default out/matrix), PYTHON (default python3, the interpreter that has
 # torch and torchvision), CUDA_HOME (default /usr/local/cuda), MAX_JOBS (parallel compile
