@@ -144,6 +144,18 @@ def error_text(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:]
 
 
+def record_error(results: Results, exc: BaseException) -> None:
+    """Saves the error, with LMS's statistics up to it where they can still be read."""
+    results["error"] = error_text(exc)
+    results["error_type"] = type(exc).__name__
+    try:
+        if torch.cuda.is_initialized() and torch.cuda.get_enabled_lms():
+            results["lms_at_error"] = lms_summary(torch.cuda.lms_stats())
+    except Exception as stats_exc:  # a broken CUDA context: the error above says why
+        results["lms_at_error"] = f"unreadable: {type(stats_exc).__name__}"
+    results.save()
+
+
 def per_iteration(seconds: list[float]) -> float:
     """Seconds per iteration: the mean after the first (which pays for lazy setup)."""
     rest = seconds[1:] or seconds
@@ -354,9 +366,7 @@ def run_family(name: str, cap_share: float, out: Path, tiny: bool = False) -> in
         results.save()
         return 0
     except BaseException as exc:
-        results["error"] = error_text(exc)
-        results["error_type"] = type(exc).__name__
-        results.save()
+        record_error(results, exc)
         return 1
 
 
@@ -490,9 +500,7 @@ def run_nocap(factor: float, steps: int, out: Path) -> int:
         results.save()
         return 0
     except BaseException as exc:
-        results["error"] = error_text(exc)
-        results["error_type"] = type(exc).__name__
-        results.save()
+        record_error(results, exc)
         return 1
 
 
@@ -609,9 +617,7 @@ def run_share(
         return 0
     except BaseException as exc:
         barrier.fail()
-        results["error"] = error_text(exc)
-        results["error_type"] = type(exc).__name__
-        results.save()
+        record_error(results, exc)
         return 1
 
 
@@ -756,9 +762,7 @@ def ddp_rank(rank: int, world: int, cap_share: float, steps: int, out_dir: str, 
         dist.barrier()
         dist.destroy_process_group()
     except BaseException as exc:
-        results["error"] = error_text(exc)
-        results["error_type"] = type(exc).__name__
-        results.save()
+        record_error(results, exc)
         raise
 
 

@@ -150,6 +150,7 @@ FAMILY_KEYS = (
     "lms",
     "stage",
     "error_type",
+    "lms_at_error",
 )
 
 
@@ -266,6 +267,7 @@ def test_nocap(factor: float, record: Record, tmp_path: Path) -> None:
             "lms",
             "stage",
             "error_type",
+            "lms_at_error",
         ),
     )
     check_done(data)
@@ -316,6 +318,7 @@ def test_ddp_two_gpus(record: Record, tmp_path: Path) -> None:
         "largest_alloc_bytes",
         "stage",
         "error_type",
+        "lms_at_error",
     ):
         record(key, [r.get(key) for r in ranks])
     # One number per column for the summary: the slower rank, the sum of page-outs.
@@ -368,6 +371,7 @@ def test_share_one_gpu(processes: int, fraction: float, record: Record, tmp_path
         "waited_s",
         "lms_settings",
         "error_type",
+        "lms_at_error",
     ):
         record(key, [r.get(key) for r in lms])
     needs = [r["need_bytes"] for r in lms if isinstance(r.get("need_bytes"), int)]

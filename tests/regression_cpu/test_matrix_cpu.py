@@ -269,6 +269,8 @@ class FakeCuda:
             "get_size_lms": lambda: MiB,
             "get_prefetch_lms": lambda: 0,
             "get_speculative_lms": lambda: 0,
+            "get_enabled_lms": lambda: bool(self.enabled and self.enabled[-1]),
+            "is_initialized": lambda: True,
         }.items():
             monkeypatch.setattr(cuda, name, value, raising=False)
         monkeypatch.setattr(worker, "worker_device", lambda: CPU)
@@ -313,7 +315,7 @@ def test_family_command_on_cpu(
     assert len(data["capped_seconds_per_step"]) == family(name).steps
     assert data["lms_settings"]["size_bytes"] == MiB
     for key in families_test.FAMILY_KEYS:
-        if key not in ("s_per_iter", "largest_alloc_over_cap", "error_type"):
+        if key not in ("s_per_iter", "largest_alloc_over_cap", "error_type", "lms_at_error"):
             assert key in data, key
 
 
@@ -325,6 +327,7 @@ def test_family_command_records_a_failed_capped_run(
     assert worker.run_family("cnn2d", 0.5, out, tiny=True) == 1
     data = json.loads(out.read_text())
     assert data["stage"] == "capped" and data["error_type"] == "OutOfMemoryError"
+    assert data["lms_at_error"] == "unreadable: OutOfMemoryError"
     assert data["reference_repeatable"] is True  # what was measured before is kept
     data["_tail"] = ""
     with pytest.raises(pytest.fail.Exception, match="stage 'capped'"):
