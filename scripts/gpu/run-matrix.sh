@@ -4,7 +4,7 @@
 # offline: no pip downloads), then prints the results as a markdown table.
 #
 #   scripts/gpu/run-matrix.sh                                  everything this machine can run
-#   PYTEST_ARGS='-k test_family' scripts/gpu/run-matrix.sh            7 families x 2 caps (1 GPU)
+#   PYTEST_ARGS='-k capped' scripts/gpu/run-matrix.sh                 7 families x 2 caps (1 GPU)
 #   PYTEST_ARGS='-k "share or nocap"' scripts/gpu/run-matrix.sh       shared GPU, need > device
 #   PYTEST_ARGS='-k ddp' scripts/gpu/run-matrix.sh                    DDP (2 GPUs)
 #

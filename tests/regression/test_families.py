@@ -1,9 +1,10 @@
 """The LMS regression matrix: model families trained under caps, no cap, DDP, shared GPUs.
 
 Each model family (``lms_families.py``) is trained with default LMS settings under caps of
-1/2 and 1/4 of its own uncapped peak reserved memory, and compared with the uncapped run
-without LMS: bit for bit where two uncapped runs are bit-identical to each other (recorded
-as ``reference_repeatable``), otherwise within ten times the spread of those two runs.
+1/2 and 1/4 of its own uncapped peak reserved memory (``-k capped``), and compared with the
+uncapped run without LMS: bit for bit where two uncapped runs are bit-identical to each
+other (recorded as ``reference_repeatable``), otherwise within ten times the spread of
+those two runs.
 Further rows: no cap at all with a need of 1.1x and 1.5x the device memory (``-k nocap``),
 DistributedDataParallel on two GPUs (``-k ddp``) and several processes sharing one GPU
 (``-k share``).
@@ -174,7 +175,7 @@ def check_against_reference(data: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("cap", list(CAPS), ids=list(CAPS))
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_family(name: str, cap: str, record: Record, tmp_path: Path) -> None:
+def test_capped(name: str, cap: str, record: Record, tmp_path: Path) -> None:
     """One family under a cap of 1/2 or 1/4 of its uncapped peak, default LMS settings."""
     share = CAPS[cap]
     record("family", name)

@@ -514,7 +514,7 @@ SYNTHETIC = {
     "environment": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "lms_backend": "ext"},
     "tests": [
         {
-            "test": "tests/regression/test_families.py::test_family[cnn2d-half]",
+            "test": "tests/regression/test_families.py::test_capped[cnn2d-half]",
             "outcome": "passed",
             "family": "cnn2d",
             "cap": "1/2",
