@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -224,3 +225,73 @@ def check_capped_training(
     assert torch.cuda.memory_allocated() == baseline, "device memory did not return to baseline"
     assert host_bytes() == host_baseline, "LMS still holds pinned host memory"
     assert torch.cuda.lms_stats()["managed_bytes"]["current"] == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Additions for the regression matrix (test_families.py) and its worker processes
+# ---------------------------------------------------------------------------------------
+
+
+def ensure_lms_api() -> str:
+    """Makes the ``torch.cuda`` LMS API available the way the suite's conftest does.
+
+    Returns ``"patched"`` when this PyTorch has LMS built in, else imports the drop-in
+    extension (``import torch_lms``) and returns ``"extension"``. For processes the suite
+    starts (workers, ``mp.spawn`` ranks), which do not run the conftest.
+    """
+    if not hasattr(torch.cuda, "set_enabled_lms"):
+        import torch_lms  # noqa: F401  (installs the torch.cuda LMS API)
+    return "patched" if hasattr(torch._C, "_cuda_lms_setEnabled") else "extension"
+
+
+def host_memory_bytes() -> int:
+    """Total host memory (``MemTotal`` of /proc/meminfo), in bytes."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no MemTotal line")
+
+
+def tensors_of(run: RunResult) -> list[tuple[str, torch.Tensor]]:
+    """The losses, gradients and parameters of a run, named for messages."""
+    named = [(f"loss {i}", t) for i, t in enumerate(run.losses)]
+    named += [(f"gradient {i}", t) for i, t in enumerate(run.grads)]
+    named += [(f"parameter {i}", t) for i, t in enumerate(run.params)]
+    return named
+
+
+def first_difference(expected: RunResult, actual: RunResult) -> str | None:
+    """``None`` when the runs' losses, gradients and parameters are bit-identical (compared
+    as bytes), else what differs first."""
+    a, b = tensors_of(expected), tensors_of(actual)
+    if [n for n, _ in a] != [n for n, _ in b]:
+        return f"the runs have different tensors ({len(a)} vs {len(b)})"
+    for (name, x), (_, y) in zip(a, b):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return f"{name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}"
+        if not torch.equal(_bits(x), _bits(y)):
+            return f"{name} differs"
+    return None
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (so that NaNs compare, and -0.0 differs from 0.0)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def max_relative_difference(expected: RunResult, actual: RunResult) -> float:
+    """The largest ``|a - b| / max(|a|, tiny)`` over all tensors, compared as norms:
+    ``norm(a - b) / norm(a)`` per tensor (a tensor of zeros compares absolutely)."""
+    worst = 0.0
+    for (_, x), (_, y) in zip(tensors_of(expected), tensors_of(actual)):
+        x64, y64 = x.double(), y.double()
+        if not (torch.isfinite(x64).all() and torch.isfinite(y64).all()):
+            if not torch.equal(torch.isfinite(x64), torch.isfinite(y64)):
+                return math.inf
+            keep = torch.isfinite(x64)
+            x64, y64 = x64[keep], y64[keep]
+        scale = float(torch.linalg.vector_norm(x64))
+        diff = float(torch.linalg.vector_norm(x64 - y64))
+        worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Runs the LMS regression matrix (tests/regression/test_families.py) on the GPU through the
+# torch_lms extension (built in place first when extension/torch_lms/_C*.so is missing;
+# offline: no pip downloads), then prints the results as a markdown table.
+#
+#   scripts/gpu/run-matrix.sh                                  everything this machine can run
+#   PYTEST_ARGS='-k capped' scripts/gpu/run-matrix.sh                 7 families x 2 caps (1 GPU)
+#   PYTEST_ARGS='-k "share or nocap"' scripts/gpu/run-matrix.sh       shared GPU, need > device
+#   PYTEST_ARGS='-k ddp' scripts/gpu/run-matrix.sh                    DDP (2 GPUs)
+#
+# Environment: OUT (default out/matrix), PYTHON (default python3, the interpreter that has
+# torch and torchvision), CUDA_HOME (default /usr/local/cuda), MAX_JOBS (parallel compile
+# jobs, default 8), PYTEST_ARGS (extra pytest arguments, split as shell words: quotes work),
+# MATRIX_TIMEOUT (seconds for the whole pytest run, default 540; run the matrix in parts
+# with PYTEST_ARGS, each part with its own OUT, and summarize them together:
+# python tests/regression/lms_matrix_summary.py out/matrix-*/regression-results.json).
+# Writes under OUT: run-matrix.log, build.log (when it builds), junit.xml,
+# regression-results.json/.csv, matrix-summary.md.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+OUT=${OUT:-$ROOT/out/matrix}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+exec > >(tee "$OUT/run-matrix.log") 2>&1
+
+echo "== environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+grep MemTotal /proc/meminfo || true
+"$PY" - <<'PY'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
+try:
+    import torchvision
+    print("torchvision", torchvision.__version__)
+except ImportError:
+    print("torchvision missing: the DDP row uses a CNN of its own instead of ResNet-50")
+PY
+
+if compgen -G "$ROOT/extension/torch_lms/_C*.so" >/dev/null; then
+  echo "== torch_lms already built: $(ls "$ROOT"/extension/torch_lms/_C*.so)"
+else
+  echo "== build torch_lms (offline)"
+  start=$(date +%s)
+  (
+    cd "$ROOT/extension"
+    export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+    export MAX_JOBS=${MAX_JOBS:-8}
+    "$PY" setup.py build_ext --inplace
+  ) >"$OUT/build.log" 2>&1 || { tail -n 60 "$OUT/build.log"; echo "build failed"; exit 1; }
+  echo "built in $(( $(date +%s) - start )) s"
+fi
+
+echo "== regression matrix"
+export PYTHONPATH="$ROOT/extension${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+export LMS_RESULTS_DIR="$OUT"
+export LMS_MATRIX=1
+cd "$ROOT"
+eval "extra=(${PYTEST_ARGS:-})"
+set +e
+# SIGINT first: pytest then stops like on Ctrl-C and still writes the results and junit.
+timeout -s INT -k 60 "${MATRIX_TIMEOUT:-540}" "$PY" -m pytest tests/regression/test_families.py -v -ra \
+  -p no:cacheprovider --junitxml="$OUT/junit.xml" "${extra[@]}"
+status=$?
+set -e
+if [ "$status" -eq 124 ]; then
+  echo "the regression matrix ran past ${MATRIX_TIMEOUT:-540} s and was stopped"
+fi
+
+echo "== summary"
+if [ -f "$OUT/regression-results.json" ]; then
+  "$PY" tests/regression/lms_matrix_summary.py "$OUT/regression-results.json" \
+    --output "$OUT/matrix-summary.md" || true
+else
+  echo "no regression-results.json was written"
+fi
+exit "$status"

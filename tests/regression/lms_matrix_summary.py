@@ -1,0 +1,127 @@
+"""Markdown table of the LMS regression matrix from ``regression-results.json``.
+
+    python tests/regression/lms_matrix_summary.py out/matrix*/regression-results.json
+
+One row per test of ``test_families.py`` (a skipped one is named by its test id): family,
+cap, seconds per iteration (LMS run and uncapped reference), bytes paged out per iteration,
+the deficit (uncapped peak minus cap, or need minus LMS limit without a cap), the largest
+allocation seen inside an operator (a lower bound, from the uncapped run), stall time,
+whether the LMS run is bit-identical to the reference and whether the reference repeats,
+and the outcome. Values recorded per rank or per process are shown joined by ``/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+GiB = 1024**3
+
+COLUMNS = (
+    "family",
+    "cap",
+    "s/iter (LMS)",
+    "s/iter (uncapped)",
+    "paged out/iter",
+    "deficit",
+    "largest alloc",
+    "stall ms",
+    "bit-identical",
+    "reference repeats",
+    "outcome",
+)
+
+
+def _many(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _join(values: Iterable[str]) -> str:
+    return " / ".join(values)
+
+
+def fmt_seconds(value: Any) -> str:
+    return _join("" if v is None else f"{float(v):.3f}" for v in _many(value))
+
+
+def fmt_gib(value: Any) -> str:
+    return _join("" if v is None else f"{float(v) / GiB:.2f} GiB" for v in _many(value))
+
+
+def fmt_ms(value: Any) -> str:
+    return _join("" if v is None else f"{float(v):.0f}" for v in _many(value))
+
+
+def fmt_flag(value: Any) -> str:
+    def one(v: Any) -> str:
+        if v is None:
+            return "n/a"
+        return "yes" if v else "no"
+
+    return _join(one(v) for v in _many(value))
+
+
+def row(entry: dict[str, Any]) -> list[str]:
+    """The table cells of one test entry of ``regression-results.json``."""
+    test_id = str(entry.get("test", "")).rsplit("::", 1)[-1]
+    return [
+        str(entry.get("family", test_id)),
+        str(entry.get("cap", "")),
+        fmt_seconds(entry.get("s_per_iter")),
+        fmt_seconds(entry.get("reference_s_per_iter")),
+        fmt_gib(entry.get("pageout_bytes_per_iter")),
+        fmt_gib(entry.get("deficit_bytes")),
+        fmt_gib(entry.get("largest_alloc_bytes")),
+        fmt_ms(entry.get("stall_ms")),
+        fmt_flag(entry.get("bit_identical")),
+        fmt_flag(entry.get("reference_repeatable")),
+        str(entry.get("outcome", "")),
+    ]
+
+
+def render(*documents: dict[str, Any]) -> str:
+    """The markdown table of one or more results documents (runs of parts of the matrix,
+    e.g. on a one-GPU and a two-GPU machine), after a line naming each one's device."""
+    entries = [
+        t
+        for results in documents
+        for t in results.get("tests", [])
+        if "family" in t or "test_families.py" in t.get("test", "")
+    ]
+    lines = []
+    for results in documents:
+        env = results.get("environment", {})
+        if env:
+            lines.append(
+                f"Device: {env.get('device', 'unknown')}, torch {env.get('torch', '?')}, "
+                f"LMS backend {env.get('lms_backend', '?')}, {env.get('date', '')}"
+            )
+            lines.append("")
+    lines.append("| " + " | ".join(COLUMNS) + " |")
+    lines.append("|" + " --- |" * len(COLUMNS))
+    for entry in entries:
+        cells = [c.replace("|", "\\|") for c in row(entry)]
+        lines.append("| " + " | ".join(cells) + " |")
+    if not entries:
+        lines.append("| " + " | ".join(["(no matrix results)"] + [""] * (len(COLUMNS) - 1)) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", type=Path, nargs="+", help="regression-results.json files")
+    parser.add_argument("--output", type=Path, help="write the table here too")
+    args = parser.parse_args(argv)
+    table = render(*(json.loads(path.read_text()) for path in args.results))
+    sys.stdout.write(table)
+    if args.output is not None:
+        args.output.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
