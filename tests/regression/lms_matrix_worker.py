@@ -72,9 +72,10 @@ from lms_regression_harness import (  # noqa: E402
     settle,
 )
 
-# The drop-in extension's default reclaim headroom (lms_headroom_mb): an allocation inside
-# an operator larger than this cannot be made room for by the reclaim that runs before it.
-EXTENSION_HEADROOM_BYTES = 256 * MiB
+# An allocation inside an operator of more than this is larger than any room an allocator
+# could keep free in advance (a fixed headroom): only a reclaim inside the allocation path,
+# for the request's own size, makes room for it.
+LARGE_ALLOCATION_BYTES = 256 * MiB
 
 # The collective backend of the DDP run (the CPU tests of this module use gloo).
 DDP_BACKEND = "nccl"

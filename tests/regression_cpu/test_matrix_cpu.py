@@ -136,7 +136,7 @@ def test_gpu_size_has_an_allocation_larger_than_the_headroom(
     (cuDNN's LSTM does not run on the meta device; its reserve space is measured on the
     GPU.)"""
     largest_output, largest_param, footprint = _meta_forward(name, monkeypatch)
-    assert max(largest_output, largest_param) > worker.EXTENSION_HEADROOM_BYTES
+    assert max(largest_output, largest_param) > worker.LARGE_ALLOCATION_BYTES
     assert 2 * 1024 * MiB < footprint < 12 * 1024 * MiB
 
 
