@@ -531,7 +531,9 @@ def _param_sizes(b: _Builder, family: str, act: int, depth: int) -> list[int]:
     return [weight() for _ in range(1 + 4 * depth)]
 
 
-def _forward(b: _Builder, family: str, batch: int, params: list[int], act: int, depth: int):
+def _forward(
+    b: _Builder, family: str, batch: int, params: list[int], act: int, depth: int
+) -> list[_Node]:
     build = {"mlp": _mlp, "residual": _residual, "dense": _dense, "attention": _attention}
     nodes = build[family](b, batch, params, act, depth)
     last = nodes[-1].outputs[0]
@@ -559,14 +561,16 @@ def choose_device(rng: random.Random, analysis: Analysis, regime: str) -> tuple[
         # Below the peak of live bytes, so storages must be paged out; never below the
         # largest working set, which the limit cannot push out anyway.
         limit = max(analysis.need_max, int(analysis.peak_live * rng.uniform(0.35, 0.7)))
-        return capacity, mib_up(limit)
+        return capacity, -(-limit // (64 * KIB)) * 64 * KIB
     if regime == "tight":
-        capacity = max(int(analysis.need_max * rng.uniform(1.05, 1.4)), analysis.need_max + MIB)
+        # One spare segment for each stream: the caching allocator keeps a stream's free blocks
+        # for that stream, so a side-stream allocation needs a segment of its own.
+        capacity = int(analysis.need_max * rng.uniform(1.1, 1.5)) + 2 * SMALL_SEGMENT
         capacity = -(-capacity // (64 * KIB)) * 64 * KIB
         limit = 0 if rng.random() < 0.7 else mib_up(capacity * rng.uniform(0.5, 0.9))
         return capacity, limit
-    capacity = max(MIB, int(analysis.need_max * rng.uniform(0.55, 0.9)) // MIB * MIB)
-    return capacity, 0
+    capacity = int(analysis.need_max * rng.uniform(0.55, 0.9)) // (64 * KIB) * 64 * KIB
+    return max(64 * KIB, capacity), 0
 
 
 def generate(
@@ -583,8 +587,8 @@ def generate(
     regime = regime or rng.choices(REGIMES, weights=(6, 3, 1))[0]
     threshold = rng.choice((16, 32, 64)) * KIB
     b = _Builder(rng, threshold)
-    act = rng.choice((48, 64, 96, 128, 192, 256)) * KIB
-    depth = rng.randint(2, 3) if family == "attention" else rng.randint(3, 6)
+    act = rng.choice((64, 96, 128, 192, 256, 384)) * KIB
+    depth = rng.randint(2, 4) if family == "attention" else rng.randint(4, 8)
     params = b.parameters(_param_sizes(b, family, act, depth))
     states: list[list[int]] = []
     for _ in range(iterations):
@@ -620,7 +624,9 @@ def fault_args(plan: str, trace: Trace) -> list[str]:
     """Replayer options for a fault plan, derived from the trace's seed (deterministic).
 
     none:         no faults.
-    device_alloc: every Nth device allocation (cudaMalloc) fails, once or twice in a row.
+    device_alloc: every Nth device allocation (cudaMalloc) fails, once or twice in a row, and
+                  the caching allocator's cache is emptied every few events so that
+                  allocations reach cudaMalloc.
     host_alloc:   every Nth pinned host allocation (cudaHostAlloc) fails, and LMS's cached
                   pinned buffers are released every few events so that page-outs allocate.
     device_full:  another process takes device memory (a cudaMalloc outside the caching
@@ -634,8 +640,15 @@ def fault_args(plan: str, trace: Trace) -> list[str]:
     if plan == "none":
         return []
     if plan == "device_alloc":
-        every, count = rng.randint(2, 6), rng.choice((1, 1, 2))
-        return ["--fail-device-every", str(every), "--fail-device-count", str(count)]
+        every, count, empty = rng.randint(1, 4), rng.choice((1, 1, 2)), rng.randint(3, 12)
+        return [
+            "--fail-device-every",
+            str(every),
+            "--fail-device-count",
+            str(count),
+            "--empty-cache-every",
+            str(empty),
+        ]
     if plan == "host_alloc":
         every, release = rng.randint(1, 3), rng.randint(3, 12)
         return ["--fail-host-every", str(every), "--release-host-cache-every", str(release)]
@@ -647,10 +660,12 @@ def fault_args(plan: str, trace: Trace) -> list[str]:
         if rng.random() < 0.5:
             args += ["--hog-release-at", str(rng.randrange(at + 1, n))]
         return args
-    return ["--fail-copy-every", str(rng.randint(5, 40))]
+    return ["--fail-copy-every", str(rng.randint(1, 10))]
 
 
-def replay_command(trace_file: str, plan: str, trace: Trace, replayer: str = "trace_replay"):
+def replay_command(
+    trace_file: str, plan: str, trace: Trace, replayer: str = "trace_replay"
+) -> list[str]:
     """The command line that replays ``trace_file`` under ``plan``."""
     return [replayer, trace_file, *fault_args(plan, trace)]
 

@@ -4,7 +4,7 @@
 //
 //   trace_replay TRACE [--fail-device-every N [--fail-device-count C]]
 //                      [--fail-host-every N] [--fail-copy-every N]
-//                      [--release-host-cache-every N]
+//                      [--release-host-cache-every N] [--empty-cache-every N]
 //                      [--hog-bytes B --hog-at EVENT [--hog-release-at EVENT]]
 //
 // Every operator pins its inputs and outputs, runs a "kernel" and unpins
@@ -21,8 +21,8 @@
 // everything is freed and device and pinned host memory must be back at
 // zero. The last line of output is
 //   trace-result {"outcome": ..., ...}
-// with outcome ok, oom or error (exit status 0), or not_resident, mismatch,
-// leak, exception or bad_trace (exit status 1).
+// with outcome ok, oom or error (exit status 0), or not_resident, stuck_pin,
+// mismatch, leak, exception or bad_trace (exit status 1).
 
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -289,8 +289,7 @@ void CUDART_CB runKernel(void* arg) {
     if (at != r.bytes) {
       std::ostringstream os;
       os << "event " << k->event << " (" << k->name << "): storage " << r.id
-         << " differs from its last write at byte " << at << " of "
-         << r.bytes;
+         << " differs from its last write at byte " << at << " of " << r.bytes;
       g_mismatches.add(os.str());
     }
   }
@@ -301,6 +300,25 @@ void CUDART_CB runKernel(void* arg) {
 
 // ---------------------------------------------------------------------------
 // Replay
+
+size_t aggregate(const c10::CachingDeviceAllocator::StatArray& stat) {
+  return static_cast<size_t>(
+      stat[static_cast<size_t>(
+               c10::CachingDeviceAllocator::StatType::AGGREGATE)]
+          .current);
+}
+
+// Where device memory was when an error ended the trace (for diagnosis).
+std::string memoryReport() {
+  const auto st = cca::getDeviceStats(0);
+  std::ostringstream os;
+  os << " [device: " << simgpu_device_bytes_in_use(0) << " of "
+     << simgpu_capacity(0)
+     << " bytes in use; caching allocator: " << aggregate(st.allocated_bytes)
+     << " allocated, " << aggregate(st.reserved_bytes) << " reserved in "
+     << aggregate(st.segment) << " segments]";
+  return os.str();
+}
 
 // Ends the replay with an outcome that is a failure of the engine.
 struct ReplayFailure : std::runtime_error {
@@ -316,6 +334,7 @@ struct Options {
   int fail_host_every = 0;
   int fail_copy_every = 0;
   int release_host_cache_every = 0;
+  int empty_cache_every = 0;
   size_t hog_bytes = 0;
   long hog_at = -1;
   long hog_release_at = -1;
@@ -343,11 +362,11 @@ class Replayer {
         execute(i, trace_.events[i]);
       } catch (const c10::OutOfMemoryError& e) {
         *outcome = "oom";
-        *message = e.what_without_backtrace();
+        *message = e.what_without_backtrace() + memoryReport();
         return static_cast<long>(i);
       } catch (const c10::Error& e) {
         *outcome = "error";
-        *message = e.what_without_backtrace();
+        *message = e.what_without_backtrace() + memoryReport();
         return static_cast<long>(i);
       }
     }
@@ -356,6 +375,18 @@ class Replayer {
 
   // After run(), with faults cleared: reads back every live storage and
   // frees it. Throws on any error.
+  // Storages still pinned although no operator runs: a pin that threw must
+  // leave nothing pinned, or the storage can never be paged out again.
+  std::string stuckPins() const {
+    std::string out;
+    for (const auto& [id, live] : storages_) {
+      if (lms::getState(*live.storage) == lms::StorageState::Active) {
+        out += "storage " + std::to_string(id) + " is still pinned; ";
+      }
+    }
+    return out;
+  }
+
   void verifyAndFreeAll() {
     releaseHog();
     join();
@@ -400,9 +431,15 @@ class Replayer {
     if (index == opt_.hog_release_at) {
       releaseHog();
     }
+    // Dropping caches makes later page-outs allocate pinned host memory and
+    // later allocations call cudaMalloc, where the faults are injected.
     if (opt_.release_host_cache_every > 0 &&
         i % static_cast<size_t>(opt_.release_host_cache_every) == 0) {
       lms::releaseCachedHostMemory();
+    }
+    if (opt_.empty_cache_every > 0 &&
+        i % static_cast<size_t>(opt_.empty_cache_every) == 0) {
+      cca::emptyCache();
     }
     // One fault kind per run: whenever the armed fault has fired, arm the
     // next one, N operations further on.
@@ -686,14 +723,11 @@ std::string jsonString(const std::string& s) {
 }
 
 size_t allocatedBytes() {
-  return cca::getDeviceStats(0)
-      .allocated_bytes[static_cast<size_t>(
-          c10::CachingDeviceAllocator::StatType::AGGREGATE)]
-      .current;
+  return aggregate(cca::getDeviceStats(0).allocated_bytes);
 }
 
 // What is still held once every storage is gone; empty when nothing leaked.
-std::string leaks(size_t hog_bytes) {
+std::string leaks() {
   std::ostringstream os;
   C10_CUDA_CHECK(cudaDeviceSynchronize());
   const auto st = lms::getStats(0);
@@ -712,9 +746,8 @@ std::string leaks(size_t hog_bytes) {
     os << "LMS holds " << lms::getStats(0).host_bytes.current
        << " pinned host bytes; ";
   }
-  if (simgpu_device_bytes_in_use(0) != hog_bytes) {
-    os << simgpu_device_bytes_in_use(0) - hog_bytes
-       << " device bytes in use; ";
+  if (simgpu_device_bytes_in_use(0) != 0) {
+    os << simgpu_device_bytes_in_use(0) << " device bytes in use; ";
   }
   if (simgpu_host_bytes_in_use() != 0) {
     os << simgpu_host_bytes_in_use() << " pinned host bytes in use; ";
@@ -727,7 +760,7 @@ int usage(const char* argv0) {
       stderr,
       "usage: %s TRACE [--fail-device-every N] [--fail-device-count C]\n"
       "       [--fail-host-every N] [--fail-copy-every N]\n"
-      "       [--release-host-cache-every N]\n"
+      "       [--release-host-cache-every N] [--empty-cache-every N]\n"
       "       [--hog-bytes B --hog-at EVENT [--hog-release-at EVENT]]\n",
       argv0);
   return 2;
@@ -762,6 +795,8 @@ bool parseOptions(int argc, char** argv, Options* opt) {
       opt->fail_copy_every = static_cast<int>(n);
     } else if (arg == "--release-host-cache-every") {
       opt->release_host_cache_every = static_cast<int>(n);
+    } else if (arg == "--empty-cache-every") {
+      opt->empty_cache_every = static_cast<int>(n);
     } else if (arg == "--hog-bytes") {
       opt->hog_bytes = static_cast<size_t>(n);
     } else if (arg == "--hog-at") {
@@ -783,9 +818,10 @@ int main(int argc, char** argv) {
     return usage(argv[0]);
   }
   std::string outcome = "ok";
-  std::string message;
+  std::string error; // the exception that ended the trace, if any
+  std::string detail; // why the outcome is a failure, if it is one
+  std::string stuck;
   long at = -1;
-  std::string leak;
   size_t hogged = 0;
   lms::LmsStats stats;
   size_t faults_fired = 0;
@@ -803,53 +839,57 @@ int main(int argc, char** argv) {
     lms::setLimit(0, trace.limit);
     {
       Replayer replayer(trace, opt);
-      at = replayer.run(&outcome, &message);
+      at = replayer.run(&outcome, &error);
       simgpu_clear_faults();
       faults_fired = simgpu_faults_fired();
       hogged = replayer.hogged();
       C10_CUDA_CHECK(cudaDeviceSynchronize());
       stats = lms::getStats(0);
+      stuck = replayer.stuckPins();
       replayer.verifyAndFreeAll();
     }
-    if (g_mismatches.total() != 0) {
+    const std::string leaked = leaks();
+    if (!stuck.empty()) {
+      outcome = "stuck_pin";
+      detail = stuck + leaked;
+    } else if (g_mismatches.total() != 0) {
       outcome = "mismatch";
       std::lock_guard<std::mutex> lock(g_mismatches.mu);
-      message = std::to_string(g_mismatches.count) + " mismatches, first: ";
+      detail = std::to_string(g_mismatches.count) + " mismatches, first: ";
       for (const auto& m : g_mismatches.first) {
-        message += m + "; ";
+        detail += m + "; ";
       }
-    }
-    leak = leaks(0);
-    if (!leak.empty() && outcome != "mismatch") {
+      detail += leaked;
+    } else if (!leaked.empty()) {
       outcome = "leak";
-      message = leak;
+      detail = leaked;
     }
   } catch (const BadTrace& e) {
     outcome = "bad_trace";
-    message = e.what();
+    detail = e.what();
   } catch (const ReplayFailure& e) {
     outcome = e.outcome;
-    message = e.what();
+    detail = e.what();
   } catch (const c10::Error& e) {
     // Not from a trace event (those are caught in run()): the final check or
     // the clean-up failed.
     outcome = "exception";
-    message = e.what_without_backtrace();
+    detail = e.what_without_backtrace();
   } catch (const std::exception& e) {
     outcome = "exception";
-    message = e.what();
+    detail = e.what();
   }
   // One line: the driver parses it.
   std::printf(
-      "trace-result {\"outcome\": %s, \"event\": %ld, \"message\": %s, "
-      "\"leak\": %s, \"pageouts\": %lld, \"pageins\": %lld, "
+      "trace-result {\"outcome\": %s, \"event\": %ld, \"error\": %s, "
+      "\"detail\": %s, \"pageouts\": %lld, \"pageins\": %lld, "
       "\"reclaim_limit\": %lld, \"reclaim_alloc_failure\": %lld, "
       "\"reclaim_speculative\": %lld, \"prefetches\": %lld, "
       "\"oom_count\": %lld, \"faults_fired\": %zu, \"hogged\": %zu}\n",
       jsonString(outcome).c_str(),
       at,
-      jsonString(message.substr(0, 2000)).c_str(),
-      jsonString(leak).c_str(),
+      jsonString(error.substr(0, 2000)).c_str(),
+      jsonString(detail.substr(0, 2000)).c_str(),
       static_cast<long long>(stats.pageout_count),
       static_cast<long long>(stats.pagein_count),
       static_cast<long long>(stats.reclaim_limit),
@@ -860,7 +900,6 @@ int main(int argc, char** argv) {
       faults_fired,
       hogged);
   std::fflush(stdout);
-  const bool clean =
-      outcome == "ok" || outcome == "oom" || outcome == "error";
+  const bool clean = outcome == "ok" || outcome == "oom" || outcome == "error";
   return clean ? 0 : 1;
 }
