@@ -1,13 +1,15 @@
 """Random operator traces replayed through the LMS engine on the simulated GPU, under faults.
 
 Each seed gives a random training run (``trace_gen.py``); ``trace_replay`` runs it through the
-patched caching allocator and the engine on simgpu, once per fault plan, each in a process of its
-own so that a segfault or an abort is seen as a crash instead of ending the suite. What the engine
-must do is known from the trace: never crash, never hand an operator a storage that is not
-resident, never lose or corrupt a byte, never leak device or pinned host memory, and run out of
-memory only where an operator's unreclaimable working set cannot fit the device (or a fault was
-injected).
+patched caching allocator and the engine on simgpu once per fault plan (none, failing device
+allocations, failing pinned host allocations, a device partly taken by another process, failing
+copies), each in a process of its own so that a segfault or an abort is seen as a crash instead of
+ending the suite. What the engine must do is known from the trace: never crash, never hand an
+operator a storage that is not resident, never lose or corrupt a byte, leave nothing pinned and
+leak no device or pinned host memory after an error, and run out of memory only where an
+operator's unreclaimable working set cannot fit the device (or an injected fault fired).
 
+A wrong outcome is reported with the commands that regenerate and replay its trace.
 ``LMS_TRACE_SEEDS`` sets the number of seeds (default 100).
 """
 
@@ -290,3 +292,37 @@ def test_a_failed_copy_loses_pins_and_leaks_nothing(
     assert result["faults_fired"] == 1, result
     assert (result["outcome"], result["detail"]) == ("error", ""), f"failed {what}: {result}"
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_checks_see_a_byte_changed_behind_lms(sim_build: Path, tmp_path: Path) -> None:
+    """The data check is live: a byte flipped in storage 0 before it is paged out and in again is
+    reported as a mismatch by the operator that reads it (r0, event 11)."""
+    trace_file = tmp_path / "paging.trace"
+    trace_file.write_text(PAGING.format(prefetch=0))
+    replayer = executable(sim_build, "trace_replay")
+    proc = subprocess.run(
+        [str(replayer), str(trace_file), "--corrupt-after", "1", "--corrupt-id", "0"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    result = json.loads(proc.stdout.splitlines()[-1].split(" ", 1)[1])
+    assert result["outcome"] == "mismatch", result
+    assert "event 11 (r0): storage 0 differs" in result["detail"], result
+    assert result["pageouts"] == 2 and result["pageins"] == 2, result
+    assert proc.returncode == 1
+
+
+def test_a_crashing_replay_is_reported_as_a_crash(tmp_path: Path) -> None:
+    """A replayer killed by a signal (or gone without its result line) is a crash, not a pass."""
+    trace = generate(0)
+    trace_file = tmp_path / "seed0.trace"
+    trace_file.write_text(trace.text())
+    for body, how in (("kill -SEGV $$", "killed by SIGSEGV"), ("exit 0", "exit 0 without")):
+        fake = tmp_path / "fake_replay"
+        fake.write_text(f"#!/bin/sh\n{body}\n")
+        fake.chmod(0o755)
+        replay = run_replay(fake, 0, "none", trace, trace_file)
+        assert replay.outcome == "crash", replay.result
+        assert how in replay.result["message"]
+        assert judge(replay) is not None

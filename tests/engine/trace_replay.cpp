@@ -6,6 +6,7 @@
 //                      [--fail-host-every N] [--fail-copy-every N]
 //                      [--release-host-cache-every N] [--empty-cache-every N]
 //                      [--hog-bytes B --hog-at EVENT [--hog-release-at EVENT]]
+//                      [--corrupt-after EVENT --corrupt-id ID]
 //
 // Every operator pins its inputs and outputs, runs a "kernel" and unpins
 // them. The kernel is a host function queued on the operator's stream, so it
@@ -15,11 +16,12 @@
 // writer stored and writes a new pattern, derived from the event index and
 // the storage id, into each output.
 //
-// An exception from the engine ends the trace: c10::OutOfMemoryError is
-// reported as "oom", any other c10::Error as "error", with the event index.
-// Then, with faults cleared, every live storage is read back and checked,
-// everything is freed and device and pinned host memory must be back at
-// zero. The last line of output is
+// --corrupt-after flips a byte of a storage after an event, to show that the
+// checks see it. An exception from the engine ends the trace:
+// c10::OutOfMemoryError is reported as "oom", any other c10::Error as "error",
+// with the event index. Then, with faults cleared, every live storage is read
+// back and checked, everything is freed and device and pinned host memory must
+// be back at zero. The last line of output is
 //   trace-result {"outcome": ..., ...}
 // with outcome ok, oom or error (exit status 0), or not_resident, stuck_pin,
 // mismatch, leak, exception or bad_trace (exit status 1).
@@ -338,6 +340,9 @@ struct Options {
   size_t hog_bytes = 0;
   long hog_at = -1;
   long hog_release_at = -1;
+  // Self-test of the checks: flip a byte of a storage behind LMS's back.
+  long corrupt_after = -1;
+  int corrupt_id = -1;
 };
 
 struct Live {
@@ -360,6 +365,9 @@ class Replayer {
       try {
         beforeEvent(i);
         execute(i, trace_.events[i]);
+        if (static_cast<long>(i) == opt_.corrupt_after) {
+          corrupt(opt_.corrupt_id);
+        }
       } catch (const c10::OutOfMemoryError& e) {
         *outcome = "oom";
         *message = e.what_without_backtrace() + memoryReport();
@@ -460,6 +468,20 @@ class Replayer {
             SIMGPU_FAULT_COPY, opt_.fail_copy_every, 1, cudaSuccess);
       }
     }
+  }
+
+  // Flips one byte in the device memory of a resident storage once the work
+  // queued so far is done, as a stray kernel would; the next read must see it.
+  void corrupt(int id) {
+    Live& l = live(id);
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    auto* p =
+        static_cast<uint8_t*>(l.storage->_mutable_data_ptr_no_checks().get());
+    if (p == nullptr) {
+      throw BadTrace(
+          "--corrupt-after: storage " + std::to_string(id) + " is paged out");
+    }
+    p[l.storage->nbytes() / 2] ^= 0x5a;
   }
 
   // Device memory taken by "another process": a plain cudaMalloc, outside
@@ -761,7 +783,8 @@ int usage(const char* argv0) {
       "usage: %s TRACE [--fail-device-every N] [--fail-device-count C]\n"
       "       [--fail-host-every N] [--fail-copy-every N]\n"
       "       [--release-host-cache-every N] [--empty-cache-every N]\n"
-      "       [--hog-bytes B --hog-at EVENT [--hog-release-at EVENT]]\n",
+      "       [--hog-bytes B --hog-at EVENT [--hog-release-at EVENT]]\n"
+      "       [--corrupt-after EVENT --corrupt-id ID]\n",
       argv0);
   return 2;
 }
@@ -797,6 +820,10 @@ bool parseOptions(int argc, char** argv, Options* opt) {
       opt->release_host_cache_every = static_cast<int>(n);
     } else if (arg == "--empty-cache-every") {
       opt->empty_cache_every = static_cast<int>(n);
+    } else if (arg == "--corrupt-after") {
+      opt->corrupt_after = static_cast<long>(n);
+    } else if (arg == "--corrupt-id") {
+      opt->corrupt_id = static_cast<int>(n);
     } else if (arg == "--hog-bytes") {
       opt->hog_bytes = static_cast<size_t>(n);
     } else if (arg == "--hog-at") {
