@@ -381,8 +381,6 @@ class Replayer {
     return -1;
   }
 
-  // After run(), with faults cleared: reads back every live storage and
-  // frees it. Throws on any error.
   // Storages still pinned although no operator runs: a pin that threw must
   // leave nothing pinned, or the storage can never be paged out again.
   std::string stuckPins() const {
@@ -395,6 +393,8 @@ class Replayer {
     return out;
   }
 
+  // After run(), with faults cleared: reads back every live storage and
+  // frees it. Throws on any error.
   void verifyAndFreeAll() {
     releaseHog();
     join();
@@ -545,9 +545,10 @@ class Replayer {
   }
 
   // What an operator needs of a pinned storage: resident device memory.
+  // Looks without the raw-access hook, which would itself page in.
   void checkResident(size_t i, int id, c10::StorageImpl& s) {
     const auto state = lms::getState(s);
-    const void* p = s.data_ptr().get();
+    const void* p = s._mutable_data_ptr_no_checks().get();
     cudaPointerAttributes attr{};
     const bool device_memory = p != nullptr &&
         cudaPointerGetAttributes(&attr, p) == cudaSuccess &&
