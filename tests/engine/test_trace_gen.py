@@ -206,8 +206,10 @@ def test_fault_args_for_every_plan() -> None:
     assert fault_args("none", trace) == []
     for plan in FAULT_PLANS[1:]:
         args = fault_args(plan, trace)
-        assert args and all(a.startswith("--") for a in args[::2]), plan
-        assert all(int(v) >= 0 for v in args[1::2]), plan
+        assert args[-1] == "--continue-after-error", plan
+        options = args[:-1]
+        assert options and all(a.startswith("--") for a in options[::2]), plan
+        assert all(int(v) >= 0 for v in options[1::2]), plan
     hog = fault_args("device_full", trace)
     at = int(hog[hog.index("--hog-at") + 1])
     assert 0 <= at < len(trace.events)

@@ -632,13 +632,21 @@ def fault_args(plan: str, trace: Trace) -> list[str]:
     device_full:  another process takes device memory (a cudaMalloc outside the caching
                   allocator) at some event, from the start or mid-run, maybe giving it back later.
     copy:         every Nth copy fails (page-out and page-in copies; the kernels do not copy).
+
+    Under a fault the replay goes on after an error, dropping what failed, as a program that
+    catches OutOfMemoryError does (a batch-size search, a retry): the engine must be sound after
+    an error, not only report it. Without faults the first error ends the replay.
     """
     if plan not in FAULT_PLANS:
         raise ValueError(f"unknown fault plan {plan!r}; one of {', '.join(FAULT_PLANS)}")
-    rng = random.Random(f"{trace.seed}:{plan}")
-    n = len(trace.events)
     if plan == "none":
         return []
+    return [*_fault_options(plan, trace), "--continue-after-error"]
+
+
+def _fault_options(plan: str, trace: Trace) -> list[str]:
+    rng = random.Random(f"{trace.seed}:{plan}")
+    n = len(trace.events)
     if plan == "device_alloc":
         every, count, empty = rng.randint(1, 4), rng.choice((1, 1, 2)), rng.randint(3, 12)
         return [

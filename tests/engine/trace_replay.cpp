@@ -7,6 +7,7 @@
 //                      [--release-host-cache-every N] [--empty-cache-every N]
 //                      [--hog-bytes B --hog-at EVENT [--hog-release-at EVENT]]
 //                      [--corrupt-after EVENT --corrupt-id ID]
+//                      [--continue-after-error]
 //
 // Every operator pins its inputs and outputs, runs a "kernel" and unpins
 // them. The kernel is a host function queued on the operator's stream, so it
@@ -17,7 +18,8 @@
 // the storage id, into each output.
 //
 // --corrupt-after flips a byte of a storage after an event, to show that the
-// checks see it. An exception from the engine ends the trace:
+// checks see it. An exception from the engine ends the trace (or, with
+// --continue-after-error, drops the event and what depends on it):
 // c10::OutOfMemoryError is reported as "oom", any other c10::Error as "error",
 // with the event index. Then, with faults cleared, every live storage is read
 // back and checked, everything is freed and device and pinned host memory must
@@ -343,6 +345,7 @@ struct Options {
   // Self-test of the checks: flip a byte of a storage behind LMS's back.
   long corrupt_after = -1;
   int corrupt_id = -1;
+  bool continue_after_error = false;
 };
 
 struct Live {
@@ -360,25 +363,63 @@ class Replayer {
         side_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, 0)) {}
 
   // Runs the events; returns the index of the one that threw, or -1.
+  // With --continue-after-error, an event that throws is dropped as a
+  // program that catches the error would drop it (an operator that did not
+  // run, a tensor never created), and the trace goes on; the first error is
+  // the one reported.
   long run(std::string* outcome, std::string* message) {
+    long first = -1;
     for (size_t i = 0; i < trace_.events.size(); ++i) {
+      const Event& ev = trace_.events[i];
+      current_ = static_cast<long>(i);
+      if (dropsWithLostStorage(ev)) {
+        continue;
+      }
+      std::string what;
       try {
         beforeEvent(i);
-        execute(i, trace_.events[i]);
+        execute(i, ev);
         if (static_cast<long>(i) == opt_.corrupt_after) {
           corrupt(opt_.corrupt_id);
         }
+        continue;
       } catch (const c10::OutOfMemoryError& e) {
-        *outcome = "oom";
-        *message = e.what_without_backtrace() + memoryReport();
-        return static_cast<long>(i);
+        what = "oom";
+        *message =
+            first < 0 ? e.what_without_backtrace() + memoryReport() : *message;
       } catch (const c10::Error& e) {
-        *outcome = "error";
-        *message = e.what_without_backtrace() + memoryReport();
-        return static_cast<long>(i);
+        what = "error";
+        *message =
+            first < 0 ? e.what_without_backtrace() + memoryReport() : *message;
+      }
+      ++errors_;
+      if (first < 0) {
+        first = static_cast<long>(i);
+        *outcome = what;
+      }
+      const std::string stuck = stuckPins();
+      if (!stuck.empty()) {
+        throw ReplayFailure(
+            "stuck_pin",
+            "after the " + what + " at event " + std::to_string(i) + ": " +
+                stuck);
+      }
+      if (!opt_.continue_after_error) {
+        break;
+      }
+      if (ev.kind == Kind::Alloc) {
+        lost_.insert(ev.id);
       }
     }
-    return -1;
+    return first;
+  }
+
+  size_t errors() const {
+    return errors_;
+  }
+  // The event being run, or the last one.
+  long current() const {
+    return current_;
   }
 
   // Storages still pinned although no operator runs: a pin that threw must
@@ -497,6 +538,21 @@ class Replayer {
     if (hogged_ > 0) {
       C10_CUDA_CHECK(cudaMalloc(&hog_ptr_, hogged_));
     }
+  }
+
+  // Whether an event uses a storage whose allocation failed earlier; such
+  // events are dropped (the free of it ends its story).
+  bool dropsWithLostStorage(const Event& ev) {
+    if (lost_.empty()) {
+      return false;
+    }
+    if (ev.kind == Kind::Free && lost_.erase(ev.id) != 0) {
+      return true;
+    }
+    const auto lost = [&](int id) { return lost_.count(id) != 0; };
+    return (ev.kind == Kind::Access && lost(ev.id)) ||
+        std::any_of(ev.inputs.begin(), ev.inputs.end(), lost) ||
+        std::any_of(ev.outputs.begin(), ev.outputs.end(), lost);
   }
 
   Live& live(int id) {
@@ -665,6 +721,14 @@ class Replayer {
     for (auto it = pinned.rbegin(); it != pinned.rend(); ++it) {
       lms::unpin(**it);
     }
+    for (c10::StorageImpl* s : pinned) {
+      if (lms::getState(*s) == lms::StorageState::Active) {
+        throw ReplayFailure(
+            "stuck_pin",
+            "event " + std::to_string(i) + " (" + ev.name +
+                ") left a storage pinned after unpinning all it pinned");
+      }
+    }
   }
 
   // The kernel of an operator whose storages are pinned.
@@ -720,6 +784,9 @@ class Replayer {
   c10::cuda::CUDAStream side_;
   std::map<int, Live> storages_;
   std::set<int> side_touched_; // used on the side stream since the last join
+  std::set<int> lost_; // storages whose allocation failed
+  size_t errors_ = 0;
+  long current_ = -1;
   size_t fired_seen_ = 0;
   void* hog_ptr_ = nullptr;
   size_t hogged_ = 0;
@@ -785,7 +852,7 @@ int usage(const char* argv0) {
       "       [--fail-host-every N] [--fail-copy-every N]\n"
       "       [--release-host-cache-every N] [--empty-cache-every N]\n"
       "       [--hog-bytes B --hog-at EVENT [--hog-release-at EVENT]]\n"
-      "       [--corrupt-after EVENT --corrupt-id ID]\n",
+      "       [--corrupt-after EVENT --corrupt-id ID] [--continue-after-error]\n",
       argv0);
   return 2;
 }
@@ -793,6 +860,10 @@ int usage(const char* argv0) {
 bool parseOptions(int argc, char** argv, Options* opt) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    if (arg == "--continue-after-error") {
+      opt->continue_after_error = true;
+      continue;
+    }
     if (arg.rfind("--", 0) != 0) {
       if (opt->trace != nullptr) {
         return false;
@@ -849,6 +920,7 @@ int main(int argc, char** argv) {
   std::string error; // the exception that ended the trace, if any
   std::string detail; // why the outcome is a failure, if it is one
   std::string stuck;
+  size_t errors = 0;
   long at = -1;
   size_t hogged = 0;
   lms::LmsStats stats;
@@ -867,12 +939,26 @@ int main(int argc, char** argv) {
     lms::setLimit(0, trace.limit);
     {
       Replayer replayer(trace, opt);
-      at = replayer.run(&outcome, &error);
+      bool failed = false;
+      try {
+        at = replayer.run(&outcome, &error);
+      } catch (const ReplayFailure& e) {
+        // The engine is in a state no program should see: report it with
+        // the statistics so far, and check nothing more.
+        failed = true;
+        outcome = e.outcome;
+        detail = e.what();
+        at = replayer.current();
+      }
+      errors = replayer.errors();
       simgpu_clear_faults();
       faults_fired = simgpu_faults_fired();
       hogged = replayer.hogged();
       C10_CUDA_CHECK(cudaDeviceSynchronize());
       stats = lms::getStats(0);
+      if (failed) {
+        throw ReplayFailure(outcome, detail);
+      }
       stuck = replayer.stuckPins();
       replayer.verifyAndFreeAll();
     }
@@ -913,7 +999,8 @@ int main(int argc, char** argv) {
       "\"detail\": %s, \"pageouts\": %lld, \"pageins\": %lld, "
       "\"reclaim_limit\": %lld, \"reclaim_alloc_failure\": %lld, "
       "\"reclaim_speculative\": %lld, \"prefetches\": %lld, "
-      "\"oom_count\": %lld, \"faults_fired\": %zu, \"hogged\": %zu}\n",
+      "\"oom_count\": %lld, \"faults_fired\": %zu, \"hogged\": %zu, "
+      "\"errors\": %zu}\n",
       jsonString(outcome).c_str(),
       at,
       jsonString(error.substr(0, 2000)).c_str(),
@@ -926,7 +1013,8 @@ int main(int argc, char** argv) {
       static_cast<long long>(stats.prefetch_count),
       static_cast<long long>(stats.oom_count),
       faults_fired,
-      hogged);
+      hogged,
+      errors);
   std::fflush(stdout);
   const bool clean = outcome == "ok" || outcome == "oom" || outcome == "error";
   return clean ? 0 : 1;
