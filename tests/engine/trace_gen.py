@@ -285,9 +285,8 @@ class _Node:
 class _Builder:
     """Builds the events of a training run from a forward graph, with autograd-like lifetimes."""
 
-    def __init__(self, rng: random.Random, threshold: int) -> None:
+    def __init__(self, rng: random.Random) -> None:
         self.rng = rng
-        self.threshold = threshold
         self.events: list[Event] = []
         self.size: dict[int, int] = {}
         self.live: set[int] = set()
@@ -298,13 +297,14 @@ class _Builder:
 
     # -- events ---------------------------------------------------------------------------
     def tensor(self, size: int) -> int:
-        """A new storage id of ``size`` bytes, allocated later by ``alloc`` (no event yet)."""
+        """A new storage id of ``size`` bytes, allocated later by ``allocate`` (no event yet)."""
         sid = self.next_id
         self.next_id += 1
         self.size[sid] = size
         return sid
 
     def alloc(self, size: int, stream: str = "main") -> int:
+        """A new storage, allocated now."""
         return self.allocate(self.tensor(size), stream)
 
     def allocate(self, sid: int, stream: str = "main") -> int:
@@ -586,7 +586,7 @@ def generate(
     optimizer = optimizer or rng.choice(OPTIMIZERS)
     regime = regime or rng.choices(REGIMES, weights=(6, 3, 1))[0]
     threshold = rng.choice((16, 32, 64)) * KIB
-    b = _Builder(rng, threshold)
+    b = _Builder(rng)
     act = rng.choice((64, 96, 128, 192, 256, 384)) * KIB
     depth = rng.randint(2, 4) if family == "attention" else rng.randint(4, 8)
     params = b.parameters(_param_sizes(b, family, act, depth))
