@@ -704,6 +704,30 @@ TEST_CASE(bytes_over_the_limit_are_reported) {
   env.checkBaseline();
 }
 
+// An operator's outputs become reclaimable when it ends, unless something
+// pinned or accessed them since their allocation.
+TEST_CASE(operator_outputs_become_reclaimable_when_it_ends) {
+  Env env(64 * kMiB);
+  {
+    auto out = newStorage(2 * kMiB);
+    CHECK(state(out) == lms::StorageState::Allocated);
+    CHECK_EQ(lms::reclaimInactive(0), size_t(0)); // being written: kept
+    lms::releaseOutput(*out);
+    CHECK(state(out) == lms::StorageState::Inactive);
+    lms::releaseOutput(*out); // a second release changes nothing
+    CHECK(state(out) == lms::StorageState::Inactive);
+    CHECK_EQ(lms::reclaimInactive(0), size_t(2 * kMiB));
+    CHECK(state(out) == lms::StorageState::PagedOut);
+    CHECK(out->_mutable_data_ptr_no_checks().get() != nullptr);
+
+    auto raw = newStorage(2 * kMiB);
+    lms::access(*raw); // a raw pointer is out: never released
+    lms::releaseOutput(*raw);
+    CHECK(state(raw) == lms::StorageState::Allocated);
+  }
+  env.checkBaseline();
+}
+
 TEST_CASE(host_allocation_failure_keeps_storage_resident) {
   requireSimulated("failing pinned host allocations");
   Env env(64 * kMiB);

@@ -264,19 +264,22 @@ free 1
 
 
 @pytest.mark.parametrize(
-    ("prefetch", "failing_copy", "what"),
+    ("prefetch", "failing_copy", "expected", "what"),
     [
-        (0, 1, "page-out of storage 0 while allocating storage 2"),
-        (0, 2, "page-out of storage 1 while allocating storage 3"),
-        (0, 3, "page-in of storage 1 for operator r1"),
-        (1, 4, "prefetch of storage 0 after operator r1 paged storage 1 in"),
+        (0, 1, "error", "page-out of storage 0 while allocating storage 2"),
+        (0, 2, "error", "page-out of storage 1 while allocating storage 3"),
+        (0, 3, "error", "page-in of storage 1 for operator r1"),
+        # A prefetch is speculative: its failure leaves the storage paged out for an
+        # on-demand page-in and does not fail the operator that triggered it.
+        (1, 4, "ok", "prefetch of storage 0 after operator r1 paged storage 1 in"),
     ],
 )
 def test_a_failed_copy_loses_pins_and_leaks_nothing(
-    sim_build: Path, tmp_path: Path, prefetch: int, failing_copy: int, what: str
+    sim_build: Path, tmp_path: Path, prefetch: int, failing_copy: int, expected: str, what: str
 ) -> None:
-    """The copy fails, the operator gets a c10::Error; afterwards nothing may stay pinned, every
-    byte must read back and every device and pinned host byte must be returned."""
+    """The copy fails, and the operator gets a c10::Error (or, for a prefetch, runs); afterwards
+    nothing may stay pinned, every byte must read back and every device and pinned host byte
+    must be returned."""
     trace_file = tmp_path / "paging.trace"
     trace_file.write_text(PAGING.format(prefetch=prefetch))
     replayer = executable(sim_build, "trace_replay")
@@ -290,7 +293,7 @@ def test_a_failed_copy_loses_pins_and_leaks_nothing(
     line = next(x for x in proc.stdout.splitlines() if x.startswith("trace-result "))
     result = json.loads(line.split(" ", 1)[1])
     assert result["faults_fired"] == 1, result
-    assert (result["outcome"], result["detail"]) == ("error", ""), f"failed {what}: {result}"
+    assert (result["outcome"], result["detail"]) == (expected, ""), f"failed {what}: {result}"
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 

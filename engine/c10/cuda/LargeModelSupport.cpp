@@ -97,6 +97,9 @@ struct Record {
   bool busy = false; // a copy is being set up outside the engine lock
   bool prefetched = false;
   bool graph_owned = false; // used during CUDA graph capture: never paged
+  // Allocated through allocate() and neither pinned nor accessed raw since:
+  // when the operator that allocated it ends, it becomes reclaimable.
+  bool fresh = false;
   // The storage whose DataPtr carries this record, as last seen by pin() or
   // access(). Weak, so it never keeps a dead storage alive; page-out uses it
   // to take the stale address out of the DataPtr.
@@ -661,15 +664,22 @@ void finishPageIn(
 void pageIn(DeviceEngine& e, Record& r, cudaStream_t stream) {
   DeviceScope guard(e.device);
   void* ptr = allocateDevice(e, r.size, stream);
-  cudaEvent_t start = e.events.get(/*timing=*/true);
-  C10_CUDA_CHECK(cudaEventRecord(start, stream));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(stream, r.host_ready, 0));
-  C10_CUDA_CHECK(cudaMemcpyAsync(
-      ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, stream));
-  cudaEvent_t end = e.events.get(/*timing=*/true);
-  C10_CUDA_CHECK(cudaEventRecord(end, stream));
-  addStall(e, start, end);
-  finishPageIn(e, r, ptr, stream, stream);
+  try {
+    cudaEvent_t start = e.events.get(/*timing=*/true);
+    C10_CUDA_CHECK(cudaEventRecord(start, stream));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, r.host_ready, 0));
+    C10_CUDA_CHECK(cudaMemcpyAsync(
+        ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, stream));
+    cudaEvent_t end = e.events.get(/*timing=*/true);
+    C10_CUDA_CHECK(cudaEventRecord(end, stream));
+    addStall(e, start, end);
+    finishPageIn(e, r, ptr, stream, stream);
+  } catch (...) {
+    // The storage stays paged out (its host copy is intact): give the memory
+    // back, in the order of the stream the failed copy was queued on.
+    backend().free(ptr);
+    throw;
+  }
 }
 
 // Starts paging in `r` on the copy stream, into memory allocated on `stream`,
@@ -687,17 +697,24 @@ bool prefetchOne(DeviceEngine& e, Record& r, cudaStream_t stream) {
     return false;
   }
   const cudaStream_t copy = e.copyStream();
-  // The memory belongs to `stream`'s pool: the copy may start only after the
-  // work `stream` has queued so far (which may still use the memory's
-  // previous owner).
-  cudaEvent_t ev = e.events.get(/*timing=*/false);
-  C10_CUDA_CHECK(cudaEventRecord(ev, stream));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(copy, ev, 0));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(copy, r.host_ready, 0));
-  e.events.put(ev);
-  C10_CUDA_CHECK(cudaMemcpyAsync(
-      ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, copy));
-  finishPageIn(e, r, ptr, stream, copy);
+  try {
+    // The memory belongs to `stream`'s pool: the copy may start only after
+    // the work `stream` has queued so far (which may still use the memory's
+    // previous owner).
+    cudaEvent_t ev = e.events.get(/*timing=*/false);
+    C10_CUDA_CHECK(cudaEventRecord(ev, stream));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(copy, ev, 0));
+    C10_CUDA_CHECK(cudaStreamWaitEvent(copy, r.host_ready, 0));
+    e.events.put(ev);
+    C10_CUDA_CHECK(cudaMemcpyAsync(
+        ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, copy));
+    finishPageIn(e, r, ptr, stream, copy);
+  } catch (...) {
+    // Reuse in `stream`'s order must also wait for the copy stream, which
+    // may have started the copy.
+    backend().freeAfter(ptr, e.device, copy);
+    throw;
+  }
   addUser(r, copy);
   return true;
 }
@@ -900,12 +917,22 @@ void makeResident(
   }
   leave(e, r);
   enter(e, r, target);
+  r.fresh = false;
   r.pins = target == State::Active ? 1 : 0;
   refreshDataPtr(storage, r);
   arm(storage, false);
   if (!prefetch.empty()) {
     lock.unlock();
-    prefetchAfterPin(e, std::move(prefetch));
+    try {
+      prefetchAfterPin(e, std::move(prefetch));
+    } catch (const std::exception& error) {
+      // Prefetch is speculative: the storage asked for is resident and
+      // pinned, and the storages that were not prefetched stay paged out.
+      TORCH_WARN_ONCE(
+          "Large Model Support: a prefetch failed; storages are paged in on "
+          "demand. ",
+          error.what());
+    }
     lock.lock();
   }
 }
@@ -1215,6 +1242,31 @@ void unpin(c10::StorageImpl& storage) {
   arm(storage, true);
 }
 
+void releaseOutput(c10::StorageImpl& storage) {
+  Record* r = recordOf(storage);
+  if (r == nullptr) {
+    return;
+  }
+  DeviceEngine& e = *r->engine;
+  const cudaStream_t stream = currentStream(e.device);
+  const bool capturing = isCapturing(stream);
+  std::lock_guard<std::mutex> lock(e.mutex);
+  if (r->state != State::Allocated || !r->fresh || r->busy) {
+    return; // pinned, reclaimable already, or accessed raw since
+  }
+  r->fresh = false;
+  addUser(*r, stream);
+  if (capturing || r->graph_owned) {
+    r->graph_owned = true; // a captured graph bakes in its address
+    return;
+  }
+  rememberOwner(*r, storage);
+  leave(e, *r);
+  enter(e, *r, State::Inactive);
+  e.reclaim_list.push_back(r);
+  arm(storage, true);
+}
+
 void access(c10::StorageImpl& storage) {
   Record* r = recordOf(storage);
   if (r == nullptr) {
@@ -1356,6 +1408,7 @@ c10::DataPtr allocate(
   r->size = size;
   r->device_ptr = ptr;
   r->stream = stream;
+  r->fresh = true;
   {
     std::lock_guard<std::mutex> lock(e.mutex);
     add(e.stats.managed_bytes, sz(*r));

@@ -13,7 +13,9 @@
 //       |                 +------pin---------+<------pin-----------+
 //       +---------------raw data access------+<--raw data access---+
 //
-// * allocated: resident, not yet used as an operator input; not reclaimable.
+// * allocated: resident, being written by the operator that allocated it, or
+//              accessed raw; not reclaimable. An operator's outputs become
+//              inactive when it ends (releaseOutput).
 // * active:    pinned by at least one running operator; never reclaimed.
 // * inactive:  resident, on the device's least-recently-used reclaim list.
 // * paged out: the contents live in a pinned host buffer; the device memory
@@ -134,6 +136,12 @@ C10_CUDA_API void pin(c10::StorageImpl& storage);
 // Ends one pin. When the last pin ends, the storage becomes inactive and
 // reclaimable; the current stream is remembered as a user of its memory.
 C10_CUDA_API void unpin(c10::StorageImpl& storage);
+// The operator that allocated the storage has ended (one of its outputs):
+// if nothing pinned or accessed it since its allocation, it becomes inactive
+// and reclaimable, so that tensors an operator saves for backward and no
+// later forward operator reads (a cuDNN RNN's reserve space, a dropout mask)
+// can be paged out. The current stream is remembered as a user.
+C10_CUDA_API void releaseOutput(c10::StorageImpl& storage);
 // Raw data access outside an operator: pages the storage in if needed and
 // takes it off the reclaim list until an operator pins and unpins it again.
 C10_CUDA_API void access(c10::StorageImpl& storage);

@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace at::cuda::lms {
 
@@ -279,7 +280,59 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   return context;
 }
 
+// Outputs of operators nested in the running outermost one on this thread.
+// Weak: a temporary the outer operator frees must not be kept alive.
+thread_local std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>>
+    t_nested_outputs;
+
+void releaseOutput(c10::StorageImpl& storage, const at::RecordFunction& fn) {
+  try {
+    engine::releaseOutput(storage);
+  } catch (const std::exception& e) {
+    // It stays resident: memory is wasted, nothing is lost.
+    TORCH_WARN(
+        "Large Model Support: an output of ",
+        fn.name(),
+        " stays resident: ",
+        e.what());
+  }
+}
+
+// When the outermost operator ends, what it and the operators inside it
+// allocated and did not free becomes reclaimable: its outputs, and tensors an
+// inner operator made that outlive the outer one (a cuDNN RNN's reserve space
+// inside aten::lstm, saved for backward, which no later forward operator
+// reads). Until then the outer operator may still be using them unpinned.
+void releaseOutputs(const at::RecordFunction& fn, bool outermost) {
+  StorageList storages;
+  for (const c10::IValue& output : fn.outputs()) {
+    collect(output, storages);
+  }
+  if (!outermost) {
+    for (c10::StorageImpl* storage : storages) {
+      if (engine::isManaged(storage->_mutable_data_ptr_no_checks())) {
+        t_nested_outputs.emplace_back(
+            c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage));
+      }
+    }
+    return;
+  }
+  for (c10::StorageImpl* storage : storages) {
+    releaseOutput(*storage, fn);
+  }
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> nested;
+  nested.swap(t_nested_outputs);
+  for (const auto& weak : nested) {
+    if (c10::intrusive_ptr<c10::StorageImpl> storage = weak.lock()) {
+      releaseOutput(*storage, fn);
+    }
+  }
+}
+
 void unpinInputs(const at::RecordFunction& fn, at::ObserverContext* context) {
+  if (isOperator(fn) && t_depth > 0) {
+    releaseOutputs(fn, /*outermost=*/t_depth == 1);
+  }
   if (isOperator(fn) && t_depth > 0 && --t_depth == 0 &&
       engine::hasPendingError()) {
     // The operator allocated nothing through LMS after its pin failed, so it
@@ -382,6 +435,7 @@ void setOperatorPinning(bool enabled) {
     g_handle = at::addGlobalCallback(
         at::RecordFunctionCallback(&pinInputs, &unpinInputs)
             .needsInputs(true)
+            .needsOutputs(true)
             .scopes({at::RecordScope::FUNCTION}));
   } else if (!enabled && g_handle != at::INVALID_CALLBACK_HANDLE) {
     // Records already started keep their own copy of the callbacks, so

@@ -9,7 +9,8 @@
 // tensor inputs when it starts and unpins them when it ends. Operators nested
 // inside it need no pins of their own: they read the outer operator's inputs
 // (already pinned) or tensors created inside it, which stay in the
-// "allocated" state and cannot be reclaimed.
+// "allocated" state and cannot be reclaimed until the outer operator ends;
+// then its outputs become reclaimable too.
 //
 // The callback is registered only while LMS is enabled (see
 // c10::cuda::lms::setEnabledObserver), so operator dispatch pays nothing for
