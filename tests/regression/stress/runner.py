@@ -316,13 +316,24 @@ class SpawnLauncher(Launcher):
         return _read_outcome(request, code, timed_out, time.perf_counter() - start)
 
 
+FORK_BROKEN_MARKERS = (
+    "initialization error",
+    "Cannot re-initialize CUDA in forked subprocess",
+    "CUDA driver initialization failed",
+)
+
+
 class ForkServerLauncher(Launcher):
-    """One ``worker --serve`` process that forks a fresh child per run."""
+    """One ``worker --serve`` process that forks a fresh child per run.
+
+    Should a forked child ever fail to initialize CUDA (the server must not have initialized
+    it), the launcher falls back to :class:`SpawnLauncher` for that run and every later one.
+    """
 
     def __init__(self, python: str, env: dict[str, str]) -> None:
         super().__init__(python, env)
         self.proc: subprocess.Popen[str] | None = None
-        self.server_log: Any = None
+        self.fallback: SpawnLauncher | None = None
 
     def _start(self) -> subprocess.Popen[str]:
         if self.proc is not None and self.proc.poll() is None:
@@ -346,6 +357,23 @@ class ForkServerLauncher(Launcher):
         return self.proc
 
     def launch(self, request: dict[str, Any], timeout_s: float) -> Outcome:
+        if self.fallback is not None:
+            return self.fallback.launch(request, timeout_s)
+        outcome = self._launch(request, timeout_s)
+        if run_status(outcome)[0] != "ok" and any(
+            marker in outcome.log_tail for marker in FORK_BROKEN_MARKERS
+        ):
+            print(
+                "warning: a forked worker could not initialize CUDA; starting a new "
+                "interpreter per run from now on",
+                file=sys.stderr,
+            )
+            self.close()
+            self.fallback = SpawnLauncher(self.python, self.env)
+            return self.fallback.launch(request, timeout_s)
+        return outcome
+
+    def _launch(self, request: dict[str, Any], timeout_s: float) -> Outcome:
         proc = self._start()
         assert proc.stdin is not None and proc.stdout is not None
         start = time.perf_counter()
@@ -387,6 +415,7 @@ def make_launcher(kind: str, python: str) -> Launcher:
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     env["PYTHONUNBUFFERED"] = "1"
     if kind == "fork":
+        env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         return ForkServerLauncher(python, env)
     if kind == "spawn":
         return SpawnLauncher(python, env)
@@ -432,6 +461,8 @@ def run_case(seed: int, launcher: Launcher, settings: Settings) -> dict[str, Any
             "log": str(runs_dir / f"{name}.log"),
             "fault": faults.get(name),
         }
+        for stale in (request["result"], request["log"]):
+            Path(stale).unlink(missing_ok=True)
         return launcher.launch(request, settings.run_timeout_s)
 
     ref1 = launch("reference-1", "reference", bound=True)

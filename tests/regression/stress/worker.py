@@ -467,6 +467,13 @@ def wait_child(pid: int, timeout_s: float) -> tuple[int, bool]:
 def serve() -> int:
     """The fork server: one JSON request per line on stdin, one JSON answer per line."""
     out = sys.stdout
+    # Modules the optimizers import on first use (about a second): once, here. Nothing
+    # here may initialize CUDA (the runner sets PYTORCH_NVML_BASED_CUDA_CHECK=1 so that an
+    # availability check uses NVML), or no forked child could use it.
+    try:
+        import torch._dynamo
+    except ImportError:
+        pass
     print(json.dumps({"ready": True, "pid": os.getpid(), "torch": torch.__version__}), file=out)
     out.flush()
     for line in sys.stdin:
