@@ -465,3 +465,18 @@ def test_spawn_launcher_reports_a_worker_killed_by_a_signal(tmp_path: Path) -> N
     assert outcome.returncode == -11
     assert outcome.result is None
     assert run_status(outcome) == ("signal", "killed by SIGSEGV")
+
+
+def test_fork_launcher_falls_back_to_spawning_when_forked_cuda_fails(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="PyTorch is not installed")
+    launcher = runner.make_launcher("fork", sys.executable)
+    assert isinstance(launcher, runner.ForkServerLauncher)
+    case = tiny(generate(0), "mlp_tokens")
+    try:
+        broken = launcher.launch(_request(tmp_path, case, "a", fault="fork-broken"), 300)
+        assert launcher.fallback is not None
+        assert "forked subprocess" in broken.log_tail
+        fine = launcher.launch(_request(tmp_path, case, "b"), 300)
+        assert run_status(fine)[0] == "ok"
+    finally:
+        launcher.close()

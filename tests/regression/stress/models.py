@@ -183,8 +183,18 @@ class StackedLSTM(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
+        device = x.device.type
+        # cuDNN's RNNs take bf16 only from cuDNN 9.13 on, and the non-cuDNN CUDA LSTM
+        # (used when cuDNN is disabled) not at all: under bf16 autocast the LSTMs run in fp32.
+        fp32_lstm = (
+            torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.bfloat16
+        )
         for lstm, proj in zip(self.lstms, self.projs):
-            y, _ = lstm(x)
+            if fp32_lstm:
+                with torch.autocast(device, enabled=False):
+                    y, _ = lstm(x.float())
+            else:
+                y, _ = lstm(x)
             x = x + proj(y)
         return self.head(x)
 

@@ -352,25 +352,32 @@ class ForkServerLauncher(Launcher):
         ready = self.proc.stdout.readline()
         if not ready:
             code = self.proc.wait()
+            self.proc = None
             raise RuntimeError(f"the worker fork server exited with status {code} at start")
-        json.loads(ready)
+        if json.loads(ready).get("cuda_initialized"):
+            self.close()
+            raise RuntimeError("the worker fork server initialized CUDA before forking")
         return self.proc
+
+    def _use_spawn(self, why: str) -> SpawnLauncher:
+        print(f"warning: {why}; starting a new interpreter per run from now on", file=sys.stderr)
+        self.close()
+        self.fallback = SpawnLauncher(self.python, self.env)
+        return self.fallback
 
     def launch(self, request: dict[str, Any], timeout_s: float) -> Outcome:
         if self.fallback is not None:
             return self.fallback.launch(request, timeout_s)
+        try:
+            self._start()
+        except RuntimeError as exc:
+            return self._use_spawn(str(exc)).launch(request, timeout_s)
         outcome = self._launch(request, timeout_s)
         if run_status(outcome)[0] != "ok" and any(
             marker in outcome.log_tail for marker in FORK_BROKEN_MARKERS
         ):
-            print(
-                "warning: a forked worker could not initialize CUDA; starting a new "
-                "interpreter per run from now on",
-                file=sys.stderr,
-            )
-            self.close()
-            self.fallback = SpawnLauncher(self.python, self.env)
-            return self.fallback.launch(request, timeout_s)
+            spawn = self._use_spawn("a forked worker could not initialize CUDA")
+            return spawn.launch(request, timeout_s)
         return outcome
 
     def _launch(self, request: dict[str, Any], timeout_s: float) -> Outcome:

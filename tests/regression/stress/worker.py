@@ -56,7 +56,17 @@ from .generator import Case, generate
 
 MODES = ("reference", "capped", "capped-no-lms", "reference-no-cudnn", "capped-no-cudnn")
 # Faults a test can inject to check how the runner classifies what happens to a worker.
-FAULTS = ("segv", "abort", "exit", "hang", "exception", "oom", "cuda-error", "perturb")
+FAULTS = (
+    "segv",
+    "abort",
+    "exit",
+    "hang",
+    "exception",
+    "oom",
+    "cuda-error",
+    "fork-broken",
+    "perturb",
+)
 
 EXIT_OK = 0
 EXIT_OOM = 3
@@ -236,6 +246,8 @@ def _inject(fault: str | None, where: str) -> None:
             raise torch.OutOfMemoryError(
                 "CUDA out of memory. Tried to allocate 1.00 GiB (injected)"
             )
+        if fault == "fork-broken":
+            raise RuntimeError("Cannot re-initialize CUDA in forked subprocess (injected)")
         if fault == "cuda-error":
             raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
 
@@ -474,7 +486,13 @@ def serve() -> int:
         import torch._dynamo
     except ImportError:
         pass
-    print(json.dumps({"ready": True, "pid": os.getpid(), "torch": torch.__version__}), file=out)
+    ready = {
+        "ready": True,
+        "pid": os.getpid(),
+        "torch": torch.__version__,
+        "cuda_initialized": torch.cuda.is_initialized(),
+    }
+    print(json.dumps(ready), file=out)
     out.flush()
     for line in sys.stdin:
         if not line.strip():
