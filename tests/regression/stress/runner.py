@@ -587,6 +587,12 @@ def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) 
     failures = gate_failures(records)
     verdict = "PASS" if not failures else f"FAIL ({len(failures)} case(s))"
     lines.append(f"{len(records)} cases; gate: **{verdict}** (no {', '.join(GATE_FAILURES)}).")
+    walls = [r["case_wall_s"] for r in records if isinstance(r.get("case_wall_s"), (int, float))]
+    if walls:
+        lines.append(
+            f"Wall time {sum(walls):.0f} s, {sum(walls) / len(walls):.1f} s per case "
+            "(references, capped run and any triage)."
+        )
     unpaged = sum(1 for r in records if r["class"] == "identical" and not r.get("paged_out"))
     if unpaged:
         lines.append(f"{unpaged} identical case(s) paged nothing out (the cap did not bind).")
@@ -687,6 +693,7 @@ def run_suite(
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     env: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+    run_timeout_s = settings.run_timeout_s
     for index, seed in enumerate(seeds):
         elapsed = time.perf_counter() - start
         if time_budget_s is not None and records:
@@ -695,6 +702,10 @@ def run_suite(
                 log(f"time budget: stopping before seed {seed} ({elapsed:.0f} s used)")
                 log(f"continue with: --start {seed}")
                 break
+        if time_budget_s is not None:
+            # A hung run must not carry the suite far past its budget.
+            left = time_budget_s - (time.perf_counter() - start)
+            settings.run_timeout_s = min(run_timeout_s, max(30.0, left + 30.0))
         record = run_case(seed, launcher, settings)
         records.append(record)
         with results.open("a") as f:
@@ -704,9 +715,17 @@ def run_suite(
         (out / "summary.md").write_text(summarize(records, env))
         cap = record["runs"].get("capped") or {}
         pageout = (cap.get("lms") or {}).get("pageout_bytes")
+        sizes = ", ".join(
+            f"{name} {_fmt_gib(record.get(key)) or '-'}"
+            for name, key in (
+                ("peak", "peak_reserved_bytes"),
+                ("cap", "cap_bytes"),
+                ("bound", "bound_bytes"),
+            )
+        )
         log(
             f"[{index + 1}/{len(seeds)}] seed {seed}: {record['class']}: {record['reason']}"
-            f" | {record['label']} | out {_fmt_gib(pageout) or 0} GiB"
+            f" | {record['label']} | GiB: {sizes}, paged out {_fmt_gib(pageout) or 0}"
             f" | {record['case_wall_s']:.1f} s"
         )
         if record["class"] != "identical":
