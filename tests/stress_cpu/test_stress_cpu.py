@@ -197,7 +197,15 @@ def test_crash_after_an_lms_pin_failure_says_so() -> None:
     )
     got = classify(ok(bound=GiB), ok(), Outcome(-11, False, 3.0, None, log), CAP)
     assert got["class"] == "crash"
-    assert "aten::_foreach_mul_" in got["reason"]
+    assert "after an LMS pin failure (the inputs of aten::_foreach_mul_)" in got["reason"]
+    # The extension's form of an LMS out-of-memory error: the operator raised afterwards.
+    raised = failed("builtins.RuntimeError", "Expected a non-null data pointer")
+    assert raised.result is not None
+    raised.result["warnings"] = [log.strip()]
+    expected = classify(ok(bound=3 * GiB), ok(), raised, CAP)
+    assert expected["class"] == "oom-expected", expected
+    assert expected["reason"].startswith("LMS pin failure: the inputs of aten::_foreach_mul_")
+    assert classify(ok(bound=GiB), ok(), raised, CAP)["class"] == "oom-unexpected"
 
 
 def test_other_exception_is_an_error_and_failed_reference_is_reported() -> None:

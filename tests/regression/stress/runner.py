@@ -120,7 +120,7 @@ def run_status(outcome: Outcome | None) -> tuple[str, str]:
     """
     if outcome is None:
         return "not-run", "not run"
-    pin = _pin_failure(outcome.log_tail)
+    pin = _pin_failure(outcome)
     suffix = f" after an LMS pin failure ({pin})" if pin else ""
     if outcome.timed_out:
         return "hang", f"killed after {outcome.wall_s:.0f} s without finishing{suffix}"
@@ -141,6 +141,10 @@ def run_status(outcome: Outcome | None) -> tuple[str, str]:
             return "oom", text
         if exc.get("is_cuda_error"):
             return "cuda-error", text + suffix
+        if pin:
+            # The drop-in extension's form of LMS running out of memory: the operator ran
+            # without its paged-out inputs and raised (extension/README.md).
+            return "oom", f"LMS pin failure: {pin}, then {text}"
         return "error", text
     if result.get("status") != "ok":
         return "no-result", f"result status {result.get('status')!r}, exit status {code}{suffix}"
@@ -157,18 +161,27 @@ def _first_line(text: str, limit: int = 300) -> str:
     return line[:limit]
 
 
-def _pin_failure(log: str) -> str:
-    """The LMS warning that an operator's inputs could not be made resident, if logged."""
-    for line in log.splitlines():
+def _pin_failure(outcome: Outcome) -> str:
+    """The LMS warning that an operator's inputs could not be made resident, if one was given.
+
+    Looks in the warnings of the run's result and in its log.
+    """
+    lines = list((outcome.result or {}).get("warnings") or [])
+    lines += outcome.log_tail.splitlines()
+    for line in lines:
         if PIN_FAILURE_MARKER in line:
             start = line.find("the inputs of")
-            return line[start : start + 120] if start >= 0 else line[:120]
+            text = line[start:] if start >= 0 else line
+            end = text.find(" could not")
+            return text[:end] if end > 0 else text[:120]
     return ""
 
 
 def oom_reason(message: str) -> str:
     """Which allocator ran out and for what, from an out-of-memory message."""
     first = _first_line(message, 200)
+    if message.startswith("LMS pin failure"):
+        return first
     if "Large Model Support" in message:
         return f"LMS: the pinned working set does not fit ({first})"
     if "CUDNN" in message or "CUBLAS" in message:
@@ -203,6 +216,8 @@ def classify(
     if status == "oom":
         assert capped is not None and capped.result is not None
         message = capped.result.get("exception", {}).get("message", "")
+        if reason.startswith("LMS pin failure"):
+            message = reason
         expected = info["bound_exceeds_cap"]
         why = (
             "the largest operator working set exceeds the cap"
@@ -286,7 +301,7 @@ def _read_outcome(
     tail = ""
     if log_path.is_file():
         data = log_path.read_bytes()
-        tail = data[-6000:].decode("utf-8", "replace")
+        tail = data[-200_000:].decode("utf-8", "replace")
     return Outcome(code, timed_out, round(wall_s, 3), result, tail)
 
 
