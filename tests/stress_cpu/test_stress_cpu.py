@@ -306,6 +306,11 @@ def test_time_budget_stops_between_cases_and_results_are_incremental(tmp_path: P
     assert [json.loads(line)["seed"] for line in lines] == [r["seed"] for r in records]
     assert any(f"--start {len(records)}" in m for m in messages)
     assert "gate: **PASS**" in (tmp_path / "summary.md").read_text()
+    # Continuing in the same folder: the summary covers both runs.
+    more = runner.run_suite([500, 501], settings, launcher, None, messages.append)
+    assert [r["seed"] for r in more] == [500, 501]
+    assert f"{len(records) + 2} cases; gate" in (tmp_path / "summary.md").read_text()
+    assert len(runner.load_records([tmp_path])) == len(records) + 2
 
 
 def test_runner_help() -> None:

@@ -701,10 +701,17 @@ def run_suite(
     time_budget_s: float | None = None,
     log: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Runs ``seeds`` in order until done or the time budget would be passed."""
+    """Runs ``seeds`` in order until done or the time budget would be passed.
+
+    Returns the records of the cases run; ``out/results.jsonl`` gets one line per case as it
+    finishes and ``out/summary.md`` is rewritten after each.
+    """
     out = settings.out
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
+    # A folder that already holds results (an earlier run cut short, continued with
+    # --start): the summary covers those cases too; a seed run again replaces its record.
+    earlier = {r["seed"]: r for r in load_records([results])} if results.is_file() else {}
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     env: dict[str, Any] = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
@@ -727,7 +734,8 @@ def run_suite(
             f.write(json.dumps(record, default=str) + "\n")
         if index == 0 or "device" not in env:
             env.update(environment_of([record], out))
-        (out / "summary.md").write_text(summarize(records, env))
+        earlier[seed] = record
+        (out / "summary.md").write_text(summarize([earlier[s] for s in sorted(earlier)], env))
         cap = record["runs"].get("capped") or {}
         pageout = (cap.get("lms") or {}).get("pageout_bytes")
         sizes = ", ".join(
