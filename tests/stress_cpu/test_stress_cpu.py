@@ -493,3 +493,13 @@ def test_fork_launcher_falls_back_to_spawning_when_forked_cuda_fails(tmp_path: P
         assert run_status(fine)[0] == "ok"
     finally:
         launcher.close()
+
+
+def test_only_the_capped_lms_modes_enable_lms() -> None:
+    worker = pytest.importorskip("tests.regression.stress.worker")
+    assert [m for m in worker.MODES if worker.uses_lms(m)] == ["capped", "capped-no-cudnn"]
+    assert [m for m in worker.MODES if worker.is_capped(m)] == [
+        "capped",
+        "capped-no-lms",
+        "capped-no-cudnn",
+    ]

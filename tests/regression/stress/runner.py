@@ -459,7 +459,7 @@ class Settings:
 def replay_command(seed: int) -> str:
     """The command that runs the case of ``seed`` again, from the repository root."""
     out = f"out/stress-seed-{seed}"
-    return f"PYTHONPATH=extension python -m {RUNNER_MODULE} --seed {seed} --out {out}"
+    return f"PYTHONPATH=extension python3 -m {RUNNER_MODULE} --seed {seed} --out {out}"
 
 
 def run_case(seed: int, launcher: Launcher, settings: Settings) -> dict[str, Any]:

@@ -330,6 +330,9 @@ def environment(device: torch.device, lms_backend: str | None) -> dict[str, Any]
         "lms_backend": lms_backend,
         "host": platform.node(),
     }
+    for name in ("PYTORCH_LMS_CONF", "PYTORCH_CUDA_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG"):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env["device"] = props.name
