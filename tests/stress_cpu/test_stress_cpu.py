@@ -168,7 +168,11 @@ def test_oom_is_expected_only_when_the_bound_exceeds_the_cap() -> None:
     )
     unexpected = classify(ok(bound=GiB), ok(), stock_oom, CAP)
     assert unexpected["class"] == "oom-unexpected"
-    assert "allocator" in unexpected["reason"] and "fits the cap" in unexpected["reason"]
+    assert "allocator" in unexpected["reason"]
+    assert (
+        "(1.00 GiB, aten.convolution_backward.default) fits the cap (2.00 GiB)"
+        in (unexpected["reason"])
+    )
 
 
 def test_crashes_signal_timeout_cuda_error_no_result() -> None:

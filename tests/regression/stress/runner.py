@@ -203,8 +203,11 @@ def classify(
             return {"class": "reference-failed", "reason": f"{name}: {reason}"}
     assert ref1 is not None and ref2 is not None
     r1, r2 = ref1.result or {}, ref2.result or {}
-    bound = (r1.get("bound") or {}).get("bytes")
+    measured = r1.get("bound") or {}
+    bound = measured.get("bytes")
     info["bound_bytes"] = bound
+    info["bound_op"] = measured.get("op")
+    info["largest_alloc_bytes"] = measured.get("largest_alloc_bytes")
     info["bound_exceeds_cap"] = bool(bound and cap_bytes and bound > cap_bytes)
     refs_agree = r1.get("param_hash") == r2.get("param_hash")
     info["references_agree"] = refs_agree
@@ -220,9 +223,10 @@ def classify(
             message = reason
         expected = info["bound_exceeds_cap"]
         why = (
-            "the largest operator working set exceeds the cap"
-            if expected
-            else "every operator's working set fits the cap"
+            f"the largest operator working set ({_fmt_gib(bound) or '?'} GiB, "
+            f"{info['bound_op']}) "
+            + ("exceeds" if expected else "fits")
+            + f" the cap ({_fmt_gib(cap_bytes) or '?'} GiB)"
         )
         return {
             "class": "oom-expected" if expected else "oom-unexpected",
@@ -626,11 +630,12 @@ def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) 
         "",
         "## Cases",
         "",
-        "GiB: peak = uncapped peak reserved, bound = largest operator working set; "
-        "out = LMS page-out per capped run; s/iter reference / capped.",
+        "GiB: peak = uncapped peak reserved, bound = largest operator working set (inputs "
+        "and outputs), alloc = largest single operator output; out = LMS page-out per capped "
+        "run; s/iter reference / capped.",
         "",
-        "| seed | case | class | peak | cap | bound | out | s/iter | reason |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| seed | case | class | peak | cap | bound | alloc | out | s/iter | reason |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in sorted(records, key=lambda r: r["seed"]):
         runs = r.get("runs", {})
@@ -647,6 +652,7 @@ def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) 
                 r.get("peak_reserved_bytes"),
                 r.get("cap_bytes"),
                 r.get("bound_bytes"),
+                r.get("largest_alloc_bytes"),
                 lms.get("pageout_bytes"),
             )
         )
