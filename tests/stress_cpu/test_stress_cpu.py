@@ -420,14 +420,18 @@ def test_every_family_trains_repeatably_on_cpu(
 
 
 def _suite(
-    launcher: runner.Launcher, tmp_path: Path, faults: dict[str, str], timeout: float = 120
+    launcher: runner.Launcher,
+    tmp_path: Path,
+    faults: dict[str, str],
+    timeout: float = 120,
+    family: str = "mlp_tokens",
 ) -> dict[str, Any]:
     settings = runner.Settings(
         out=tmp_path,
         device="cpu",
         run_timeout_s=timeout,
         faults=faults,
-        case_override=lambda c: tiny(c, "mlp_tokens"),
+        case_override=lambda c: tiny(c, family),
     )
     return runner.run_case(3, launcher, settings)
 
@@ -507,3 +511,16 @@ def test_only_the_capped_lms_modes_enable_lms() -> None:
         "capped-no-lms",
         "capped-no-cudnn",
     ]
+
+
+def test_mismatch_of_a_cudnn_model_is_triaged_without_cudnn(
+    fork_launcher: runner.Launcher, tmp_path: Path
+) -> None:
+    record = _suite(fork_launcher, tmp_path, {"capped": "perturb"}, family="resnet_add")
+    assert record["class"] == "mismatch"
+    triage = record["triage"]
+    assert triage["reference_no_cudnn"]["status"] == "ok"
+    assert triage["no_cudnn"]["equals"] is True
+    assert "with cuDNN disabled" in triage["verdict"]
+    runs = sorted(p.name for p in (tmp_path / "runs" / "3").glob("*.json"))
+    assert "triage-capped-no-cudnn.json" in runs and "triage-reference-no-cudnn.json" in runs

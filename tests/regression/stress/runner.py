@@ -553,13 +553,27 @@ def triage(
         launch("triage-capped-no-lms", "capped-no-lms", cap=cap_bytes), ref_hash
     )
     if case.family in CUDNN_FAMILIES:
+        # Without cuDNN the memory profile changes (other kernels, other workspaces): the
+        # cap is the case's fraction of the peak of a reference without cuDNN.
         ref_nc = launch("triage-reference-no-cudnn", "reference-no-cudnn")
-        cap_nc = launch("triage-capped-no-cudnn", "capped-no-cudnn", cap=cap_bytes)
-        ref_nc_hash = (ref_nc.result or {}).get("param_hash")
+        ref_nc_result = ref_nc.result or {}
         found["reference_no_cudnn"] = summary(ref_nc, None)
-        found["no_cudnn"] = summary(cap_nc, ref_nc_hash)
+        peak_nc = ref_nc_result.get("peak_reserved_bytes")
+        if run_status(ref_nc)[0] == "ok" and peak_nc:
+            cap_nc = int(case.cap_fraction * peak_nc)
+            capped_nc = launch("triage-capped-no-cudnn", "capped-no-cudnn", cap=cap_nc)
+            found["no_cudnn"] = summary(capped_nc, ref_nc_result.get("param_hash"))
+            found["no_cudnn"]["cap_bytes"] = cap_nc
+        elif settings_device_is_cpu(ref_nc_result):
+            capped_nc = launch("triage-capped-no-cudnn", "capped-no-cudnn")
+            found["no_cudnn"] = summary(capped_nc, ref_nc_result.get("param_hash"))
     found["verdict"] = triage_verdict(found)
     return found
+
+
+def settings_device_is_cpu(result: dict[str, Any]) -> bool:
+    """Whether a run result comes from the CPU (the runner's tests: no caps there)."""
+    return result.get("device_type") == "cpu"
 
 
 def triage_verdict(found: dict[str, Any]) -> str:
