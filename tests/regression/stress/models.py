@@ -205,7 +205,7 @@ def token_features(case: Case) -> int:
 
 
 def build_model(case: Case) -> nn.Module:
-    """The model of ``case``, on the CPU, initialized from the current torch seed."""
+    """The model of ``case`` on the default device, initialized from the current torch seed."""
     if case.family == "resnet_add":
         return ResidualCNN(case, dims=2)
     if case.family == "conv3d":

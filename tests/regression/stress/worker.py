@@ -257,7 +257,8 @@ def train(case: Case, mode: str, device: torch.device, result: dict[str, Any], *
     measure_bound = bool(opts.get("measure_bound"))
     fault = opts.get("fault")
     torch.manual_seed(case.seed)
-    model = models.build_model(case).to(device)
+    with torch.device(device):  # initialized where it trains: no host-side init, no copy
+        model = models.build_model(case)
     model.train()
     optimizer = models.build_optimizer(case, list(model.parameters()))
     dtype = models.autocast_dtype(case)
