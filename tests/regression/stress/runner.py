@@ -5,16 +5,14 @@ peak reserved memory and the bound: the largest working set of one operator), th
 with LMS on (default settings) under a cap of ``cap_fraction`` x that peak. Every run is a
 process of its own, so a crash ends one run only. Outcomes:
 
-=========================  ============================================================
-``identical``              the capped run's parameters equal the references', which agree
-``reference-not-repeatable``  the two references differ (nothing to compare against)
-``mismatch``               the references agree and the capped run differs
-``oom-expected``           out of memory, and the bound exceeds the cap
-``oom-unexpected``         out of memory although one operator's working set fits the cap
-``crash``                  killed by a signal, a CUDA error, no result, or hung
-``error``                  another Python exception in the capped run
-``reference-failed``       a reference run did not train (the case is invalid)
-=========================  ============================================================
+- ``identical``: the capped run's parameters equal the references', which agree;
+- ``reference-not-repeatable``: the two references differ (nothing to compare against);
+- ``mismatch``: the references agree and the capped run differs;
+- ``oom-expected``: out of memory, and the bound exceeds the cap;
+- ``oom-unexpected``: out of memory although one operator's working set fits the cap;
+- ``crash``: killed by a signal, a CUDA error, no result, or hung;
+- ``error``: another Python exception in the capped run;
+- ``reference-failed``: a reference run did not train (the case is invalid).
 
 Gate: no ``crash``, ``error``, ``mismatch``, ``oom-unexpected`` or ``reference-failed``.
 
