@@ -371,9 +371,14 @@ class ForkServerLauncher(Launcher):
             code = self.proc.wait()
             self.proc = None
             raise RuntimeError(f"the worker fork server exited with status {code} at start")
-        if json.loads(ready).get("cuda_initialized"):
+        state = json.loads(ready)
+        if state.get("cuda_initialized"):
             self.close()
             raise RuntimeError("the worker fork server initialized CUDA before forking")
+        if state.get("threads", 1) > 1:
+            # A child forked from a multithreaded process may inherit a held lock and hang.
+            self.close()
+            raise RuntimeError(f"the worker fork server runs {state['threads']} threads")
         return self.proc
 
     def _use_spawn(self, why: str) -> SpawnLauncher:

@@ -480,6 +480,14 @@ def wait_child(pid: int, timeout_s: float) -> tuple[int, bool]:
         delay = min(0.05, delay * 2)
 
 
+def _thread_count() -> int:
+    """Threads of this process (forking is only safe with one); 1 where /proc is missing."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
 def serve() -> int:
     """The fork server: one JSON request per line on stdin, one JSON answer per line."""
     out = sys.stdout
@@ -495,6 +503,7 @@ def serve() -> int:
         "pid": os.getpid(),
         "torch": torch.__version__,
         "cuda_initialized": torch.cuda.is_initialized(),
+        "threads": _thread_count(),
     }
     print(json.dumps(ready), file=out)
     out.flush()
