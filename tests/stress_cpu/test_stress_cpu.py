@@ -263,6 +263,7 @@ def test_summary_and_merge(tmp_path: Path) -> None:
             "bound_bytes": GiB // 4,
             "paged_out": True,
             "runs": {"reference-1": {"s_per_iter": 0.1}, "capped": {"s_per_iter": 0.3}},
+            "env": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0+cu130"},
         }
 
     a, b = tmp_path / "a", tmp_path / "b"
@@ -280,6 +281,9 @@ def test_summary_and_merge(tmp_path: Path) -> None:
     code = runner.main(["--merge", str(a), str(b), "--out", str(merged)])
     assert code == 1
     assert len((merged / "results.jsonl").read_text().splitlines()) == 3
+    assert "device: NVIDIA H100 80GB HBM3 | torch: 2.11.0+cu130" in (
+        (merged / "summary.md").read_text()
+    )
     (a / "results.jsonl").write_text(json.dumps(record(0, "identical", "lstm")) + "\n")
     assert runner.main(["--merge", str(a), "--out", str(merged)]) == 0
 

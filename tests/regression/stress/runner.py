@@ -522,6 +522,9 @@ def run_case(seed: int, launcher: Launcher, settings: Settings) -> dict[str, Any
     if verdict["class"] == "mismatch" and settings.triage:
         record["triage"] = triage(case, ref1, capped, cap_bytes, launch)
     record["case_wall_s"] = round(time.perf_counter() - started, 3)
+    record["env"] = environment_of(
+        [{"env": (run.result or {}).get("env")} for run in (capped, ref1) if run]
+    )
     if verdict["class"] != "identical":
         record["replay"] = replay_command(seed)
     return record
@@ -698,20 +701,22 @@ def load_records(paths: list[Path]) -> list[dict[str, Any]]:
     return [by_seed[s] for s in sorted(by_seed)]
 
 
-def environment_of(records: list[dict[str, Any]], out: Path) -> dict[str, Any]:
-    """Versions and device from the first run results found under ``out/runs``."""
+def environment_of(records: list[dict[str, Any]], out: Path | None = None) -> dict[str, Any]:
+    """Versions and device: from the records' ``env``, else from run results in ``out/runs``."""
     env: dict[str, Any] = {}
     for record in records:
+        found: list[dict[str, Any]] = [record.get("env") or {}]
         for name in ("capped", "reference-1"):
-            path = out / "runs" / str(record["seed"]) / f"{name}.json"
-            if path.is_file():
+            path = out / "runs" / str(record["seed"]) / f"{name}.json" if out else None
+            if path is not None and path.is_file():
                 try:
-                    found = json.loads(path.read_text()).get("env") or {}
+                    found.append(json.loads(path.read_text()).get("env") or {})
                 except json.JSONDecodeError:
                     continue
-                for k, v in found.items():
-                    if v is not None and k not in env:
-                        env[k] = v
+        for one in found:
+            for k, v in one.items():
+                if v is not None and k not in env:
+                    env[k] = v
         if "lms_backend" in env and "device" in env:
             break
     return env
@@ -756,7 +761,7 @@ def run_suite(
         with results.open("a") as f:
             f.write(json.dumps(record, default=str) + "\n")
         if index == 0 or "device" not in env:
-            env.update(environment_of([record], out))
+            env.update({k: v for k, v in environment_of([record]).items() if k not in env})
         earlier[seed] = record
         (out / "summary.md").write_text(summarize([earlier[s] for s in sorted(earlier)], env))
         cap = record["runs"].get("capped") or {}
@@ -844,10 +849,7 @@ def main(argv: list[str] | None = None) -> int:
         with (out / "results.jsonl").open("w") as f:
             for record in records:
                 f.write(json.dumps(record, default=str) + "\n")
-        env: dict[str, Any] = {}
-        for folder in args.merge:
-            if folder.is_dir():
-                env.update({k: v for k, v in environment_of(records, folder).items() if v})
+        env = environment_of(records)
         (out / "summary.md").write_text(summarize(records, env))
     else:
         seeds = (
