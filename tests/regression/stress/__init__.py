@@ -1,0 +1,8 @@
+"""Randomized stress suite of Large Model Support: generated models trained under memory caps.
+
+``generator`` describes a case from its seed (no torch needed), ``models`` builds it,
+``worker`` trains one case in one process and writes a JSON result, and ``runner`` runs the
+references and the capped run of each case in separate processes, classifies the outcome and
+writes ``results.jsonl`` and ``summary.md``. See ``python -m tests.regression.stress.runner
+--help``.
+"""

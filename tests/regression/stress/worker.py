@@ -1,0 +1,570 @@
+"""Trains one stress case in this process and writes its result as JSON.
+
+Modes (``--mode``):
+
+- ``reference``: LMS is neither imported nor enabled, no memory cap. With ``--measure-bound``
+  one more iteration runs after the measured ones under a dispatch mode that records the
+  largest working set of one operator (unique bytes of the storages of its inputs and
+  outputs): the bound below which the cap must stay reachable.
+- ``capped``: LMS enabled with its default settings (through ``torch.cuda`` when PyTorch has
+  it built in, else ``import torch_lms``) and the caching allocator capped at ``--cap-bytes``
+  with ``torch.cuda.set_per_process_memory_fraction``.
+- ``capped-no-lms``: the same cap, LMS not imported (triage: does the cap alone change the
+  result?).
+- ``reference-no-cudnn`` / ``capped-no-cudnn``: as ``reference`` / ``capped`` with
+  ``torch.backends.cudnn.enabled = False`` (triage: is cuDNN's algorithm choice the cause?).
+
+Every run is seeded and deterministic (``torch.use_deterministic_algorithms(True,
+warn_only=True)``, cuDNN deterministic without benchmarking, no TF32,
+``CUBLAS_WORKSPACE_CONFIG=:4096:8``). The result holds the loss of each iteration, a SHA-256
+of every parameter's bytes after training, peak memory, seconds per iteration, LMS statistics,
+the bound, warnings, and the exception if one was raised. Exit status: 0 trained, 3 out of
+memory, 4 another exception.
+
+``--serve`` turns the process into a fork server for ``runner``: it imports torch once, then
+for each JSON request on stdin forks a child that runs the case (the child initializes CUDA;
+the server never does), waits for it with a timeout and answers one JSON line with the exit
+status. Every run still has a process of its own; only the interpreter start and
+``import torch`` are shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import platform
+import signal
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+# Deterministic cuBLAS needs this before the first cuBLAS handle is created.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from . import models
+from .generator import Case, generate
+
+MODES = ("reference", "capped", "capped-no-lms", "reference-no-cudnn", "capped-no-cudnn")
+# Faults a test can inject to check how the runner classifies what happens to a worker.
+FAULTS = (
+    "segv",
+    "abort",
+    "exit",
+    "hang",
+    "exception",
+    "oom",
+    "cuda-error",
+    "fork-broken",
+    "perturb",
+)
+
+EXIT_OK = 0
+EXIT_OOM = 3
+EXIT_EXCEPTION = 4
+
+CUDA_ERROR_MARKERS = (
+    "CUDA error",
+    "illegal memory access",
+    "misaligned address",
+    "device-side assert",
+    "CUBLAS_STATUS_EXECUTION_FAILED",
+    "CUBLAS_STATUS_INTERNAL_ERROR",
+    "CUDNN_STATUS_EXECUTION_FAILED",
+    "CUDNN_STATUS_INTERNAL_ERROR",
+    "unspecified launch failure",
+)
+OOM_MARKERS = (
+    "CUDA out of memory",
+    "out of memory",
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+)
+
+
+def uses_lms(mode: str) -> bool:
+    """Whether a mode enables Large Model Support."""
+    return mode in ("capped", "capped-no-cudnn")
+
+
+def is_capped(mode: str) -> bool:
+    """Whether a mode caps device memory."""
+    return mode.startswith("capped")
+
+
+def is_oom(error: BaseException) -> bool:
+    """Whether an exception means the device ran out of memory."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(m in text for m in OOM_MARKERS)
+
+
+def is_cuda_error(error: BaseException) -> bool:
+    """Whether an exception reports a failed kernel or a broken CUDA context (not an OOM)."""
+    return not is_oom(error) and any(m in str(error) for m in CUDA_ERROR_MARKERS)
+
+
+def ensure_lms_api() -> str:
+    """Makes the ``torch.cuda`` LMS API available, as ``tests/regression/conftest.py`` does.
+
+    Returns ``"patched"`` when PyTorch has LMS built in, else imports the drop-in extension
+    (``torch_lms``, from ``PYTHONPATH`` or this checkout's ``extension/``) and returns
+    ``"extension"``.
+    """
+    if hasattr(torch.cuda, "set_enabled_lms"):
+        return "patched"
+    try:
+        import torch_lms  # installs the torch.cuda LMS API
+    except ImportError:
+        extension = Path(__file__).resolve().parents[3] / "extension"
+        if not (extension / "torch_lms").is_dir() or str(extension) in sys.path:
+            raise
+        sys.path.insert(0, str(extension))
+        import torch_lms  # noqa: F401
+    return "extension"
+
+
+def deterministic(cudnn_enabled: bool = True) -> None:
+    """Seeded, deterministic kernels, no TF32."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.enabled = cudnn_enabled
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def param_hash(tensors: list[torch.Tensor]) -> str:
+    """SHA-256 over the bytes of each tensor in order (dtype and shape included)."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        host = t.detach().to("cpu", copy=True).contiguous().reshape(-1)
+        digest.update(f"{host.dtype}{tuple(t.shape)}".encode())
+        nbytes = host.numel() * host.element_size()
+        if nbytes:
+            buffer = (ctypes.c_char * nbytes).from_address(host.data_ptr())
+            digest.update(memoryview(buffer))
+        del host
+    return digest.hexdigest()
+
+
+class WorkingSetMode(TorchDispatchMode):
+    """Records the largest working set of one operator on one device type.
+
+    The working set of an operator call is the sum of the sizes of the distinct storages of
+    its tensor inputs and outputs; also kept: the largest single output storage (the largest
+    allocation an operator makes for its result).
+    """
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self.device_type = device_type
+        self.max_bytes = 0
+        self.max_op = ""
+        self.max_alloc_bytes = 0
+        self.max_alloc_op = ""
+        self.ops = 0
+
+    def _storages(self, tree: Any) -> dict[int, int]:
+        found: dict[int, int] = {}
+        for leaf in tree_flatten(tree)[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.device.type == self.device_type:
+                try:
+                    storage = leaf.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                found[storage.data_ptr()] = storage.nbytes()
+        return found
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        outputs = self._storages(out)
+        everything = self._storages((args, kwargs))
+        everything.update(outputs)
+        total = sum(everything.values())
+        if total > self.max_bytes:
+            self.max_bytes, self.max_op = total, str(func)
+        if outputs:
+            largest = max(outputs.values())
+            if largest > self.max_alloc_bytes:
+                self.max_alloc_bytes, self.max_alloc_op = largest, str(func)
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _lms_stats() -> dict[str, Any]:
+    """LMS counters and gauge peaks, from ``torch.cuda.lms_stats()`` or ``memory_stats()``."""
+    if hasattr(torch.cuda, "lms_stats"):
+        raw = dict(torch.cuda.lms_stats())
+    else:
+        raw = {
+            k[len("lms.") :]: v
+            for k, v in torch.cuda.memory_stats().items()
+            if k.startswith("lms.")
+        }
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):
+            out[f"{key}_peak"] = value.get("peak")
+        elif isinstance(value, (int, float)):
+            out[key] = value
+    return out
+
+
+def _inject(fault: str | None, where: str) -> None:
+    """Fault injection for the runner's tests: misbehaves the way a broken run would."""
+    if fault is None:
+        return
+    if where == "start":
+        if fault == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if fault == "abort":
+            os.abort()
+        if fault == "exit":
+            os._exit(9)
+        if fault == "hang":
+            time.sleep(3600)
+        if fault == "exception":
+            raise ValueError("injected failure")
+        if fault == "oom":
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 1.00 GiB (injected)"
+            )
+        if fault == "fork-broken":
+            raise RuntimeError("Cannot re-initialize CUDA in forked subprocess (injected)")
+        if fault == "cuda-error":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+
+
+def train(case: Case, mode: str, device: torch.device, result: dict[str, Any], **opts: Any) -> None:
+    """Trains ``case`` and fills ``result`` (also on failure: what was measured so far)."""
+    measure_bound = bool(opts.get("measure_bound"))
+    fault = opts.get("fault")
+    torch.manual_seed(case.seed)
+    with torch.device(device):  # initialized where it trains: no host-side init, no copy
+        model = models.build_model(case)
+    model.train()
+    optimizer = models.build_optimizer(case, list(model.parameters()))
+    dtype = models.autocast_dtype(case)
+    scaler = None
+    if case.amp == "fp16":
+        scaler = torch.amp.GradScaler(device.type, init_scale=1024.0)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        result["static_setup_bytes"] = torch.cuda.memory_allocated(device)
+
+    def step(i: int) -> float:
+        inputs, targets = models.make_batch(case, i, device)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = models.loss_fn(case, model(inputs), targets)
+        del inputs
+        print(f"stress: iteration {i} backward", file=sys.stderr, flush=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            print(f"stress: iteration {i} optimizer", file=sys.stderr, flush=True)
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            print(f"stress: iteration {i} optimizer", file=sys.stderr, flush=True)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    losses: list[float] = result["losses"]
+    seconds: list[float] = result["iteration_seconds"]
+    for i in range(case.iterations):
+        print(f"stress: iteration {i} forward", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        losses.append(step(i))  # float() synchronizes with the device
+        _sync(device)
+        seconds.append(round(time.perf_counter() - start, 4))
+    if fault == "perturb":
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0].add_(1.0)
+    result["param_hash"] = param_hash(list(model.parameters()))
+    result["buffer_hash"] = param_hash(list(model.buffers()))
+    result["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    _sync(device)
+    if device.type == "cuda":
+        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+        result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    if measure_bound:
+        # One more iteration, after the hash: the dispatch mode must not touch measured runs.
+        mode_ = WorkingSetMode(device.type)
+        with mode_:
+            step(case.iterations)
+        _sync(device)
+        result["bound"] = {
+            "bytes": mode_.max_bytes,
+            "op": mode_.max_op,
+            "largest_alloc_bytes": mode_.max_alloc_bytes,
+            "largest_alloc_op": mode_.max_alloc_op,
+            "ops_per_iteration": mode_.ops,
+        }
+
+
+def environment(device: torch.device, lms_backend: str | None) -> dict[str, Any]:
+    """Versions and device of this run."""
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device_type": device.type,
+        "lms_backend": lms_backend,
+        "host": platform.node(),
+    }
+    for name in ("PYTORCH_LMS_CONF", "PYTORCH_CUDA_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG"):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env["device"] = props.name
+        env["device_memory_bytes"] = props.total_memory
+        env["cudnn"] = torch.backends.cudnn.version()
+    return env
+
+
+def run(request: dict[str, Any]) -> int:
+    """Runs one request (see ``main``), writes its JSON result, returns the exit status."""
+    case = Case.from_dict(request["case"])
+    mode = request["mode"]
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}")
+    device = torch.device(request.get("device", "cuda"))
+    cap_bytes = request.get("cap_bytes")
+    result_path = Path(request["result"])
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "seed": case.seed,
+        "mode": mode,
+        "device_type": device.type,
+        "cap_bytes": cap_bytes,
+        "status": "running",
+        "losses": [],
+        "iteration_seconds": [],
+        "warnings": [],
+    }
+    seen_warnings: list[str] = result["warnings"]
+    show = warnings.showwarning
+
+    def record_warning(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+        text = f"{category.__name__}: {message}"
+        if len(seen_warnings) < 20 and text[:300] not in seen_warnings:
+            seen_warnings.append(text[:300])
+        show(message, category, *args, **kwargs)
+
+    warnings.showwarning = record_warning
+    status = EXIT_OK
+    lms_backend: str | None = None
+    try:
+        _inject(request.get("fault"), "start")
+        if device.type == "cuda":
+            if uses_lms(mode):
+                lms_backend = ensure_lms_api()
+                torch.cuda.set_enabled_lms(True)
+            if is_capped(mode):
+                if not cap_bytes:
+                    raise ValueError(f"mode {mode} needs --cap-bytes")
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+                result["cap_fraction_of_device"] = cap_bytes / total
+        elif uses_lms(mode) or is_capped(mode):
+            result["note"] = "no memory cap and no LMS on the CPU: a test-only run"
+        deterministic(cudnn_enabled="no-cudnn" not in mode)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("default")
+            train(
+                case,
+                mode,
+                device,
+                result,
+                measure_bound=bool(request.get("measure_bound")),
+                fault=request.get("fault"),
+            )
+        result["status"] = "ok"
+    except Exception as exc:
+        result["status"] = "exception"
+        result["exception"] = {
+            "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+            "message": str(exc)[:4000],
+            "is_oom": is_oom(exc),
+            "is_cuda_error": is_cuda_error(exc),
+            "traceback": traceback.format_exc()[-3000:],
+        }
+        traceback.print_exc()
+        status = EXIT_OOM if is_oom(exc) else EXIT_EXCEPTION
+    finally:
+        warnings.showwarning = show
+    if device.type == "cuda" and lms_backend is not None:
+        try:
+            result["lms"] = _lms_stats()
+            result["lms_limit_bytes"] = int(torch.cuda.get_limit_lms())
+        except Exception as exc:  # a broken CUDA context: keep the result of the run
+            result["lms_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    times = result["iteration_seconds"]
+    steady = times[1:] if len(times) > 1 else times
+    result["s_per_iter"] = round(sum(steady) / len(steady), 4) if steady else None
+    result["wall_s"] = round(time.perf_counter() - started, 3)
+    try:
+        result["env"] = environment(device, lms_backend)
+    except Exception as exc:
+        result["env"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    result["case"] = case.to_dict()
+    write_json(result_path, result)
+    return status
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Writes ``data`` to ``path`` atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _child(request: dict[str, Any]) -> None:
+    """In a forked child: output to the request's log file, run, exit without cleanup."""
+    status = 70
+    try:
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        status = run(request)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
+def wait_child(pid: int, timeout_s: float) -> tuple[int, bool]:
+    """Waits for ``pid``; kills it after ``timeout_s``. Returns (exit code, timed out).
+
+    The exit code is negative (minus the signal number) for a child killed by a signal, as in
+    ``subprocess``.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status), False
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            return os.waitstatus_to_exitcode(status), True
+        time.sleep(delay)
+        delay = min(0.05, delay * 2)
+
+
+def _thread_count() -> int:
+    """Threads of this process (forking is only safe with one); 1 where /proc is missing."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def serve() -> int:
+    """The fork server: one JSON request per line on stdin, one JSON answer per line."""
+    out = sys.stdout
+    # Modules the optimizers import on first use (about a second): once, here. Nothing
+    # here may initialize CUDA (the runner sets PYTORCH_NVML_BASED_CUDA_CHECK=1 so that an
+    # availability check uses NVML), or no forked child could use it.
+    try:
+        import torch._dynamo
+    except ImportError:
+        pass
+    ready = {
+        "ready": True,
+        "pid": os.getpid(),
+        "torch": torch.__version__,
+        "cuda_initialized": torch.cuda.is_initialized(),
+        "threads": _thread_count(),
+    }
+    print(json.dumps(ready), file=out)
+    out.flush()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        if request.get("op") == "exit":
+            break
+        sys.stdout.flush()
+        sys.stderr.flush()
+        start = time.perf_counter()
+        pid = os.fork()
+        if pid == 0:
+            _child(request)
+        code, timed_out = wait_child(pid, float(request.get("timeout_s", 300)))
+        answer = {
+            "returncode": code,
+            "timed_out": timed_out,
+            "wall_s": round(time.perf_counter() - start, 3),
+            "pid": pid,
+        }
+        print(json.dumps(answer), file=out)
+        out.flush()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: one run in this process, or ``--serve``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.regression.stress.worker",
+        description="Train one LMS stress case in this process and write its JSON result.",
+    )
+    parser.add_argument("--serve", action="store_true", help="run as the runner's fork server")
+    parser.add_argument("--request", type=Path, help="a JSON request file (what runner sends)")
+    parser.add_argument("--seed", type=int, help="the case to run (see generator.generate)")
+    parser.add_argument("--mode", choices=MODES, default="reference")
+    parser.add_argument("--cap-bytes", type=int, help="memory cap of the capped modes")
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu for tests")
+    parser.add_argument("--measure-bound", action="store_true", help="record the bound")
+    parser.add_argument("--result", type=Path, help="where to write the JSON result")
+    parser.add_argument("--fault", choices=FAULTS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        return serve()
+    if args.request is not None:
+        request = json.loads(args.request.read_text())
+    else:
+        if args.seed is None or args.result is None:
+            parser.error("give --serve, --request FILE, or --seed S --result FILE")
+        request = {
+            "case": generate(args.seed).to_dict(),
+            "mode": args.mode,
+            "cap_bytes": args.cap_bytes,
+            "device": args.device,
+            "measure_bound": args.measure_bound,
+            "result": str(args.result),
+            "fault": args.fault,
+        }
+    return run(request)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
