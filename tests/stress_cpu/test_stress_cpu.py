@@ -530,3 +530,29 @@ def test_mismatch_of_a_cudnn_model_is_triaged_without_cudnn(
     assert "with cuDNN disabled" in triage["verdict"]
     runs = sorted(p.name for p in (tmp_path / "runs" / "3").glob("*.json"))
     assert "triage-capped-no-cudnn.json" in runs and "triage-reference-no-cudnn.json" in runs
+
+
+def test_parallel_jobs_run_every_case_once_and_write_each_as_it_finishes(tmp_path: Path) -> None:
+    made: list[FakeLauncher] = []
+
+    def make() -> runner.Launcher:
+        made.append(FakeLauncher(delay=0.02))
+        return made[-1]
+
+    settings = runner.Settings(out=tmp_path, device="cpu")
+    messages: list[str] = []
+    records = runner.run_suite(
+        list(range(12)), settings, FakeLauncher(0.0), None, messages.append, 3, make
+    )
+    assert [r["seed"] for r in records] == list(range(12))
+    assert 1 < len(made) <= 3  # one launcher per job thread
+    assert sum(len(launcher.runs) for launcher in made) == 12 * 3
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert sorted(json.loads(line)["seed"] for line in lines) == list(range(12))
+    assert "12 cases; gate" in (tmp_path / "summary.md").read_text()
+    # A budget stops new cases; what ran is kept and the continuation point is printed.
+    more = runner.run_suite(
+        list(range(100, 200)), settings, FakeLauncher(0.0), 0.3, messages.append, 3, make
+    )
+    assert 0 < len(more) < 100
+    assert any("--start" in m for m in messages)

@@ -728,12 +728,21 @@ def run_suite(
     launcher: Launcher,
     time_budget_s: float | None = None,
     log: Callable[[str], None] = print,
+    jobs: int = 1,
+    make_job_launcher: Callable[[], Launcher] | None = None,
 ) -> list[dict[str, Any]]:
     """Runs ``seeds`` in order until done or the time budget would be passed.
+
+    With ``jobs`` > 1, that many cases run at once, each in threads of its own with a launcher
+    from ``make_job_launcher`` (each run is still a process of its own; the memory cap is per
+    process, so cases do not share it, but their times are not speed figures then).
 
     Returns the records of the cases run; ``out/results.jsonl`` gets one line per case as it
     finishes and ``out/summary.md`` is rewritten after each.
     """
+    if jobs > 1:
+        assert make_job_launcher is not None
+        return _run_suite_parallel(seeds, settings, make_job_launcher, jobs, time_budget_s, log)
     out = settings.out
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
@@ -787,6 +796,86 @@ def run_suite(
     return records
 
 
+def _run_suite_parallel(
+    seeds: list[int],
+    settings: Settings,
+    make_job_launcher: Callable[[], Launcher],
+    jobs: int,
+    time_budget_s: float | None,
+    log: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """``run_suite`` with ``jobs`` cases at once; records are written as cases finish."""
+    import concurrent.futures
+    import threading
+
+    out = settings.out
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    earlier = {r["seed"]: r for r in load_records([results])} if results.is_file() else {}
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "parallel_jobs": jobs,
+    }
+    local = threading.local()
+    launchers: list[Launcher] = []
+    lock = threading.Lock()
+
+    def run_one(seed: int) -> dict[str, Any]:
+        if not hasattr(local, "launcher"):
+            local.launcher = make_job_launcher()
+            with lock:
+                launchers.append(local.launcher)
+        return run_case(seed, local.launcher, settings)
+
+    records: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    pending = list(seeds)
+    running: dict[concurrent.futures.Future[dict[str, Any]], int] = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        try:
+            while pending or running:
+                elapsed = time.perf_counter() - start
+                per_case = elapsed * jobs / len(records) if records else 0.0
+                while pending and len(running) < jobs:
+                    if time_budget_s is not None and elapsed + 1.2 * per_case > time_budget_s:
+                        log(f"time budget: no new case after {elapsed:.0f} s")
+                        log(f"continue with: --start {pending[0]}")
+                        pending.clear()
+                        break
+                    seed = pending.pop(0)
+                    running[pool.submit(run_one, seed)] = seed
+                if not running:
+                    break
+                done, _ = concurrent.futures.wait(
+                    running, return_when=concurrent.futures.FIRST_COMPLETED
+                )
+                for future in done:
+                    seed = running.pop(future)
+                    record = future.result()
+                    records.append(record)
+                    with results.open("a") as f:
+                        f.write(json.dumps(record, default=str) + "\n")
+                    if "device" not in env:
+                        env.update(
+                            {k: v for k, v in environment_of([record]).items() if k not in env}
+                        )
+                    earlier[seed] = record
+                    (out / "summary.md").write_text(
+                        summarize([earlier[s] for s in sorted(earlier)], env)
+                    )
+                    log(
+                        f"[{len(records)}] seed {seed}: {record['class']}: {record['reason']}"
+                        f" | {record['label']} | {record['case_wall_s']:.1f} s"
+                    )
+                    if record["class"] != "identical":
+                        log(f"    replay: {replay_command(seed)}")
+        finally:
+            for launcher in launchers:
+                launcher.close()
+    records.sort(key=lambda r: r["seed"])
+    return records
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=f"python -m {RUNNER_MODULE}",
@@ -822,6 +911,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--run-timeout-s", type=float, default=120.0, help="kill a run after this (default 120)"
     )
     parser.add_argument("--no-triage", action="store_true", help="do not re-run mismatches")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="cases run at once, each run in a new interpreter (default 1); results are the "
+        "same, times are not speed figures then",
+    )
     parser.add_argument(
         "--device", default="cuda", help=argparse.SUPPRESS
     )  # cpu: the runner's tests only
@@ -863,9 +959,19 @@ def main(argv: list[str] | None = None) -> int:
             run_timeout_s=args.run_timeout_s,
             triage=not args.no_triage,
         )
+        if args.jobs < 1:
+            print(f"error: --jobs must be at least 1, got {args.jobs}", file=sys.stderr)
+            return 2
         launcher = make_launcher(args.launcher, args.python)
         try:
-            records = run_suite(seeds, settings, launcher, args.time_budget_s)
+            records = run_suite(
+                seeds,
+                settings,
+                launcher,
+                args.time_budget_s,
+                jobs=args.jobs,
+                make_job_launcher=lambda: make_launcher("spawn", args.python),
+            )
         finally:
             launcher.close()
         if records:

@@ -384,7 +384,8 @@ def run(request: dict[str, Any]) -> int:
                 if not cap_bytes:
                     raise ValueError(f"mode {mode} needs --cap-bytes")
                 total = torch.cuda.get_device_properties(device).total_memory
-                torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), index)
                 result["cap_fraction_of_device"] = cap_bytes / total
         elif uses_lms(mode) or is_capped(mode):
             result["note"] = "no memory cap and no LMS on the CPU: a test-only run"
