@@ -378,8 +378,14 @@ def sync_series(generated: Sequence[Path], dest: Path) -> ExportResult:
     return ExportResult(written, unchanged, removed)
 
 
-def export_series(tree: Path, tag: str, dest: Path) -> ExportResult:
-    """Write the commits above ``tag`` in ``tree`` as the numbered series in ``dest``."""
+def export_series(
+    tree: Path, tag: str, dest: Path, names: Sequence[str] | None = None
+) -> ExportResult:
+    """Write the commits above ``tag`` in ``tree`` as the numbered series in ``dest``.
+
+    ``names``, when given, are the file names of the patches in order (the entries of
+    ``integration/<tag>/series``); otherwise ``git format-patch`` names them by subject.
+    """
     repo = open_repo(tree)
     with repo:
         if resolve_commit(repo, tag) is None:
@@ -395,6 +401,19 @@ def export_series(tree: Path, tag: str, dest: Path) -> ExportResult:
             raise LmsToolError(
                 f"no commits above {tag} in {tree}; apply the series or commit changes first"
             )
+        if names is not None and len(names) != count:
+            raise LmsToolError(
+                f"{tree} has {count} commits above {tag} but the series lists {len(names)} "
+                f"entries; export to another folder (--to DIR) and add or remove the entry in "
+                f"integration/{tag}/series first (CONTRIBUTING.md, 'Changing a patch')"
+            )
         with tempfile.TemporaryDirectory(prefix="lms-export-") as tmp:
             generated = format_patches(repo, tag, Path(tmp))
+            if names is not None:
+                renamed = []
+                for path, name in zip(generated, names):
+                    target = path.with_name(name)
+                    os.replace(path, target)
+                    renamed.append(target)
+                generated = renamed
             return sync_series(generated, dest)

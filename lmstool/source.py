@@ -35,9 +35,9 @@ from pathlib import Path
 
 import git
 
-from lmstool.config import Matrix, TagConfig, Tarball
 from lmstool.errors import LmsToolError
 from lmstool.gitutil import pinned_env, resolve_commit, tracked_changes
+from lmstool.matrix import Matrix, TagConfig, Tarball
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from toolfakes import REPO_ROOT, run_cli
 
-from lmstool.config import load_matrix
 from lmstool.errors import LmsToolError
+from lmstool.matrix import load_matrix
 
 
 def test_real_matrix_loads() -> None:

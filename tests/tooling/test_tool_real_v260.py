@@ -14,8 +14,8 @@ import pytest
 from test_tool_generate import ENGINE_HEADER
 from toolfakes import REPO_ROOT, commit_edit, run_cli, sources_dir, tree_state
 
-from lmstool.config import load_matrix
 from lmstool.generate import Sources, generate, verify_tag
+from lmstool.matrix import load_matrix
 from lmstool.series import SeriesApplyError, apply_series, export_series, series_files
 from lmstool.source import Pristine, SourceSpec, clone_tree, pristine_repo
 

@@ -11,8 +11,8 @@ import git
 import pytest
 from toolfakes import FAKE_TAG, FAKE_TARBALL, MTIME, Fake, make_tarball, run_cli, write_matrix
 
-from lmstool.config import load_matrix
 from lmstool.errors import LmsToolError
+from lmstool.matrix import load_matrix
 from lmstool.source import SourceSpec, SourceUnavailable, checkout, pristine_repo
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import git
 
-from lmstool.config import Matrix, TagConfig
+from lmstool.matrix import Matrix, TagConfig
 from lmstool.source import SourceSpec, checkout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
