@@ -37,6 +37,7 @@ import git
 
 from lmstool.errors import LmsToolError
 from lmstool.gitutil import pinned_env, resolve_commit, tracked_changes
+from lmstool.hints import option
 from lmstool.matrix import Matrix, TagConfig, Tarball
 
 log = logging.getLogger(__name__)
@@ -104,8 +105,9 @@ def sha256_file(path: Path) -> str:
 def find_tarball(tag: TagConfig, sources: Path) -> tuple[Path, Tarball]:
     if not sources.is_dir():
         raise SourceUnavailable(
-            f"sources folder {sources} does not exist; pass the folder holding the release "
-            f"tarballs (--sources DIR / SOURCES=DIR) or leave it out to clone from GitHub"
+            f"sources folder {sources} does not exist; pass {option('sources', 'DIR')} with the "
+            f"folder holding the release tarballs, or run without "
+            f"{option('sources', str(sources))} to clone from GitHub"
         )
     for tb in tag.source.tarballs:
         candidate = sources / tb.name
@@ -114,7 +116,8 @@ def find_tarball(tag: TagConfig, sources: Path) -> tuple[Path, Tarball]:
     wanted = ", ".join(tb.name for tb in tag.source.tarballs) or "(none listed in the matrix)"
     raise SourceUnavailable(
         f"no source tarball for {tag.name} in {sources}: expected {wanted}; put the tarball "
-        f"there, or leave out --sources to clone {tag.source.git_ref} from GitHub"
+        f"there, or run without {option('sources', str(sources))} to clone "
+        f"{tag.source.git_ref} from GitHub"
     )
 
 
@@ -303,7 +306,7 @@ def pristine_repo(matrix: Matrix, tag: TagConfig, spec: SourceSpec, repo_root: P
             if resolve_commit(mrepo, tag.source.git_ref) is None:
                 raise SourceUnavailable(
                     f"mirror {mirror} has no {tag.source.git_ref}; run `git fetch --tags` in "
-                    f"it, or use --sources/--remote"
+                    f"it, or pass {option('sources', 'DIR')} or {option('remote', 'URL')}"
                 )
         return Pristine(mirror, tag.name, tag.source.git_ref, f"mirror {mirror}", submodules=False)
     if spec.sources is not None and spec.remote is None:
@@ -343,7 +346,8 @@ def _clone_remote_bare(url: str, tag: TagConfig, dest: Path, source: str) -> Non
         except git.GitCommandError as exc:
             raise SourceUnavailable(
                 f"cannot clone {tag.source.git_ref} from {url}: {exc.stderr.strip()}; check the "
-                f"network, or pass --sources DIR (release tarballs) or --mirror PATH"
+                f"network, or pass {option('sources', 'DIR')} (a folder with the release "
+                f"tarball) or {option('mirror', 'PATH')} (a local clone)"
             ) from None
         with repo:
             _ensure_tag(repo, tag)
@@ -423,14 +427,16 @@ def checkout(matrix: Matrix, tag: TagConfig, dest: Path, spec: SourceSpec, repo_
     dest = dest.absolute()
     if dest.exists():
         if not dest.is_dir():
-            raise LmsToolError(f"{dest} exists and is not a directory; pass another --dest")
+            raise LmsToolError(
+                f"{dest} exists and is not a directory; pass another {option('dest', 'DIR')}"
+            )
         if any(dest.iterdir()):
             if _reusable(dest, tag):
                 log.info("%s is already a clean checkout of %s; reusing it", dest, tag.name)
                 return dest
             raise LmsToolError(
                 f"{dest} exists and is not a clean checkout of {tag.name}; it was left "
-                f"untouched: move it away or pass another --dest"
+                f"untouched: move it away or pass another {option('dest', 'DIR')}"
             )
     start = time.monotonic()
     if spec.remote is not None or (spec.sources is None and spec.mirror is None):
@@ -443,7 +449,8 @@ def checkout(matrix: Matrix, tag: TagConfig, dest: Path, spec: SourceSpec, repo_
         if not pristine.submodules:
             log.info(
                 "note: this source has no git submodules (third_party/); a full PyTorch build "
-                "needs them (clone from GitHub for that)"
+                "needs them (clone from GitHub for that: leave out %s)",
+                option("sources", "DIR"),
             )
     log.info("%s ready at %s (%.1f s)", tag.name, dest, time.monotonic() - start)
     return dest
@@ -463,7 +470,8 @@ def _checkout_remote(matrix: Matrix, tag: TagConfig, dest: Path, url: str) -> No
         except git.GitCommandError as exc:
             raise SourceUnavailable(
                 f"cannot clone {tag.source.git_ref} from {url}: {str(exc.stderr).strip()}; check "
-                f"the network, or pass --sources DIR (release tarballs) or --mirror PATH"
+                f"the network, or pass {option('sources', 'DIR')} (a folder with the release "
+                f"tarball) or {option('mirror', 'PATH')} (a local clone)"
             ) from None
         with repo:
             _ensure_tag(repo, tag)

@@ -223,3 +223,33 @@ def test_engine_files_belong_to_exactly_one_entry(
     (integ / "series").write_text(series)
     with pytest.raises(LmsToolError, match=expected):
         check_engine_coverage(read_series(integ, tmp_path), engine)
+
+
+def test_engine_manifest_is_one_glob(tmp_path: Path) -> None:
+    """A file added under engine/ joins the manifest every build reads, with no list to edit."""
+    from lmstool import manifest
+
+    engine = tmp_path / "engine"
+    (engine / "c10" / "cuda").mkdir(parents=True)
+    (engine / "c10" / "cuda" / "A.h").write_text("//\n")
+    (engine / "c10" / "cuda" / "A.cpp").write_text("//\n")
+    (engine / "test").mkdir()
+    (engine / "test" / "test_x.py").write_text("#\n")
+    (engine / "c10" / "cuda" / "A.cpp.orig").write_text("//\n")
+    assert [p.as_posix() for p in manifest.cxx_sources(engine)] == ["c10/cuda/A.cpp"]
+    (engine / "c10" / "cuda" / "B.cpp").write_text("//\n")
+    assert [p.as_posix() for p in manifest.cxx_sources(engine, "c10/cuda")] == [
+        "c10/cuda/A.cpp",
+        "c10/cuda/B.cpp",
+    ]
+    assert [p.as_posix() for p in manifest.cxx_files(engine)] == [
+        "c10/cuda/A.cpp",
+        "c10/cuda/A.h",
+        "c10/cuda/B.cpp",
+    ]
+    assert "test/test_x.py" in [p.as_posix() for p in manifest.engine_files(engine)]
+    proc = run_cli("engine-files", "c10/cuda", "--sources", "--engine", str(engine))
+    assert proc.returncode == 0 and proc.stdout.split() == ["c10/cuda/A.cpp", "c10/cuda/B.cpp"]
+    # The extension's build reads the same manifest.
+    setup_py = (Path(__file__).resolve().parents[2] / "extension" / "setup.py").read_text()
+    assert "manifest.py" in setup_py and "LargeModelSupport.cpp" not in setup_py
