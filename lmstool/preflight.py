@@ -227,8 +227,12 @@ def _host_findings(cfg: BuildConfig, matrix: Matrix, env: Mapping[str, str]) -> 
                 "cuda",
                 f"{nvcc} is CUDA {found}, but the build asked for CUDA {cfg.cuda} "
                 f"({cfg.tag} on {cfg.arch} supports {listed})",
-                f"set CUDA_HOME to a CUDA {cfg.cuda} toolkit, or pass "
-                f"{option('cuda', found)} if {cfg.tag} supports the installed one ({listed})",
+                f"set CUDA_HOME to a CUDA {cfg.cuda} toolkit"
+                + (
+                    f", or pass {option('cuda', found)} to build for the installed one"
+                    if found in matrix.get_tag(cfg.tag).cudas(cfg.arch)
+                    else f" ({cfg.tag} does not support the installed CUDA {found})"
+                ),
             )
         )
     else:

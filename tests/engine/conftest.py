@@ -19,9 +19,9 @@ WORK = REPO / "work" / "ci"
 
 
 def sources_dir() -> Path | None:
+    """The folder of release tarballs: $LMS_SOURCES (`make test SOURCES=DIR` sets it)."""
     env = os.environ.get("LMS_SOURCES", "").strip()
-    path = Path(env) if env else REPO.parent / "shared" / "sources"
-    return path if (path / TARBALL).is_file() else None
+    return Path(env) if env and (Path(env) / TARBALL).is_file() else None
 
 
 def missing_build_tools() -> list[str]:
@@ -56,7 +56,7 @@ def patched_tree() -> Path:
     """A checkout of v2.6.0 with the committed series applied."""
     sources = sources_dir()
     if sources is None:
-        pytest.skip(f"needs {TARBALL} in ../shared/sources or $LMS_SOURCES")
+        pytest.skip(f"needs {TARBALL}: `make test SOURCES=DIR` (or $LMS_SOURCES) with its folder")
     tree = WORK / f"pytorch-{TAG}-engine"
     if tree.exists():
         shutil.rmtree(tree)

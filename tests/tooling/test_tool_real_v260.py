@@ -24,7 +24,7 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
         SOURCES is None or not (SOURCES / "pytorch_2.6.0+dfsg.orig.tar.xz").is_file(),
-        reason="needs the v2.6.0 tarball in ../shared/sources or $LMS_SOURCES",
+        reason="needs the v2.6.0 tarball: `make test SOURCES=DIR` (or $LMS_SOURCES)",
     ),
 ]
 TAG = "v2.6.0"

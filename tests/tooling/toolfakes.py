@@ -144,10 +144,9 @@ def tree_state(path: Path) -> tuple[str, str]:
 
 
 def sources_dir() -> Path | None:
-    """The folder of upstream release tarballs: $LMS_SOURCES, else ../shared/sources."""
+    """The folder of upstream release tarballs: $LMS_SOURCES (`make test SOURCES=DIR`)."""
     env = os.environ.get("LMS_SOURCES", "").strip()
-    path = Path(env) if env else REPO_ROOT.parent / "shared" / "sources"
-    return path if path.is_dir() else None
+    return Path(env) if env and Path(env).is_dir() else None
 
 
 @dataclass
