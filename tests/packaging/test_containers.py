@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -60,9 +61,16 @@ def test_every_supported_cuda_has_toolchain_facts(matrix: Matrix) -> None:
 def _make_lines(repo: Path, *args: str) -> list[list[str]]:
     """The words of each lmstool command line `make -n ARGS` prints (recipe lines of the
     prerequisites, such as creating the virtual environment, are left out)."""
+    # A clean environment: under `make test SOURCES=...` the outer make passes its command-line
+    # variables down through MAKEFLAGS, and the Makefile reads its variables from the
+    # environment too.
+    skip = {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "SOURCES", "REMOTE", "MIRROR"}
+    skip |= {"TAG", "WORK", "ARCH", "CUDA", "PYTHON", "PYTHON_EXE", "MAX_JOBS", "DRY_RUN"}
+    env = {k: v for k, v in os.environ.items() if k not in skip}
     done = subprocess.run(
         ["make", "-n", "--no-print-directory", *args],
         cwd=repo,
+        env=env,
         capture_output=True,
         text=True,
         check=True,

@@ -117,7 +117,7 @@ def commit_edit(
         "GIT_COMMITTER_EMAIL": "dev@example.org",
         "GIT_COMMITTER_DATE": date,
     }
-    message = subject + (f"\n\n{body}" if body else "\n\nUpstream-Status: Inappropriate [LMS]")
+    message = subject + (f"\n\n{body}" if body else "\n\nForwarded: not-needed")
     repo.git.commit("-q", "-m", message, env=env)
 
 
