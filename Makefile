@@ -66,7 +66,7 @@ test: venv ## run the test suite (the tests of real PyTorch sources use the tarb
 	LMS_SOURCES='$(if $(strip $(SOURCES)),$(abspath $(SOURCES)))' $(PY) -m pytest tests -ra
 
 # C++ checked by clang-format with PyTorch's style (.clang-format at the root).
-CXX_LINT_DIRS := engine extension simgpu tests benchmarks/engine standalone
+CXX_LINT_DIRS := engine extension simgpu tests standalone
 lint: venv ## ruff lint and format check; clang-format check of the C++ (names each file off style)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check lmstool tests/tooling tests/packaging
