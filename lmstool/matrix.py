@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -301,9 +301,7 @@ def _parse_toolchain(
             raise r.fail(f"{where}.gcc", f"min {gcc.min} is above max {gcc.max}")
         subs_node = r.mapping(node.get("required_submodules") or {}, f"{where}.required_submodules")
         subs = {str(k): r.strings(subs_node, k, f"{where}.required_submodules") for k in subs_node}
-        merged[name] = TagConfig(
-            **{**tag.__dict__, "gcc": gcc, "required_submodules": subs}  # type: ignore[arg-type]
-        )
+        merged[name] = replace(tag, gcc=gcc, required_submodules=subs)
     extra = sorted(set(per_tag) - set(tags))
     if extra:
         raise r.fail("tags", f"{', '.join(extra)} not listed in {TAGS_PATH}; remove or add it")

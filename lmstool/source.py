@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import git
 
@@ -156,7 +157,7 @@ def _member_path(name: str, top: str, tarball: Path) -> str | None:
     return rel
 
 
-def _stream_import(tarball: Path, tb: Tarball, tag: TagConfig, stdin: subprocess.IO[bytes]) -> int:
+def _stream_import(tarball: Path, tb: Tarball, tag: TagConfig, stdin: IO[bytes]) -> int:
     """Write the fast-import stream for ``tarball`` to ``stdin``; returns the member count."""
     files: dict[str, tuple[str, int]] = {}  # path -> (mode, blob mark)
     mark = 0
