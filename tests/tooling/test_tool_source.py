@@ -12,6 +12,7 @@ import pytest
 from toolfakes import FAKE_TAG, FAKE_TARBALL, MTIME, Fake, make_tarball, run_cli, write_matrix
 
 from lmstool.errors import LmsToolError
+from lmstool.gitutil import pinned_env
 from lmstool.matrix import load_matrix
 from lmstool.source import SourceSpec, SourceUnavailable, checkout, pristine_repo
 
@@ -181,3 +182,38 @@ def test_checkout_from_remote_url(fake: Fake, fake_tree: Path, tmp_path: Path) -
         checkout(fake.matrix, fake.tag, tmp_path / "y", bad, fake.project)
     assert not (tmp_path / "y").exists()
     shutil.rmtree(dest)
+
+
+def test_default_source_is_the_remote_with_submodules(
+    fake: Fake, fake_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No SOURCES/REMOTE/MIRROR: the matrix's GitHub remote, cloned with its submodules."""
+    sub = tmp_path / "third_party_lib"
+    sub_repo = git.Repo.init(sub)
+    (sub / "lib.h").write_text("// a third_party submodule\n")
+    sub_repo.git.add("lib.h")
+    sub_repo.git.commit("-q", "-m", "lib", env={**pinned_env(), "GIT_AUTHOR_NAME": "a",
+                                              "GIT_AUTHOR_EMAIL": "a@b"})  # fmt: skip
+    # git refuses file:// submodules unless told (real ones come over https).
+    monkeypatch.setenv("GIT_CONFIG_COUNT", "1")
+    monkeypatch.setenv("GIT_CONFIG_KEY_0", "protocol.file.allow")
+    monkeypatch.setenv("GIT_CONFIG_VALUE_0", "always")
+    upstream = git.Repo(fake_tree)
+    upstream.git.switch("-q", "-c", "with-sub")
+    upstream.git.submodule("add", "-q", f"file://{sub}", "third_party/lib")
+    upstream.git.commit("-q", "-m", "add submodule", env={**pinned_env(), "GIT_AUTHOR_NAME": "a",
+                                                        "GIT_AUTHOR_EMAIL": "a@b"})  # fmt: skip
+    upstream.git.tag("-f", FAKE_TAG)
+    remote = tmp_path / "github.git"
+    git.Repo.clone_from(str(fake_tree), remote, bare=True)
+    tags = fake.project / "config" / "tags.yaml"
+    tags.write_text(
+        tags.read_text().replace("https://invalid.example/fake.git", f"file://{remote}")
+    )
+    matrix = load_matrix(fake.project)
+    dest = tmp_path / "default"
+    checkout(matrix, matrix.get_tag(FAKE_TAG), dest, SourceSpec(cache=fake.cache), fake.project)
+    assert (dest / "third_party" / "lib" / "lib.h").read_text() == "// a third_party submodule\n"
+    reader = git.Repo(dest).config_reader("repository")
+    assert reader.get_value("lms", "submodules") is True
+    assert reader.get_value("lms", "source") == f"git file://{remote} {FAKE_TAG}"
