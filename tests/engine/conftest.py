@@ -29,8 +29,11 @@ def missing_build_tools() -> list[str]:
     cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
     if not (cuda_home / "include" / "cuda_runtime_api.h").is_file():
         missing.append(f"CUDA toolkit headers in {cuda_home}/include")
-    if not Path("/usr/include/fmt/format.h").is_file() and not (REPO / ".carry").is_dir():
+    carry = (REPO / ".carry").is_dir()
+    if not Path("/usr/include/fmt/format.h").is_file() and not carry:
         missing.append("libfmt-dev (or a .carry folder from scripts/prepare-carry.sh)")
+    if not Path("/usr/include/cpuinfo.h").is_file() and not carry:
+        missing.append("libcpuinfo-dev (or a .carry folder from scripts/prepare-carry.sh)")
     nvml = (cuda_home / "include" / "nvml.h").is_file() or any(
         next((Path(base) / "nvidia").glob("*/include/nvml.h"), None) is not None
         for base in sys.path
