@@ -41,9 +41,10 @@ VENDOR = HERE / "_engine"  # git-ignored copy of the shared sources
 
 def _engine_manifest():
     """lmstool/manifest.py (standard library only): the one list of engine files."""
-    spec = importlib.util.spec_from_file_location("lms_manifest", REPO / "lmstool" / "manifest.py")
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"torch_lms: {REPO / 'lmstool' / 'manifest.py'} is missing")
+    path = REPO / "lmstool" / "manifest.py"
+    spec = importlib.util.spec_from_file_location("lms_manifest", path)
+    if not path.is_file() or spec is None or spec.loader is None:
+        raise SystemExit(f"torch_lms: {path} is missing; build from a project checkout")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
