@@ -31,7 +31,7 @@ TREE := $(WORK)/pytorch-$(TAG)
 TAGS_GIVEN := $(if $(filter command line environment,$(origin TAG)),$(TAG))
 
 .DEFAULT_GOAL := help
-.PHONY: help deps venv patch verify patches test lint recipe-sync
+.PHONY: help deps venv sources patch verify patches test lint recipe-sync
 
 help: ## list the targets
 	@echo "PyTorch Large Model Support (TAG=$(TAG), source: $(or $(MIRROR),$(REMOTE),$(SOURCES),GitHub), WORK=$(WORK))"
@@ -50,6 +50,9 @@ $(VENV)/.installed: pyproject.toml | deps
 	@touch $@
 
 venv: $(VENV)/.installed ## create .venv with the tooling and test dependencies
+
+sources: venv ## download TAG's source tarballs (config/tags.yaml urls) into SOURCES (default WORK/sources)
+	$(LMSTOOL) fetch $(TAG) --to $(or $(strip $(SOURCES)),$(WORK)/sources)
 
 patch: venv ## check out TAG into WORK/pytorch-TAG and apply its series
 	$(LMSTOOL) checkout $(TAG) --require-series --dest $(TREE) $(SOURCE_ARGS)

@@ -21,6 +21,7 @@ from lmstool.errors import LmsToolError
 # Modules that contribute sub-commands, in the order `--help` lists them; each is named after
 # its command.
 COMMAND_MODULES = (
+    "lmstool.commands.fetch",
     "lmstool.commands.checkout",
     "lmstool.commands.apply",
     "lmstool.commands.export",

@@ -40,6 +40,8 @@ class Tarball:
     # Whether the tarball carries the git submodules (third_party/). Distribution tarballs
     # (Debian's orig) do not; GitHub's pytorch-vX.Y.Z.tar.gz release assets do.
     submodules: bool
+    # Where `lmstool fetch` downloads it from (checked against sha256 before it is kept).
+    url: str | None = None
 
 
 @dataclass(frozen=True)
@@ -264,7 +266,13 @@ def _parse_tag(r: _Reader, name: str, node: Any) -> TagConfig:
         submodules = r.get(tb, "submodules", tw)
         if not isinstance(submodules, bool):
             raise r.fail(f"{tw}.submodules", "expected true or false")
-        tarballs.append(Tarball(tb_name, sha, r.string(tb, "top", tw).strip("/"), submodules))
+        url = r.string(tb, "url", tw) if "url" in tb else None
+        if url is not None and not url.startswith(("https://", "http://", "file://")):
+            raise r.fail(f"{tw}.url", f"'{url}' is not an https://, http:// or file:// URL")
+        if url is not None and url.rsplit("/", 1)[-1] != tb_name:
+            raise r.fail(f"{tw}.url", f"'{url}' does not end in the file name '{tb_name}'")
+        top = r.string(tb, "top", tw).strip("/")
+        tarballs.append(Tarball(tb_name, sha, top, submodules, url))
     git_ref = r.string(src, "git_ref", f"{where}.source")
     cuda_node = r.mapping(node.get("cuda", {}) or {}, f"{where}.cuda")
     cuda = {

@@ -27,6 +27,8 @@ import subprocess
 import tarfile
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -130,6 +132,56 @@ def verify_tarball(path: Path, tb: Tarball) -> None:
             f"{actual}; the file is damaged or not the release tarball: download it again "
             f"(nothing was extracted)"
         )
+
+
+def fetch_tarballs(tag: TagConfig, dest: Path) -> list[Path]:
+    """Download the tag's tarballs that have a ``url`` into ``dest`` (sha256 checked).
+
+    A file already there with the right checksum is kept; a download is written next to its
+    destination and renamed into place only once its checksum matches, so ``dest`` never
+    holds a partial or wrong tarball.
+    """
+    wanted = [tb for tb in tag.source.tarballs if tb.url]
+    if not wanted:
+        raise LmsToolError(
+            f"{tag.name} lists no tarball with a url in config/tags.yaml; add one (name, url, "
+            f"sha256, top, submodules) or use a git checkout"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    fetched: list[Path] = []
+    for tb in wanted:
+        assert tb.url is not None
+        target = dest / tb.name
+        if target.is_file() and sha256_file(target) == tb.sha256:
+            log.info("%s: already there, sha256 ok", target)
+            fetched.append(target)
+            continue
+        tmp = dest / f".{tb.name}.part"
+        log.info("downloading %s ...", tb.url)
+        start = time.monotonic()
+        try:
+            with urllib.request.urlopen(tb.url, timeout=60) as response, tmp.open("wb") as out:
+                shutil.copyfileobj(response, out, 1 << 20)
+        except (OSError, urllib.error.URLError) as exc:
+            tmp.unlink(missing_ok=True)
+            raise SourceUnavailable(
+                f"cannot download {tb.url} ({exc}); check the network, or put {tb.name} in "
+                f"{dest} yourself"
+            ) from None
+        actual = sha256_file(tmp)
+        if actual != tb.sha256:
+            tmp.unlink()
+            raise LmsToolError(
+                f"sha256 mismatch for {tb.url}: expected {tb.sha256} (config/tags.yaml), got "
+                f"{actual}; nothing was kept in {dest}. The file on the server changed or the "
+                f"download was damaged: try again, or fix the checksum in config/tags.yaml if "
+                f"the upstream file really changed"
+            )
+        os.replace(tmp, target)
+        log.info("%s: %.1f MB in %.1f s, sha256 ok", target, target.stat().st_size / 1e6,
+                 time.monotonic() - start)  # fmt: skip
+        fetched.append(target)
+    return fetched
 
 
 def _fi_path(path: str) -> bytes:

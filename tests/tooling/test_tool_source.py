@@ -217,3 +217,42 @@ def test_default_source_is_the_remote_with_submodules(
     reader = git.Repo(dest).config_reader("repository")
     assert reader.get_value("lms", "submodules") is True
     assert reader.get_value("lms", "source") == f"git file://{remote} {FAKE_TAG}"
+
+
+def test_fetch_downloads_checks_and_keeps(fake: Fake, tmp_path: Path) -> None:
+    """`lmstool fetch` (make sources): download by url, keep only a matching checksum."""
+    served = fake.sources / FAKE_TARBALL
+    tags = fake.project / "config" / "tags.yaml"
+    text = tags.read_text()
+    tags.write_text(
+        text.replace(f"        - name: {FAKE_TARBALL}\n",
+                     f"        - name: {FAKE_TARBALL}\n          url: file://{served}\n")
+    )  # fmt: skip
+    dest = tmp_path / "downloads"
+    args = ("--repo", str(fake.project), "fetch", FAKE_TAG, "--to", str(dest))
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert (dest / FAKE_TARBALL).read_bytes() == served.read_bytes()
+    assert f"use them with --sources {dest}" in proc.stdout
+    # A second run keeps the file that is there.
+    proc = run_cli(*args)
+    assert proc.returncode == 0 and "already there, sha256 ok" in proc.stderr
+    # The served file changed: nothing is kept, and the message says why.
+    (dest / FAKE_TARBALL).unlink()
+    served.write_bytes(served.read_bytes() + b"tampered")
+    proc = run_cli(*args)
+    assert proc.returncode == 2 and "sha256 mismatch for file://" in proc.stderr
+    assert sorted(p.name for p in dest.iterdir()) == []
+    # A tag with no url says what to add.
+    proc = run_cli("--repo", str(fake.project), "fetch", "v0.0.9", "--to", str(dest))
+    assert proc.returncode == 2 and "lists no tarball with a url" in proc.stderr
+
+
+def test_tarball_url_is_checked(fake: Fake) -> None:
+    tags = fake.project / "config" / "tags.yaml"
+    tags.write_text(
+        tags.read_text().replace(f"        - name: {FAKE_TARBALL}\n",
+                                 f"        - name: {FAKE_TARBALL}\n          url: https://x/y.tar\n")
+    )  # fmt: skip
+    with pytest.raises(LmsToolError, match="does not end in the file name"):
+        load_matrix(fake.project)
