@@ -4,33 +4,45 @@
 #   make test                  run the test suite
 #   make help                  list every target
 #
-# Variables (set on the command line, e.g. `make patch TAG=v1.13.1 SOURCES=`):
+# Every target first installs the missing Debian/Ubuntu packages of scripts/apt-packages.txt
+# (as root, or through sudo) and the virtual environment .venv.
+#
+# Variables (set on the command line, e.g. `make patch TAG=v2.6.0 SOURCES=../tarballs`):
 #   TAG      release tag from config/tags.yaml (default v2.6.0)
-#   SOURCES  folder of release tarballs checked by sha256; blank: clone from GitHub
+#   SOURCES  folder holding the tag's release tarball (checked by sha256) instead of GitHub
+#   REMOTE   git remote to clone the tag from instead of GitHub (e.g. file:///srv/pytorch.git)
+#   MIRROR   local clone holding the tag, instead of GitHub
+#            (default, none of the three: clone the tag from GitHub with its submodules)
 #   WORK     scratch area for checkouts and builds (git-ignored)
 #   VENV     virtual environment with the tooling and test dependencies
 
 TAG ?= v2.6.0
-SOURCES ?= ../shared/sources
+SOURCES ?=
+REMOTE ?=
+MIRROR ?=
 WORK ?= work
 VENV ?= .venv
 PY := $(VENV)/bin/python
-LMSTOOL := $(PY) -m lmstool
-SOURCE_ARGS := $(if $(strip $(SOURCES)),--sources $(SOURCES))
+# LMSTOOL_FRONTEND=make: lmstool's messages name make variables (SOURCES=DIR, not --sources DIR).
+LMSTOOL := LMSTOOL_FRONTEND=make $(PY) -m lmstool
+SOURCE_ARGS := $(if $(strip $(MIRROR)),--mirror $(MIRROR),$(if $(strip $(REMOTE)),--remote $(REMOTE),$(if $(strip $(SOURCES)),--sources $(SOURCES))))
 TREE := $(WORK)/pytorch-$(TAG)
 # `make patches` / `make verify`: only TAG when it was given, otherwise every tag.
 TAGS_GIVEN := $(if $(filter command line environment,$(origin TAG)),$(TAG))
 
 .DEFAULT_GOAL := help
-.PHONY: help venv patch verify patches test lint
+.PHONY: help deps venv sources patch verify patches test lint recipe-sync
 
 help: ## list the targets
-	@echo "PyTorch Large Model Support (TAG=$(TAG), SOURCES=$(or $(SOURCES),<GitHub>), WORK=$(WORK))"
+	@echo "PyTorch Large Model Support (TAG=$(TAG), source: $(or $(MIRROR),$(REMOTE),$(SOURCES),GitHub), WORK=$(WORK))"
 	@echo
 	@grep -hE '^[a-zA-Z0-9_.-]+:.*## ' $(MAKEFILE_LIST) \
 		| awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
 
-$(VENV)/.installed: pyproject.toml
+deps: ## install the missing system packages of scripts/apt-packages.txt (root or sudo)
+	@scripts/install-deps.sh
+
+$(VENV)/.installed: pyproject.toml | deps
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
@@ -39,8 +51,11 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed ## create .venv with the tooling and test dependencies
 
+sources: venv ## download TAG's source tarballs (config/tags.yaml urls) into SOURCES (default WORK/sources)
+	$(LMSTOOL) fetch $(TAG) --to $(or $(strip $(SOURCES)),$(WORK)/sources)
+
 patch: venv ## check out TAG into WORK/pytorch-TAG and apply its series
-	$(LMSTOOL) checkout $(TAG) --dest $(TREE) $(SOURCE_ARGS)
+	$(LMSTOOL) checkout $(TAG) --require-series --dest $(TREE) $(SOURCE_ARGS)
 	$(LMSTOOL) apply $(TAG) --tree $(TREE)
 	@echo "patched tree ready to build: $(abspath $(TREE))"
 
@@ -50,12 +65,18 @@ verify: venv ## check every committed series applies and is up to date (or TAG=.
 patches: venv ## regenerate patches/TAG/ from engine/ + integration/TAG/ (all tags unless TAG=...)
 	$(LMSTOOL) patches $(TAGS_GIVEN) $(SOURCE_ARGS)
 
-test: venv ## run the test suite (slow tests use the tarballs in SOURCES)
+test: venv ## run the test suite (the tests of real PyTorch sources use the tarballs in SOURCES)
 	LMS_SOURCES='$(if $(strip $(SOURCES)),$(abspath $(SOURCES)))' $(PY) -m pytest tests -ra
 
-lint: venv ## ruff lint and format check
+# C++ checked by clang-format with PyTorch's style (.clang-format at the root).
+CXX_LINT_DIRS := engine extension simgpu tests standalone
+lint: venv ## ruff lint and format check; clang-format check of the C++ (names each file off style)
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check lmstool tests/tooling
+	$(PY) -m ruff format --check lmstool tests/tooling tests/packaging
+	scripts/clang-format-check.sh $(CXX_LINT_DIRS)
+
+recipe-sync: venv ## write the recipe's generated parts from config/ and patches/ (CI checks them)
+	$(LMSTOOL) recipe sync
 
 # Build, engine and packaging targets (make build, make engine, make ppc64le, ...) live in
 # mk/*.mk, one file per area; they see the variables above.

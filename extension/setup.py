@@ -17,6 +17,7 @@ into this folder at build time so the installed package is self-contained.
 from __future__ import annotations
 
 import filecmp
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -37,16 +38,21 @@ REPO = HERE.parent
 ENGINE = Path(os.environ.get("TORCH_LMS_ENGINE_DIR", REPO / "engine"))
 VENDOR = HERE / "_engine"  # git-ignored copy of the shared sources
 
-ENGINE_FILES = [
-    "c10/cuda/LargeModelSupport.h",
-    "c10/cuda/LargeModelSupport.cpp",
-    "c10/cuda/LargeModelSupportHostPool.h",
-    "c10/cuda/LargeModelSupportHostPool.cpp",
-    "aten/src/ATen/cuda/LmsPinning.h",
-    "aten/src/ATen/cuda/LmsPinning.cpp",
-    "torch/csrc/cuda/LmsBindings.h",
-    "torch/csrc/cuda/LmsBindings.cpp",
-]
+
+def _engine_manifest():
+    """lmstool/manifest.py (standard library only): the one list of engine files."""
+    path = REPO / "lmstool" / "manifest.py"
+    spec = importlib.util.spec_from_file_location("lms_manifest", path)
+    if not path.is_file() or spec is None or spec.loader is None:
+        raise SystemExit(f"torch_lms: {path} is missing; build from a project checkout")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MANIFEST = _engine_manifest()
+ENGINE_FILES = [p.as_posix() for p in MANIFEST.cxx_files(ENGINE)]
+ENGINE_SOURCES = [p.as_posix() for p in MANIFEST.cxx_sources(ENGINE)]
 API_MODULE = "torch/cuda/lms.py"
 
 
@@ -91,10 +97,7 @@ def main() -> None:
     cuda = cuda_home()
     lib_dirs = [str(d) for d in (cuda / "lib64", cuda / "lib") if d.is_dir()]
     sources = [
-        "_engine/c10/cuda/LargeModelSupport.cpp",
-        "_engine/c10/cuda/LargeModelSupportHostPool.cpp",
-        "_engine/aten/src/ATen/cuda/LmsPinning.cpp",
-        "_engine/torch/csrc/cuda/LmsBindings.cpp",
+        *(f"_engine/{rel}" for rel in ENGINE_SOURCES),
         "csrc/StockAllocatorBackend.cpp",
         "csrc/Module.cpp",
     ]

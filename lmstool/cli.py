@@ -18,14 +18,39 @@ from pathlib import Path
 from lmstool import __version__
 from lmstool.errors import LmsToolError
 
-# Modules that contribute sub-commands, in the order `--help` lists them.
+# Modules that contribute sub-commands, in the order `--help` lists them; each is named after
+# its command.
 COMMAND_MODULES = (
-    "lmstool.commands.series",
-    "lmstool.commands.generate",
+    "lmstool.commands.fetch",
+    "lmstool.commands.checkout",
+    "lmstool.commands.apply",
+    "lmstool.commands.export",
+    "lmstool.commands.patches",
+    "lmstool.commands.verify",
+    "lmstool.commands.tags",
+    "lmstool.commands.engine_files",
     "lmstool.commands.build",
-    "lmstool.commands.conda",
+    "lmstool.commands.conda_package",
+    "lmstool.commands.channel",
+    "lmstool.commands.recipe",
     "lmstool.commands.torchcheck",
 )
+# Packages the commands need (pyproject.toml's dependencies), by import name.
+REQUIRED_MODULES = {"git": "GitPython", "yaml": "PyYAML", "jinja2": "Jinja2"}
+
+
+def _missing_dependency(exc: ModuleNotFoundError) -> str | None:
+    """The message for a missing dependency (the wrong Python), or None for other errors."""
+    top = (exc.name or "").split(".")[0]
+    if top not in REQUIRED_MODULES:
+        return None
+    venv = default_repo_root() / ".venv" / "bin" / "python"
+    return (
+        f"lmstool: the Python at {sys.executable} lacks {REQUIRED_MODULES[top]} (module "
+        f"'{top}'). Run lmstool with the project's virtual environment: `make venv` creates "
+        f"it, then `{venv} -m lmstool ...` (or `. .venv/bin/activate`); the make targets use "
+        f"it already"
+    )
 
 
 def default_repo_root() -> Path:
@@ -49,18 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()
+    except ModuleNotFoundError as exc:
+        message = _missing_dependency(exc)
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmstool.build import CONDA_SUBDIRS, conda_build_string
 from lmstool.errors import LmsToolError
+from lmstool.naming import CONDA_SUBDIRS, conda_build_string
 
 # conda-build's placeholder for the install prefix, replaced by the client at link time.
 PREFIX_PLACEHOLDER = "/opt/anaconda1anaconda2anaconda3"

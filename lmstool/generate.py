@@ -1,24 +1,29 @@
 """Generating a tag's committed series from the engine sources and its integration hunks.
 
-``integration/<tag>/series`` lists the entries in order, one a line (``#`` starts a comment):
+``integration/<tag>/series`` lists the entries in order, one a line (``#`` starts a comment);
+entry ``NNNN`` is the NNNN-th line, because ``git am patches/<tag>/*.patch`` applies the series
+in file-name order:
 
-* ``NNNN-topic.patch``: an mbox patch in that folder (From:, Date:, Subject:, a body saying
-  what and why, ``Upstream-Status:``), against the tree after the previous entries;
-* ``NNNN-topic.engine PATH...``: the same header and body with no diff. Its diff is generated:
-  the files under ``engine/PATH`` (a file or a folder, relative to ``engine/``) are copied to
-  the same relative path in the tree (they must be new files there) and committed with that
-  header's author, date and message. Every engine file belongs to exactly one such entry, so
-  each topic (the c10 engine, operator pinning, the Python API) stays one patch.
+* ``NNNN-topic.patch``: an integration patch, kept once, as ``patches/<tag>/NNNN-topic.patch``
+  (the committed series): an mbox patch (From:, Date:, Subject:, a body saying what and why,
+  the ``Forwarded:`` field of CONTRIBUTING.md) against the tree after the previous entries;
+* ``NNNN-topic.engine PATH...``: in ``integration/<tag>/``, the same header and body with no
+  diff. Its diff is generated: the files under ``engine/PATH`` (a file or a folder, relative to
+  ``engine/``; lmstool.manifest lists them) are copied to the same relative path in the tree
+  (they must be new files there) and committed with that header's author, date and message.
+  Every engine file belongs to exactly one such entry, so each topic (the c10 engine, operator
+  pinning, the Python API, the tests) stays one patch.
 
 Generation clones the pristine tag, makes one commit per entry, and writes the commits with
-the same stable ``git format-patch`` options as ``lmstool export``. Two runs from the same
-inputs give byte-identical series.
+the same stable ``git format-patch`` options as ``lmstool export``, each under its entry's
+name (``NNNN-topic.patch``). Two runs from the same inputs give byte-identical series.
 """
 
 from __future__ import annotations
 
 import filecmp
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -28,9 +33,10 @@ from pathlib import Path
 
 import git
 
-from lmstool.config import Matrix, TagConfig
+from lmstool import manifest
 from lmstool.errors import LmsToolError
 from lmstool.gitutil import pinned_env, run_git
+from lmstool.matrix import SERIES_FILE, Matrix, TagConfig
 from lmstool.series import (
     ExportResult,
     apply_series,
@@ -49,11 +55,7 @@ from lmstool.source import (
 
 log = logging.getLogger(__name__)
 
-SERIES_FILE = "series"
-_ENTRY_RE = re.compile(r"^\d{4}-[A-Za-z0-9][A-Za-z0-9._+-]*\.(patch|engine)$")
-# Files under engine/ that are never part of the series (editor and build leftovers).
-_ENGINE_SKIP_DIRS = {"__pycache__", ".git", "build"}
-_ENGINE_SKIP_SUFFIXES = (".pyc", ".orig", ".rej", ".swp", "~")
+_ENTRY_RE = re.compile(r"^(\d{4})-[A-Za-z0-9][A-Za-z0-9._+-]*\.(patch|engine)$")
 
 
 @dataclass(frozen=True)
@@ -63,17 +65,14 @@ class Entry:
     line: int
     engine_paths: tuple[str, ...] = ()  # for "engine" entries: what they carry
 
-
-def series_path(repo: Path, tag: TagConfig) -> Path:
-    return tag.integration_dir(repo) / SERIES_FILE
-
-
-def has_integration(repo: Path, tag: TagConfig) -> bool:
-    return series_path(repo, tag).is_file()
+    @property
+    def patch_name(self) -> str:
+        """The name of the entry's patch in the committed series."""
+        return self.path.with_suffix(".patch").name
 
 
-def read_series(integration_dir: Path) -> list[Entry]:
-    """Parse and check ``integration_dir/series``."""
+def read_series(integration_dir: Path, series_dir: Path) -> list[Entry]:
+    """Parse and check ``integration_dir/series``; ``.patch`` entries live in ``series_dir``."""
     series = integration_dir / SERIES_FILE
     entries: list[Entry] = []
     seen: set[str] = set()
@@ -83,18 +82,26 @@ def read_series(integration_dir: Path) -> list[Entry]:
             continue
         name, paths = fields[0], tuple(p.strip("/") for p in fields[1:])
         where = f"{series}:{lineno}"
-        if not _ENTRY_RE.match(name):
+        match = _ENTRY_RE.match(name)
+        if not match:
             raise LmsToolError(
-                f"{where}: '{name}' is not an entry name; use NNNN-topic.patch or "
-                f"NNNN-topic.engine (a file in {integration_dir})"
+                f"{where}: '{name}' is not an entry name; use NNNN-topic.patch (a file in "
+                f"{series_dir}) or NNNN-topic.engine (a file in {integration_dir})"
             )
-        if name in seen:
-            raise LmsToolError(f"{where}: '{name}' is listed twice; list each entry once")
-        seen.add(name)
-        path = integration_dir / name
+        stem = name.rsplit(".", 1)[0]
+        if stem in seen:
+            raise LmsToolError(f"{where}: '{stem}' is listed twice; list each entry once")
+        seen.add(stem)
+        number = len(entries) + 1
+        if int(match.group(1)) != number:
+            raise LmsToolError(
+                f"{where}: entry {number} is named '{name}'; number it {number:04d} (`git am "
+                f"patches/<tag>/*.patch` applies the series in file-name order)"
+            )
+        kind = match.group(2)
+        path = (series_dir if kind == "patch" else integration_dir) / name
         if not path.is_file():
             raise LmsToolError(f"{where}: {path} does not exist; add it or remove the line")
-        kind = name.rsplit(".", 1)[1]
         if kind == "engine" and not paths:
             raise LmsToolError(
                 f"{where}: an .engine entry names the engine/ paths it carries, e.g. "
@@ -108,31 +115,30 @@ def read_series(integration_dir: Path) -> list[Entry]:
     if not entries:
         raise LmsToolError(f"{series} lists no entries; list the series' patches in order")
     unlisted = sorted(
-        p.name
-        for p in integration_dir.iterdir()
-        if p.suffix in (".patch", ".engine") and p.name not in seen
+        p.name for p in integration_dir.iterdir() if p.suffix == ".engine" and p.stem not in seen
     )
     if unlisted:
         raise LmsToolError(
             f"{integration_dir} has entries not listed in {series}: {', '.join(unlisted)}; "
             f"add them to the series file or delete them"
         )
+    strays = sorted(p.name for p in integration_dir.iterdir() if p.suffix == ".patch")
+    if strays:
+        raise LmsToolError(
+            f"{integration_dir} holds {', '.join(strays)}: integration patches are kept once, "
+            f"in {series_dir}; move them there"
+        )
     return entries
 
 
 def engine_files(engine_dir: Path) -> list[Path]:
-    """The engine's files (relative to ``engine_dir``) that go into the tree, sorted."""
-    if not engine_dir.is_dir():
-        raise LmsToolError(f"engine folder {engine_dir} does not exist; pass --engine DIR")
-    files: list[Path] = []
-    for path in sorted(engine_dir.rglob("*")):
-        rel = path.relative_to(engine_dir)
-        if any(part in _ENGINE_SKIP_DIRS or part.startswith(".") for part in rel.parts):
-            continue
-        if path.name.endswith(_ENGINE_SKIP_SUFFIXES) or not (path.is_file() or path.is_symlink()):
-            continue
-        files.append(rel)
-    return files
+    """The engine's files (relative to ``engine_dir``) that go into the tree (the manifest)."""
+    try:
+        return manifest.engine_files(engine_dir)
+    except FileNotFoundError:
+        raise LmsToolError(
+            f"engine folder {engine_dir} does not exist; pass --engine DIR"
+        ) from None
 
 
 def _mailinfo(work: Path, entry: Entry) -> tuple[dict[str, str], str, bytes]:
@@ -278,7 +284,7 @@ def generate(
             f"{tag.name} is source only: {integration_dir / SERIES_FILE} does not exist, so "
             f"there is no series to generate"
         )
-    entries = read_series(integration_dir)
+    entries = read_series(integration_dir, tag.series_dir(repo_root))
     log.info("generating %s series (%d entries)", tag.name, len(entries))
     with tempfile.TemporaryDirectory(prefix=f"lms-gen-{tag.name}-") as tmp:
         if tree is None:
@@ -292,8 +298,23 @@ def generate(
             build_series(repo, tag, entries, engine_dir)
             out = Path(tmp) / "out"
             out.mkdir()
-            generated = format_patches(repo, tag.name, out)
+            generated = name_patches(format_patches(repo, tag.name, out), entries)
             return sync_series(generated, out_dir)
+
+
+def name_patches(generated: Sequence[Path], entries: Sequence[Entry]) -> list[Path]:
+    """Rename format-patch's files (named after the subjects) to their entries' names."""
+    if len(generated) != len(entries):
+        raise LmsToolError(
+            f"format-patch wrote {len(generated)} patches for {len(entries)} entries; an entry "
+            f"made no commit (an empty .patch?)"
+        )
+    named: list[Path] = []
+    for path, entry in zip(generated, entries):
+        target = path.with_name(entry.patch_name)
+        os.replace(path, target)
+        named.append(target)
+    return named
 
 
 @dataclass
@@ -328,11 +349,11 @@ def verify_tag(sources: Sources, tag: TagConfig, *, engine_dir: Path | None = No
     committed_dir = tag.series_dir(repo_root)
     committed = series_files(committed_dir)
     report = VerifyReport(tag.name, [], [])
-    if not has_integration(repo_root, tag):
+    if not tag.has_series(repo_root):
         if committed:
             report.problems.append(
                 f"{committed_dir} has {len(committed)} patches but "
-                f"{series_path(repo_root, tag)} does not exist, so they cannot be regenerated; "
+                f"{tag.series_file(repo_root)} does not exist, so they cannot be regenerated; "
                 f"add the integration series or remove the patches"
             )
         else:

@@ -16,13 +16,14 @@ from typing import Any
 
 import yaml
 
-from lmstool.build import CONDA_SUBDIRS, BuildMatrix, check_arch, validate_versions
 from lmstool.errors import LmsToolError
+from lmstool.matrix import Matrix, TagConfig
+from lmstool.naming import ARCHES, CONDA_SUBDIRS, check_arch, version_tuple
+from lmstool.plan import ARCH_ENV, COMMON_ENV, validate_versions
 
 RECIPE_DIR = Path("recipes") / "pytorch-lms"
 SELECTOR = re.compile(r"^(?P<body>.*?)\s*#\s*\[(?P<expr>.+)\]\s*$")
-BEGIN = "  # BEGIN lms-series"
-END = "  # END lms-series"
+GENERATED = "written by `lmstool recipe sync` from config/ and patches/; do not edit"
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,11 @@ def apply_selectors(text: str, namespace: Mapping[str, Any]) -> str:
     return "\n".join(kept) + "\n"
 
 
+def cuda_compiler_name(cuda: str) -> str:
+    """conda-forge's CUDA compiler package: nvcc up to CUDA 11, cuda-nvcc from CUDA 12 on."""
+    return "nvcc" if version_tuple(cuda) < (12,) else "cuda-nvcc"
+
+
 def _compiler(variant: Variant) -> Any:
     def compiler(language: str) -> str:
         # conda-build renders compiler('c') as <compiler>_<subdir>, e.g. gcc_linux-64.
@@ -95,8 +101,8 @@ def _compiler(variant: Variant) -> Any:
         if language not in names:
             raise LmsToolError(f"compiler({language!r}) is not a language conda-build knows")
         name = names[language]
-        if language == "cuda" and variant.cuda.startswith("11."):
-            name = "nvcc"
+        if language == "cuda":
+            name = cuda_compiler_name(variant.cuda)
         return f"{name}_{variant.subdir}"
 
     return compiler
@@ -145,9 +151,9 @@ def render(recipe_dir: Path, variant: Variant) -> dict[str, Any]:
     return data
 
 
-def render_for(matrix: BuildMatrix, tag: str, arch: str, python: str, cuda: str) -> dict[str, Any]:
+def render_for(matrix: Matrix, tag: str, arch: str, python: str, cuda: str) -> dict[str, Any]:
     """Validate the variant against the tag's matrix and render the project's recipe."""
-    matrix.tag(tag)
+    matrix.get_tag(tag)
     check_arch(arch)
     validate_versions(matrix, tag, arch, cuda, python)
     return render(matrix.repo / RECIPE_DIR, Variant(tag, arch, python, cuda))
@@ -169,27 +175,111 @@ def render_variant_config(recipe_dir: Path, variant: Variant) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# The series block in meta.yaml
+# The generated parts: conda_build_config.yaml, blocks of meta.yaml and build.sh
 
 
-def series_patches(matrix: BuildMatrix, tag: str) -> list[Path]:
-    series = matrix.repo / str(matrix.tag(tag).get("series", f"patches/{tag}"))
+def _ordered(versions: set[str]) -> list[str]:
+    return sorted(versions, key=version_tuple)
+
+
+def recipe_tags(matrix: Matrix) -> list[TagConfig]:
+    """The tags the recipe builds: those with a committed series."""
+    return [t for t in matrix.tags.values() if series_patches(matrix, t.name)]
+
+
+def series_patches(matrix: Matrix, tag: str) -> list[Path]:
+    series = matrix.get_tag(tag).series_dir(matrix.repo)
     return sorted(series.glob("*.patch")) if series.is_dir() else []
 
 
-def series_block(matrix: BuildMatrix, recipe_dir: Path) -> list[str]:
-    """The generated lines between the BEGIN and END markers."""
-    lines: list[str] = []
-    for tag in sorted(matrix.tags):
-        patches = series_patches(matrix, tag)
-        if not patches:
-            continue
-        lines.append(f'  {{% if lms_tag == "{tag}" %}}')
-        lines.append("  patches:")
-        for patch in patches:
-            rel = Path(_relpath(patch, recipe_dir))
-            lines.append(f"    - {rel.as_posix()}")
-        lines.append("  {% endif %}")
+def _cudas_by_arch(matrix: Matrix) -> dict[str, list[str]]:
+    tags = recipe_tags(matrix)
+    return {arch: _ordered({c for t in tags for c in t.cudas(arch)}) for arch in ARCHES}
+
+
+def _arch_selector(arches: set[str]) -> str:
+    if arches == set(ARCHES):
+        return ""
+    return "  # [" + " or ".join(sorted(arches)) + "]"
+
+
+def variant_config_text(matrix: Matrix) -> str:
+    """conda_build_config.yaml: the recipe's variants, from the tag matrix."""
+    tags = recipe_tags(matrix)
+    by_arch = _cudas_by_arch(matrix)
+    lines = [
+        f"# Variants of recipes/pytorch-lms/meta.yaml, {GENERATED}.",
+        "lms_tag:",
+        *[f"  - {t.name}" for t in tags],
+        "python:",
+        *[f'  - "{p}"' for p in _ordered({p for t in tags for p in t.python})],
+        "# conda-forge's CUDA compiler is nvcc up to CUDA 11 and cuda-nvcc from CUDA 12 on;",
+        "# zipped with cuda_compiler_version, so compiler('cuda') picks the right one.",
+        "cuda_compiler:",
+    ]
+    cudas = _ordered({c for versions in by_arch.values() for c in versions})
+    selectors = {
+        c: _arch_selector({a for a, versions in by_arch.items() if c in versions}) for c in cudas
+    }
+    lines += [f"  - {cuda_compiler_name(c)}{selectors[c]}" for c in cudas]
+    lines.append("cuda_compiler_version:")
+    lines += [f'  - "{c}"{selectors[c]}' for c in cudas]
+    version = matrix.toolchain.conda_compiler_version
+    lines += [
+        "c_compiler_version:",
+        f'  - "{version}"',
+        "cxx_compiler_version:",
+        f'  - "{version}"',
+        "zip_keys:",
+        "  - [cuda_compiler, cuda_compiler_version]",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _meta_blocks(matrix: Matrix, recipe_dir: Path) -> dict[str, list[str]]:
+    versions = ", ".join(f'"{t.name}": "{t.version}"' for t in matrix.tags.values())
+    ppc = _cudas_by_arch(matrix)["ppc64le"]
+    ppc_list = ", ".join(f'"{c}"' for c in ppc)
+    series: list[str] = []
+    for tag in recipe_tags(matrix):
+        series.append(f'  {{% if lms_tag == "{tag.name}" %}}')
+        series.append("  patches:")
+        for patch in series_patches(matrix, tag.name):
+            series.append(f"    - {Path(_relpath(patch, recipe_dir)).as_posix()}")
+        series.append("  {% endif %}")
+    return {
+        "versions": [f"{{% set versions = {{{versions}}} %}}"],
+        "skip": [
+            "  # CUDA has no ppc64le toolkit after "
+            f"{matrix.toolchain.ppc64le_max_cuda}; the tags' ppc64le CUDA versions:",
+            f"  skip: true  # [not linux or (ppc64le and cuda_compiler_version not in "
+            f"({ppc_list}{',' if len(ppc) == 1 else ''}))]",
+        ],
+        "series": series,
+    }
+
+
+def _build_sh_block(matrix: Matrix) -> list[str]:
+    lines = [f"export {k}={v}" for k, v in COMMON_ENV.items()]
+    lines.append('if [[ "${target_platform}" == "linux-ppc64le" ]]; then')
+    lines += [f"  export {k}={v}" for k, v in ARCH_ENV["ppc64le"].items()]
+    lines.append("else")
+    lines += [f"  export {k}={v}" for k, v in ARCH_ENV["x86_64"].items()]
+    lines.append("fi")
+    lines.append('case "${target_platform}/${cuda_compiler_version}" in')
+    for arch, cudas in _cudas_by_arch(matrix).items():
+        for cuda in cudas:
+            arch_list = matrix.cuda_info(cuda).arch_list[arch]
+            lines.append(f'  {CONDA_SUBDIRS[arch]}/{cuda}) arch_list="{arch_list}" ;;')
+    lines += [
+        "  *)",
+        '    echo "build.sh: no TORCH_CUDA_ARCH_LIST for ${target_platform} CUDA '
+        '${cuda_compiler_version} in config/toolchain.yaml" >&2',
+        "    exit 1",
+        "    ;;",
+        "esac",
+        'export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-${arch_list}}"',
+    ]
     return lines
 
 
@@ -199,29 +289,51 @@ def _relpath(path: Path, start: Path) -> str:
     return os.path.relpath(path.resolve(), start.resolve())
 
 
-def _split(meta: Path) -> tuple[list[str], list[str], list[str]]:
-    lines = meta.read_text(encoding="utf-8").splitlines()
-    starts = [i for i, line in enumerate(lines) if line.startswith(BEGIN)]
-    ends = [i for i, line in enumerate(lines) if line.startswith(END)]
-    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
-        raise LmsToolError(
-            f"{meta} must contain one '{BEGIN.strip()}' line followed by one "
-            f"'{END.strip()}' line inside source:; restore them from the project"
-        )
-    return lines[: starts[0] + 1], lines[starts[0] + 1 : ends[0]], lines[ends[0] :]
+def replace_blocks(path: Path, text: str, blocks: dict[str, list[str]]) -> str:
+    """``text`` with the lines between each ``BEGIN lms-NAME`` and ``END lms-NAME`` replaced."""
+    lines = text.splitlines()
+    for name, wanted in blocks.items():
+        starts = [i for i, line in enumerate(lines) if f"BEGIN lms-{name} " in line + " "]
+        ends = [i for i, line in enumerate(lines) if f"END lms-{name} " in line + " "]
+        if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+            raise LmsToolError(
+                f"{path} must contain one 'BEGIN lms-{name}' line followed by one "
+                f"'END lms-{name}' line; restore them from the project"
+            )
+        lines = [*lines[: starts[0] + 1], *wanted, *lines[ends[0] :]]
+    return "\n".join(lines) + "\n"
 
 
-def sync_series(matrix: BuildMatrix, check: bool = False) -> bool:
-    """Write the series block; return True when meta.yaml changed (or, with check, would)."""
+def generated_files(matrix: Matrix) -> dict[Path, str]:
+    """Every file ``recipe sync`` writes, with the content it must have."""
     recipe_dir = matrix.repo / RECIPE_DIR
     meta = recipe_dir / "meta.yaml"
-    head, current, tail = _split(meta)
-    wanted = series_block(matrix, recipe_dir)
-    if current == wanted:
-        return False
-    if not check:
-        meta.write_text("\n".join([*head, *wanted, *tail]) + "\n", encoding="utf-8")
-    return True
+    build_sh = recipe_dir / "build.sh"
+    try:
+        meta_text = meta.read_text(encoding="utf-8")
+        build_text = build_sh.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise LmsToolError(
+            f"{exc.filename} is missing: restore recipes/ from the project"
+        ) from None
+    return {
+        recipe_dir / "conda_build_config.yaml": variant_config_text(matrix),
+        meta: replace_blocks(meta, meta_text, _meta_blocks(matrix, recipe_dir)),
+        build_sh: replace_blocks(build_sh, build_text, {"env": _build_sh_block(matrix)}),
+    }
+
+
+def sync(matrix: Matrix, check: bool = False) -> list[Path]:
+    """Write the generated parts; return the files that changed (with ``check``: would)."""
+    changed: list[Path] = []
+    for path, text in generated_files(matrix).items():
+        current = path.read_text(encoding="utf-8") if path.is_file() else None
+        if current == text:
+            continue
+        changed.append(path)
+        if not check:
+            path.write_text(text, encoding="utf-8")
+    return changed
 
 
 def listed_patches(recipe: Mapping[str, Any]) -> list[str]:

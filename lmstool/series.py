@@ -29,6 +29,7 @@ from lmstool.gitutil import (
     run_git,
     tracked_changes,
 )
+from lmstool.hints import command, option
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,14 @@ def _reverse_applies(repo: git.Repo, patches: Sequence[Path]) -> bool:
     return proc.returncode == 0
 
 
+def fresh_checkout(tree: Path, tag: str) -> str:
+    """How to get a new checkout of ``tag`` where ``tree`` is, as the user runs the tool."""
+    return command(
+        f"rm -rf {tree} && lmstool checkout {tag} --dest {tree}",
+        f"rm -rf {tree} && make patch TAG={tag}",
+    )
+
+
 @dataclass(frozen=True)
 class ApplyResult:
     applied: int
@@ -273,7 +282,7 @@ def apply_series(tree: Path, tag: str, patch_dir: Path) -> ApplyResult:
         if tag_commit is None:
             raise LmsToolError(
                 f"{tree} has no tag {tag}; is it a checkout of another tag? Create a fresh one "
-                f"with `lmstool checkout {tag}`"
+                f"with {fresh_checkout(tree, tag)}"
             )
         busy = operation_in_progress(repo)
         if busy:
@@ -302,7 +311,8 @@ def apply_series(tree: Path, tag: str, patch_dir: Path) -> ApplyResult:
                 f"the series is partially applied: patches 1-{k} of {n} are the commits above "
                 f"{tag} (last: {patches[k - 1].name}); finish it with `git am "
                 f"{' '.join(str(p) for p in patches[k : k + 1])} ...` (the remaining "
-                f"{n - k} patches), or start over from a fresh `lmstool checkout {tag}`"
+                f"{n - k} patches), or start over from a fresh checkout: "
+                f"{fresh_checkout(tree, tag)}"
             )
         if have:
             for m in range(n, 0, -1):
@@ -318,7 +328,7 @@ def apply_series(tree: Path, tag: str, patch_dir: Path) -> ApplyResult:
                     raise LmsToolError(
                         f"the changes of patches 1-{m} of {n} (through {patches[m - 1].name}) "
                         f"are already in {tree} but not as the series' commits; start from a "
-                        f"fresh `lmstool checkout {tag}` and apply again"
+                        f"fresh checkout ({fresh_checkout(tree, tag)}) and apply again"
                     )
         log.info("applying %d patches from %s to %s", n, patch_dir, tree)
         git_am(
@@ -378,12 +388,20 @@ def sync_series(generated: Sequence[Path], dest: Path) -> ExportResult:
     return ExportResult(written, unchanged, removed)
 
 
-def export_series(tree: Path, tag: str, dest: Path) -> ExportResult:
-    """Write the commits above ``tag`` in ``tree`` as the numbered series in ``dest``."""
+def export_series(
+    tree: Path, tag: str, dest: Path, names: Sequence[str] | None = None
+) -> ExportResult:
+    """Write the commits above ``tag`` in ``tree`` as the numbered series in ``dest``.
+
+    ``names``, when given, are the file names of the patches in order (the entries of
+    ``integration/<tag>/series``); otherwise ``git format-patch`` names them by subject.
+    """
     repo = open_repo(tree)
     with repo:
         if resolve_commit(repo, tag) is None:
-            raise LmsToolError(f"{tree} has no tag {tag}; pass the checkout of {tag} (--tree)")
+            raise LmsToolError(
+                f"{tree} has no tag {tag}; pass the checkout of {tag} ({option('tree', 'DIR')})"
+            )
         dirty = tracked_changes(repo)
         if dirty:
             raise LmsToolError(
@@ -395,6 +413,19 @@ def export_series(tree: Path, tag: str, dest: Path) -> ExportResult:
             raise LmsToolError(
                 f"no commits above {tag} in {tree}; apply the series or commit changes first"
             )
+        if names is not None and len(names) != count:
+            raise LmsToolError(
+                f"{tree} has {count} commits above {tag} but the series lists {len(names)} "
+                f"entries; export to another folder (--to DIR) and add or remove the entry in "
+                f"integration/{tag}/series first (CONTRIBUTING.md, 'Changing a patch')"
+            )
         with tempfile.TemporaryDirectory(prefix="lms-export-") as tmp:
             generated = format_patches(repo, tag, Path(tmp))
+            if names is not None:
+                renamed = []
+                for path, name in zip(generated, names):
+                    target = path.with_name(name)
+                    os.replace(path, target)
+                    renamed.append(target)
+                generated = renamed
             return sync_series(generated, dest)

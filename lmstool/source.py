@@ -27,17 +27,21 @@ import subprocess
 import tarfile
 import tempfile
 import time
+import urllib.error
+import urllib.request
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import git
 
-from lmstool.config import Matrix, TagConfig, Tarball
 from lmstool.errors import LmsToolError
 from lmstool.gitutil import pinned_env, resolve_commit, tracked_changes
+from lmstool.hints import option
+from lmstool.matrix import Matrix, TagConfig, Tarball
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +108,9 @@ def sha256_file(path: Path) -> str:
 def find_tarball(tag: TagConfig, sources: Path) -> tuple[Path, Tarball]:
     if not sources.is_dir():
         raise SourceUnavailable(
-            f"sources folder {sources} does not exist; pass the folder holding the release "
-            f"tarballs (--sources DIR / SOURCES=DIR) or leave it out to clone from GitHub"
+            f"sources folder {sources} does not exist; pass {option('sources', 'DIR')} with the "
+            f"folder holding the release tarballs, or run without "
+            f"{option('sources', str(sources))} to clone from GitHub"
         )
     for tb in tag.source.tarballs:
         candidate = sources / tb.name
@@ -114,7 +119,8 @@ def find_tarball(tag: TagConfig, sources: Path) -> tuple[Path, Tarball]:
     wanted = ", ".join(tb.name for tb in tag.source.tarballs) or "(none listed in the matrix)"
     raise SourceUnavailable(
         f"no source tarball for {tag.name} in {sources}: expected {wanted}; put the tarball "
-        f"there, or leave out --sources to clone {tag.source.git_ref} from GitHub"
+        f"there, or run without {option('sources', str(sources))} to clone "
+        f"{tag.source.git_ref} from GitHub"
     )
 
 
@@ -126,6 +132,56 @@ def verify_tarball(path: Path, tb: Tarball) -> None:
             f"{actual}; the file is damaged or not the release tarball: download it again "
             f"(nothing was extracted)"
         )
+
+
+def fetch_tarballs(tag: TagConfig, dest: Path) -> list[Path]:
+    """Download the tag's tarballs that have a ``url`` into ``dest`` (sha256 checked).
+
+    A file already there with the right checksum is kept; a download is written next to its
+    destination and renamed into place only once its checksum matches, so ``dest`` never
+    holds a partial or wrong tarball.
+    """
+    wanted = [tb for tb in tag.source.tarballs if tb.url]
+    if not wanted:
+        raise LmsToolError(
+            f"{tag.name} lists no tarball with a url in config/tags.yaml; add one (name, url, "
+            f"sha256, top, submodules) or use a git checkout"
+        )
+    dest.mkdir(parents=True, exist_ok=True)
+    fetched: list[Path] = []
+    for tb in wanted:
+        assert tb.url is not None
+        target = dest / tb.name
+        if target.is_file() and sha256_file(target) == tb.sha256:
+            log.info("%s: already there, sha256 ok", target)
+            fetched.append(target)
+            continue
+        tmp = dest / f".{tb.name}.part"
+        log.info("downloading %s ...", tb.url)
+        start = time.monotonic()
+        try:
+            with urllib.request.urlopen(tb.url, timeout=60) as response, tmp.open("wb") as out:
+                shutil.copyfileobj(response, out, 1 << 20)
+        except (OSError, urllib.error.URLError) as exc:
+            tmp.unlink(missing_ok=True)
+            raise SourceUnavailable(
+                f"cannot download {tb.url} ({exc}); check the network, or put {tb.name} in "
+                f"{dest} yourself"
+            ) from None
+        actual = sha256_file(tmp)
+        if actual != tb.sha256:
+            tmp.unlink()
+            raise LmsToolError(
+                f"sha256 mismatch for {tb.url}: expected {tb.sha256} (config/tags.yaml), got "
+                f"{actual}; nothing was kept in {dest}. The file on the server changed or the "
+                f"download was damaged: try again, or fix the checksum in config/tags.yaml if "
+                f"the upstream file really changed"
+            )
+        os.replace(tmp, target)
+        log.info("%s: %.1f MB in %.1f s, sha256 ok", target, target.stat().st_size / 1e6,
+                 time.monotonic() - start)  # fmt: skip
+        fetched.append(target)
+    return fetched
 
 
 def _fi_path(path: str) -> bytes:
@@ -153,7 +209,7 @@ def _member_path(name: str, top: str, tarball: Path) -> str | None:
     return rel
 
 
-def _stream_import(tarball: Path, tb: Tarball, tag: TagConfig, stdin: subprocess.IO[bytes]) -> int:
+def _stream_import(tarball: Path, tb: Tarball, tag: TagConfig, stdin: IO[bytes]) -> int:
     """Write the fast-import stream for ``tarball`` to ``stdin``; returns the member count."""
     files: dict[str, tuple[str, int]] = {}  # path -> (mode, blob mark)
     mark = 0
@@ -303,7 +359,7 @@ def pristine_repo(matrix: Matrix, tag: TagConfig, spec: SourceSpec, repo_root: P
             if resolve_commit(mrepo, tag.source.git_ref) is None:
                 raise SourceUnavailable(
                     f"mirror {mirror} has no {tag.source.git_ref}; run `git fetch --tags` in "
-                    f"it, or use --sources/--remote"
+                    f"it, or pass {option('sources', 'DIR')} or {option('remote', 'URL')}"
                 )
         return Pristine(mirror, tag.name, tag.source.git_ref, f"mirror {mirror}", submodules=False)
     if spec.sources is not None and spec.remote is None:
@@ -343,7 +399,8 @@ def _clone_remote_bare(url: str, tag: TagConfig, dest: Path, source: str) -> Non
         except git.GitCommandError as exc:
             raise SourceUnavailable(
                 f"cannot clone {tag.source.git_ref} from {url}: {exc.stderr.strip()}; check the "
-                f"network, or pass --sources DIR (release tarballs) or --mirror PATH"
+                f"network, or pass {option('sources', 'DIR')} (a folder with the release "
+                f"tarball) or {option('mirror', 'PATH')} (a local clone)"
             ) from None
         with repo:
             _ensure_tag(repo, tag)
@@ -423,14 +480,16 @@ def checkout(matrix: Matrix, tag: TagConfig, dest: Path, spec: SourceSpec, repo_
     dest = dest.absolute()
     if dest.exists():
         if not dest.is_dir():
-            raise LmsToolError(f"{dest} exists and is not a directory; pass another --dest")
+            raise LmsToolError(
+                f"{dest} exists and is not a directory; pass another {option('dest', 'DIR')}"
+            )
         if any(dest.iterdir()):
             if _reusable(dest, tag):
                 log.info("%s is already a clean checkout of %s; reusing it", dest, tag.name)
                 return dest
             raise LmsToolError(
                 f"{dest} exists and is not a clean checkout of {tag.name}; it was left "
-                f"untouched: move it away or pass another --dest"
+                f"untouched: move it away or pass another {option('dest', 'DIR')}"
             )
     start = time.monotonic()
     if spec.remote is not None or (spec.sources is None and spec.mirror is None):
@@ -443,7 +502,8 @@ def checkout(matrix: Matrix, tag: TagConfig, dest: Path, spec: SourceSpec, repo_
         if not pristine.submodules:
             log.info(
                 "note: this source has no git submodules (third_party/); a full PyTorch build "
-                "needs them (clone from GitHub for that)"
+                "needs them (clone from GitHub for that: leave out %s)",
+                option("sources", "DIR"),
             )
     log.info("%s ready at %s (%.1f s)", tag.name, dest, time.monotonic() - start)
     return dest
@@ -463,7 +523,8 @@ def _checkout_remote(matrix: Matrix, tag: TagConfig, dest: Path, url: str) -> No
         except git.GitCommandError as exc:
             raise SourceUnavailable(
                 f"cannot clone {tag.source.git_ref} from {url}: {str(exc.stderr).strip()}; check "
-                f"the network, or pass --sources DIR (release tarballs) or --mirror PATH"
+                f"the network, or pass {option('sources', 'DIR')} (a folder with the release "
+                f"tarball) or {option('mirror', 'PATH')} (a local clone)"
             ) from None
         with repo:
             _ensure_tag(repo, tag)

@@ -3,11 +3,10 @@
 Given a PyTorch source tree with the LMS series applied, this runs torchgen to produce the
 ATen headers, as PyTorch's CMake build does, writes the few configuration headers CMake would
 generate, and compiles the translation units the series adds or changes above c10 to object
-files only:
-
-- aten/src/ATen/cuda/LmsPinning.cpp   (operator-boundary pinning, libtorch_cuda)
-- torch/csrc/cuda/LmsBindings.cpp     (the _cuda_lms_* bindings, libtorch_python)
-- torch/csrc/cuda/Module.cpp          (torch._C's CUDA module with the LMS hunks)
+files only: every engine translation unit outside c10/ (from the engine manifest,
+lmstool.manifest: today aten/src/ATen/cuda/LmsPinning.cpp and
+torch/csrc/cuda/LmsBindings.cpp) and torch/csrc/cuda/Module.cpp, torch._C's CUDA module with
+the LMS hunks. The c10 engine sources are built by the standalone c10 build instead.
 
 The LMS sources must compile without a warning of their own under -Wall -Wextra; upstream
 headers are allowed theirs. Nothing is linked and no full build is started.
@@ -31,24 +30,32 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from lmstool import manifest
 from lmstool.errors import LmsToolError
 
 log = logging.getLogger(__name__)
 
+# Upstream translation units the series changes above c10 (not held to no warnings).
+UPSTREAM_SOURCES = ("torch/csrc/cuda/Module.cpp",)
+
+
+def engine_sources() -> tuple[str, ...]:
+    """The engine's translation units outside c10/ (the manifest's, so new ones join)."""
+    return tuple(
+        p.as_posix() for p in manifest.cxx_sources() if not p.as_posix().startswith("c10/")
+    )
+
+
 # Translation units compiled, and whether they are LMS sources (held to no warnings).
 SOURCES: tuple[tuple[str, bool], ...] = (
-    ("aten/src/ATen/cuda/LmsPinning.cpp", True),
-    ("torch/csrc/cuda/LmsBindings.cpp", True),
-    ("torch/csrc/cuda/Module.cpp", False),
+    *((source, True) for source in engine_sources()),
+    *((source, False) for source in UPSTREAM_SOURCES),
 )
-# Files the series must have placed in the tree for the check to mean anything.
+# Files the series must have placed in the tree for the check to mean anything: every engine
+# file, the changed upstream units and torchgen.
 REQUIRED = (
-    "c10/cuda/LargeModelSupport.h",
-    "aten/src/ATen/cuda/LmsPinning.h",
-    "aten/src/ATen/cuda/LmsPinning.cpp",
-    "torch/csrc/cuda/LmsBindings.h",
-    "torch/csrc/cuda/LmsBindings.cpp",
-    "torch/csrc/cuda/Module.cpp",
+    *(p.as_posix() for p in manifest.engine_files()),
+    *UPSTREAM_SOURCES,
     "torchgen/gen.py",
 )
 

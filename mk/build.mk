@@ -1,7 +1,8 @@
 # Build and packaging targets (included by the top-level Makefile).
 #
-#   make build TAG=v2.6.0 [ARCH=x86_64|ppc64le] [CUDA=12.6] [PYTHON=3.11] [SOURCES=DIR]
-#              [WORK=work] [MAX_JOBS=N] [DRY_RUN=1] [PREFLIGHT=1] [SKIP_TESTS=1]
+#   make build TAG=v2.6.0 [ARCH=x86_64|ppc64le] [CUDA=12.6] [PYTHON=3.11] [PYTHON_EXE=PATH]
+#              [SOURCES=DIR | REMOTE=URL | MIRROR=PATH] [WORK=work] [MAX_JOBS=N]
+#              [DRY_RUN=1] [PREFLIGHT=1] [SKIP_TESTS=1]
 #   make channel [CHANNEL=$(WORK)/channel]          reindex the private conda channel
 #   make recipe-render [ARCH=..] [PYTHON=..] [CUDA=..]   show the rendered conda recipe
 #
@@ -9,11 +10,15 @@
 # the plan anywhere.
 
 PY ?= python3
+LMSTOOL ?= LMSTOOL_FRONTEND=make $(PY) -m lmstool
 TAG ?=
 ARCH ?=
 CUDA ?=
 PYTHON ?=
+PYTHON_EXE ?=
 SOURCES ?=
+REMOTE ?=
+MIRROR ?=
 WORK ?= work
 MAX_JOBS ?=
 CHANNEL ?= $(WORK)/channel
@@ -22,7 +27,8 @@ LMS_BUILD_ARGS = $(TAG) --work $(WORK) \
 	$(if $(ARCH),--arch $(ARCH)) \
 	$(if $(CUDA),--cuda $(CUDA)) \
 	$(if $(PYTHON),--python $(PYTHON)) \
-	$(if $(SOURCES),--sources $(SOURCES)) \
+	$(if $(PYTHON_EXE),--python-exe $(PYTHON_EXE)) \
+	$(if $(strip $(MIRROR)),--mirror $(MIRROR),$(if $(strip $(REMOTE)),--remote $(REMOTE),$(if $(strip $(SOURCES)),--sources $(SOURCES)))) \
 	$(if $(MAX_JOBS),--max-jobs $(MAX_JOBS)) \
 	$(if $(filter 1 yes true,$(SKIP_TESTS)),--skip-tests) \
 	$(if $(filter 1 yes true,$(DRY_RUN)),--dry-run) \
@@ -30,11 +36,11 @@ LMS_BUILD_ARGS = $(TAG) --work $(WORK) \
 
 .PHONY: build channel recipe-render
 build: venv ## check out, patch, build wheel + conda package, run the regression suite (DRY_RUN=1: plan only)
-	$(PY) -m lmstool build $(LMS_BUILD_ARGS)
+	$(LMSTOOL) build $(LMS_BUILD_ARGS)
 
 channel: venv ## index the private conda channel (CHANNEL=...)
-	$(PY) -m lmstool channel index $(CHANNEL)
+	$(LMSTOOL) channel index $(CHANNEL)
 
 recipe-render: venv ## render the conda recipe for ARCH/CUDA/PYTHON
-	$(PY) -m lmstool recipe render $(if $(TAG),--tag $(TAG)) --arch $(or $(ARCH),x86_64) \
+	$(LMSTOOL) recipe render $(if $(TAG),--tag $(TAG)) --arch $(or $(ARCH),x86_64) \
 		--python $(or $(PYTHON),3.11) --cuda $(or $(CUDA),12.6)

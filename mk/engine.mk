@@ -14,6 +14,7 @@ engine: patch ## build TAG's patched c10/c10_cuda (RUNTIME=sim|real) and run the
 	PYTHON=$(PY) standalone/build.sh --source $(TREE) --build $(WORK)/engine-$(RUNTIME) --runtime $(RUNTIME) --test
 
 ppc64le: patch ## cross-build the patched c10/c10_cuda and engine suite for ppc64le, run under qemu
+	scripts/install-deps.sh scripts/apt-packages-ppc64le.txt
 	standalone/cross-ppc64le.sh --source $(TREE) --build $(WORK)/engine-ppc64le
 
 gpu-engine: ## on a GPU host: engine suite and copy benchmark on the real GPU (needs .carry/)

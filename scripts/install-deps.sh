@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Install the system packages listed in scripts/apt-packages.txt (one a line, '#' comments).
+# Install the system packages listed in scripts/apt-packages.txt (one a line, '#' comments),
+# or in the list file given as the argument.
 #
 # Quiet and does nothing when everything is installed. When something is missing it runs
-# `apt-get update && apt-get install -y --no-install-recommends ...` as root; otherwise it
-# prints the command to run and exits 1.
+# `apt-get update && apt-get install -y --no-install-recommends ...` as root, or through sudo
+# when it is there; otherwise it prints the command to run and exits 1.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -30,12 +31,16 @@ done
 [[ ${#missing[@]} -eq 0 ]] && exit 0
 
 if [[ "$(id -u)" -eq 0 ]]; then
-    echo "install-deps: installing ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    as_root=()
+elif command -v sudo >/dev/null 2>&1; then
+    as_root=(sudo env DEBIAN_FRONTEND=noninteractive)
+    echo "install-deps: installing ${missing[*]} with sudo (see $list for why each)"
 else
     echo "install-deps: missing system packages: ${missing[*]}" >&2
-    echo "install-deps: run as root: sudo $0 (or: sudo apt-get install ${missing[*]})" >&2
+    echo "install-deps: run as root: $0 (or: apt-get install ${missing[*]})" >&2
     exit 1
 fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+"${as_root[@]}" apt-get update -qq
+"${as_root[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"

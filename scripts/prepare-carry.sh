@@ -14,6 +14,7 @@
 #   debs/*.deb          libfmt-dev libfmt9 libcpuinfo-dev libcpuinfo0
 #   root/usr/...        the .debs unpacked (fmt headers, cpuinfo.h and lib)
 #   nvml/include/nvml.h from the nvidia-nvml-dev wheel (NVML 13.0)
+#   matrix-<tag>.env    the tag matrix as shell assignments (lmstool tags --shell)
 #
 # standalone/build.sh picks up <repo>/.carry automatically. On the GPU machine
 # pass .carry with the run (it is about 3 MiB) and call
@@ -87,6 +88,22 @@ for deb in "$dest"/debs/*.deb; do
   found=1
 done
 [[ $found == 1 ]] || { echo "no .deb files in $dest/debs" >&2; exit 1; }
+
+# The tag matrix as shell assignments, for scripts/gpu/run-engine.sh on a machine whose Python
+# lacks lmstool's dependencies: matrix-<tag>.env per tag, matrix-default.env for the default.
+if [[ $unpack_only == 0 ]]; then
+  py="$repo/.venv/bin/python"
+  [[ -x "$py" ]] || py=python3
+  if "$py" -m lmstool --repo "$repo" tags --shell > "$dest/matrix-default.env"; then
+    for tag in $("$py" -m lmstool --repo "$repo" tags --json |
+                 "$py" -c 'import json, sys; print(*(t["tag"] for t in json.load(sys.stdin)))'); do
+      "$py" -m lmstool --repo "$repo" tags --shell "$tag" > "$dest/matrix-$tag.env"
+    done
+  else
+    echo "prepare-carry.sh: lmstool cannot read the tag matrix (make venv first)" >&2
+    exit 1
+  fi
+fi
 
 test -f "$dest/root/usr/include/fmt/format.h"
 test -f "$dest/root/usr/include/cpuinfo.h"

@@ -154,6 +154,8 @@ PY
   fi
 fi
 
+# The engine manifest (lmstool/manifest.py) runs with the same Python.
+args+=(-DLMS_PYTHON="${PYTHON:-python3}")
 if [[ -n "$overlay" ]]; then
   args+=(-DLMS_ENGINE_OVERLAY="$(cd "$overlay" && pwd)")
 fi

@@ -1,4 +1,4 @@
-"""`lmstool build`: the full LMS build of one tag (see lmstool.build)."""
+"""``lmstool build``: the full LMS build of one tag (lmstool.plan, .preflight, .steps)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from lmstool import build
+from lmstool import plan, preflight, steps
 from lmstool.errors import LmsToolError
+from lmstool.matrix import load_matrix
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -28,9 +29,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--arch", help="x86_64 or ppc64le (default: this host)")
     parser.add_argument("--cuda", help="CUDA version, e.g. 12.6 (default: newest the tag supports)")
     parser.add_argument("--python", help="Python X.Y the wheel is for (default: this Python)")
-    parser.add_argument(
-        "--sources", type=Path, help="folder holding the tag's source tarball or a git mirror"
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--sources",
+        type=Path,
+        help="folder holding the tag's release tarball (default: clone from GitHub); a "
+        "tarball without the submodules cannot build PyTorch and preflight says so",
     )
+    source.add_argument("--remote", metavar="URL", help="git remote to clone the tag from")
+    source.add_argument("--mirror", type=Path, metavar="PATH", help="local clone to use")
     parser.add_argument(
         "--work", type=Path, default=Path("work"), help="work folder (default: %(default)s)"
     )
@@ -53,8 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def run(args: argparse.Namespace) -> int:
-    matrix = build.BuildMatrix.load(Path(args.repo).resolve())
-    cfg = build.make_config(
+    matrix = load_matrix(Path(args.repo).resolve())
+    cfg = plan.make_config(
         matrix,
         tag=args.tag,
         arch=args.arch,
@@ -62,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
         python=args.python,
         work=args.work,
         sources=args.sources,
+        remote=args.remote,
+        mirror=args.mirror,
         max_jobs=args.max_jobs,
         build_number=args.build_number,
         cuda_arch_list=args.cuda_arch_list,
@@ -69,17 +78,17 @@ def run(args: argparse.Namespace) -> int:
         conda_name=args.conda_name,
         run_tests=not args.skip_tests,
     )
-    steps = build.plan(cfg, matrix)
+    build_steps = plan.plan(cfg, matrix)
     if args.dry_run:
-        print(build.format_plan(cfg, steps))
-        for finding in build.source_findings(cfg, matrix):
+        print(plan.format_plan(cfg, build_steps))
+        for finding in preflight.source_findings(cfg, matrix):
             if not finding.ok:
                 print(f"Preflight will stop this build:\n{finding.render()}")
         print("Dry run: nothing was run. `--preflight` checks this host.")
         return 0
     print(f"lmstool build: {cfg.name} in {cfg.build_dir}", flush=True)
-    findings = build.preflight(cfg, matrix)
-    report = build.preflight_report(findings)
+    findings = preflight.preflight(cfg, matrix)
+    report = preflight.preflight_report(findings)
     cfg.logs.mkdir(parents=True, exist_ok=True)
     (cfg.logs / "00-preflight.log").write_text(report + "\n", encoding="utf-8")
     print(report, flush=True)
@@ -92,6 +101,6 @@ def run(args: argparse.Namespace) -> int:
     if args.preflight:
         print("preflight passed")
         return 0
-    build.execute(cfg, steps, out=sys.stdout)
+    steps.execute(cfg, build_steps, out=sys.stdout)
     print(f"lmstool build: done. wheel in {cfg.wheelhouse}, conda package {cfg.conda_file}")
     return 0

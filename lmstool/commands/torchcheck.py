@@ -14,7 +14,7 @@ def cmd_torchcheck(args: argparse.Namespace) -> int:
     return 0 if report(results) else 1
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = subparsers.add_parser(
         "torchcheck",
         help="run torchgen and compile LmsPinning.cpp, LmsBindings.cpp and "

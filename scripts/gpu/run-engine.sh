@@ -1,18 +1,36 @@
 #!/usr/bin/env bash
-# Engine tier on a real GPU (T2): extracts the v2.6.0 source tarball, applies the committed
-# series, builds libc10 + libc10_cuda against the real CUDA runtime (standalone/, never a full
-# PyTorch build), runs the engine suite and the page-out/page-in throughput benchmark.
+# Engine tier on a real GPU (T2): extracts TAG's source tarball, applies its committed series,
+# builds libc10 + libc10_cuda against the real CUDA runtime (standalone/, never a full PyTorch
+# build), runs the engine suite and the page-out/page-in throughput benchmark.
 #
-#   scripts/gpu/run-engine.sh            results under $OUT (default: out/engine)
+#   [TAG=v2.6.0] scripts/gpu/run-engine.sh     results under $OUT (default: out/engine)
 #
-# Needs .carry/ (scripts/prepare-carry.sh) with the v2.6.0 tarball copied into it, for
-# machines without network or Debian's fmt/cpuinfo packages.
+# TAG defaults to the tag matrix's default tag (config/tags.yaml); its series folder and
+# tarball name come from the matrix too, through lmstool, or on a machine whose Python lacks
+# lmstool's dependencies from .carry/matrix-<tag>.env (scripts/prepare-carry.sh writes them).
+# Needs .carry/ (scripts/prepare-carry.sh) with the tag's tarball copied into it, for machines
+# without network or Debian's fmt/cpuinfo packages.
 # Writes: run-engine.log, environment.txt, engine-tests.txt, bench-copy.txt, bench-copy.csv.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 OUT=${OUT:-$ROOT/out/engine}
-TARBALL=${TARBALL:-$ROOT/.carry/pytorch_2.6.0+dfsg.orig.tar.xz}
+TAG=${TAG:-}
+if ! matrix=$(cd "$ROOT" && "${PYTHON:-python3}" -m lmstool tags --shell $TAG 2>/dev/null); then
+  env_file="$ROOT/.carry/matrix-${TAG:-default}.env"
+  if [[ ! -f "$env_file" ]]; then
+    echo "run-engine.sh: cannot read the tag matrix: lmstool does not run here and" \
+         "$env_file is missing (scripts/prepare-carry.sh writes it)" >&2
+    exit 2
+  fi
+  matrix=$(cat "$env_file")
+fi
+eval "$matrix"
+if [[ -z "$LMS_SERIES" ]]; then
+  echo "run-engine.sh: $LMS_TAG has no LMS series; pass TAG= with a tag that has one" >&2
+  exit 2
+fi
+TARBALL=${TARBALL:-$ROOT/.carry/${LMS_TARBALLS%% *}}
 WORK=${WORK:-/tmp/lms-engine}
 mkdir -p "$OUT" "$WORK"
 exec > >(tee "$OUT/run-engine.log") 2>&1
@@ -30,8 +48,8 @@ rm -rf "$WORK/src"
 mkdir -p "$WORK/src"
 tar xf "$TARBALL" -C "$WORK/src"
 tree=$(echo "$WORK"/src/*)
-(cd "$tree" && git apply --whitespace=nowarn "$ROOT"/patches/v2.6.0/*.patch)
-echo "applied $(ls "$ROOT"/patches/v2.6.0/*.patch | wc -l) patches to $tree"
+(cd "$tree" && git apply --whitespace=nowarn "$ROOT/$LMS_SERIES"/*.patch)
+echo "applied $(ls "$ROOT/$LMS_SERIES"/*.patch | wc -l) patches of $LMS_TAG to $tree"
 
 echo "== build (real CUDA runtime)"
 bash "$ROOT/standalone/build.sh" --source "$tree" --build "$WORK/build" --runtime real \

@@ -19,9 +19,9 @@ WORK = REPO / "work" / "ci"
 
 
 def sources_dir() -> Path | None:
+    """The folder of release tarballs: $LMS_SOURCES (`make test SOURCES=DIR` sets it)."""
     env = os.environ.get("LMS_SOURCES", "").strip()
-    path = Path(env) if env else REPO.parent / "shared" / "sources"
-    return path if (path / TARBALL).is_file() else None
+    return Path(env) if env and (Path(env) / TARBALL).is_file() else None
 
 
 def missing_build_tools() -> list[str]:
@@ -29,8 +29,11 @@ def missing_build_tools() -> list[str]:
     cuda_home = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
     if not (cuda_home / "include" / "cuda_runtime_api.h").is_file():
         missing.append(f"CUDA toolkit headers in {cuda_home}/include")
-    if not Path("/usr/include/fmt/format.h").is_file() and not (REPO / ".carry").is_dir():
+    carry = (REPO / ".carry").is_dir()
+    if not Path("/usr/include/fmt/format.h").is_file() and not carry:
         missing.append("libfmt-dev (or a .carry folder from scripts/prepare-carry.sh)")
+    if not Path("/usr/include/cpuinfo.h").is_file() and not carry:
+        missing.append("libcpuinfo-dev (or a .carry folder from scripts/prepare-carry.sh)")
     nvml = (cuda_home / "include" / "nvml.h").is_file() or any(
         next((Path(base) / "nvidia").glob("*/include/nvml.h"), None) is not None
         for base in sys.path
@@ -56,7 +59,7 @@ def patched_tree() -> Path:
     """A checkout of v2.6.0 with the committed series applied."""
     sources = sources_dir()
     if sources is None:
-        pytest.skip(f"needs {TARBALL} in ../shared/sources or $LMS_SOURCES")
+        pytest.skip(f"needs {TARBALL}: `make test SOURCES=DIR` (or $LMS_SOURCES) with its folder")
     tree = WORK / f"pytorch-{TAG}-engine"
     if tree.exists():
         shutil.rmtree(tree)

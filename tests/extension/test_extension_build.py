@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
+from lmstool import manifest
+
 REPO = Path(__file__).resolve().parents[2]
 EXTENSION = REPO / "extension"
 ENGINE = REPO / "engine"
 
+# The engine's translation units come from the one manifest, as in extension/setup.py.
 SOURCES = [
-    ENGINE / "c10/cuda/LargeModelSupport.cpp",
-    ENGINE / "c10/cuda/LargeModelSupportHostPool.cpp",
-    ENGINE / "aten/src/ATen/cuda/LmsPinning.cpp",
-    ENGINE / "torch/csrc/cuda/LmsBindings.cpp",
+    *(ENGINE / rel for rel in manifest.cxx_sources(ENGINE)),
     EXTENSION / "csrc/StockAllocatorBackend.cpp",
     EXTENSION / "csrc/Module.cpp",
 ]

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from toolfakes import FAKE_TAG, Fake, make_project
 
-from lmstool.config import load_matrix
+from lmstool.matrix import load_matrix
 
 
 @pytest.fixture()

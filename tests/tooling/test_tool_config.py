@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from toolfakes import REPO_ROOT, run_cli
 
-from lmstool.config import load_matrix
 from lmstool.errors import LmsToolError
+from lmstool.matrix import load_matrix
 
 
 def test_real_matrix_loads() -> None:
@@ -82,3 +82,72 @@ def test_every_command_has_help() -> None:
         proc = run_cli(command, "--help")
         assert proc.returncode == 0, proc.stderr
         assert f"usage: lmstool {command}" in proc.stdout
+
+
+TOOLCHAIN = (REPO_ROOT / "config" / "toolchain.yaml").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize(
+    ("toolchain", "expected"),
+    [
+        (TOOLCHAIN.replace("  v1.13.1:\n", "  v9:\n"), "no entry for v1.13.1"),
+        (TOOLCHAIN.replace("{min: 9, max: 13}", "{min: 13, max: 9}"), "min 13 is above max 9"),
+        (TOOLCHAIN.replace('      ppc64le: "6.0;7.0;8.0"\n  "12.4"', '  "12.4"'),
+         "supports CUDA 11.8 on ppc64le"),
+        (TOOLCHAIN.replace("conda_compiler_version:", "# conda_compiler_version:"),
+         "missing key 'conda_compiler_version'"),
+    ],
+)  # fmt: skip
+def test_bad_toolchain_names_the_problem(tmp_path: Path, toolchain: str, expected: str) -> None:
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "tags.yaml").write_text(GOOD, encoding="utf-8")
+    (tmp_path / "config" / "toolchain.yaml").write_text(toolchain, encoding="utf-8")
+    with pytest.raises(LmsToolError) as exc:
+        load_matrix(tmp_path)
+    assert expected in str(exc.value)
+    assert "toolchain.yaml" in str(exc.value)
+
+
+def test_one_model_of_tags_and_toolchain() -> None:
+    matrix = load_matrix(REPO_ROOT)
+    tag = matrix.get_tag("v2.6.0")
+    assert tag.gcc is not None and (tag.gcc.min, tag.gcc.max) == (9, 13)
+    assert "pybind11" in tag.submodules_for("x86_64") and "fbgemm" in tag.submodules_for("x86_64")
+    assert "fbgemm" not in tag.submodules_for("ppc64le")
+    assert matrix.cuda_info("12.4").arch_list["ppc64le"] == "6.0;7.0;8.0"
+    assert tag.has_series(REPO_ROOT) and not matrix.get_tag("v1.13.1").has_series(REPO_ROOT)
+    with pytest.raises(LmsToolError, match=r"v1\.13\.1 has no LMS series"):
+        matrix.require_series("v1.13.1")
+
+
+def test_tags_only_matrix_serves_the_series_commands(tmp_path: Path) -> None:
+    """Without config/toolchain.yaml the series commands work; the build ones say why not."""
+    matrix = load_matrix(path=_write(tmp_path, GOOD))
+    assert matrix.get_tag("v2.6.0").gcc is None
+    with pytest.raises(LmsToolError, match=r"toolchain\.yaml is missing"):
+        matrix.cuda_info("12.4")
+
+
+def test_submodules_must_be_stated(tmp_path: Path) -> None:
+    """One loader, one rule: whether a tarball carries the submodules is never guessed."""
+    path = _write(tmp_path, GOOD.replace("          submodules: false\n", "", 1))
+    with pytest.raises(LmsToolError, match=r"tarballs\[0\]: missing key 'submodules'"):
+        load_matrix(path=path)
+
+
+def test_system_python_without_dependencies_says_what_to_run(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    python = shutil.which("python3", path="/usr/bin:/usr/local/bin")
+    if python is None:
+        pytest.skip("no system python3 in /usr/bin or /usr/local/bin")
+    probe = subprocess.run([python, "-c", "import git"], capture_output=True, check=False)
+    if probe.returncode == 0:
+        pytest.skip(f"{python} has GitPython: nothing is missing there")
+    proc = subprocess.run(
+        [python, "-m", "lmstool", "--help"], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "lacks GitPython" in proc.stderr and ".venv/bin/python -m lmstool" in proc.stderr

@@ -21,12 +21,13 @@ Subject: [PATCH] c10/cuda: add the Large Model Support engine
 
 The engine: storage states, reclaim policy, pinned host pool.
 
-Upstream-Status: Inappropriate [LMS feature]
+Forwarded: not-needed
 """
 
 
 def setup_integration(fake: Fake, tmp_path: Path) -> None:
-    """engine/ with two files and integration/<tag>/ with an .engine and a .patch entry."""
+    """engine/ with two files, integration/<tag>/ with an .engine entry and its series file,
+    and the .patch entry in patches/<tag>/ (where integration patches are kept, once)."""
     engine = fake.project / "engine" / "c10" / "cuda"
     engine.mkdir(parents=True)
     (engine / "LargeModelSupport.h").write_text("#pragma once\n// LMS engine API\n")
@@ -43,8 +44,11 @@ def setup_integration(fake: Fake, tmp_path: Path) -> None:
         "c10/core: storage access hook", "2025-02-03T10:05:00+00:00",
     )  # fmt: skip
     export_series(dev, FAKE_TAG, tmp_path / "dev-out")
+    committed = fake.project / "patches" / FAKE_TAG
+    committed.mkdir(parents=True)
     shutil.copy(
-        series_files(tmp_path / "dev-out")[0], integ / "0002-c10-core-storage-access-hook.patch"
+        series_files(tmp_path / "dev-out")[0],
+        committed / "0002-c10-core-storage-access-hook.patch",
     )
     (integ / "series").write_text(
         "# the LMS series\n0001-c10-cuda-add-engine.engine c10\n"
@@ -57,14 +61,13 @@ def test_generate_is_deterministic(fake: Fake, tmp_path: Path) -> None:
     sources = Sources(fake.matrix, fake.spec, fake.project)
     out = fake.project / "patches" / FAKE_TAG
     first = generate(sources, fake.tag, out)
-    assert first.written == [
-        "0001-c10-cuda-add-the-Large-Model-Support-engine.patch",
-        "0002-c10-core-storage-access-hook.patch",
-    ]
+    # Each patch keeps its entry's name; the integration patch is already there, byte for byte.
+    assert first.written == ["0001-c10-cuda-add-engine.patch"]
+    assert first.unchanged == ["0002-c10-core-storage-access-hook.patch"]
     engine_patch = (out / first.written[0]).read_text()
     assert "From: PyTorch LMS <lms@example.org>" in engine_patch
     assert "Date: Mon, 3 Feb 2025 10:00:00 +0000" in engine_patch
-    assert "Upstream-Status: Inappropriate [LMS feature]" in engine_patch
+    assert engine_patch.count("Forwarded: not-needed") == 1
     assert "create mode 100644 c10/cuda/LargeModelSupport.h" in engine_patch
     assert "junk.pyc" not in engine_patch
     snapshot = {p.name: p.read_bytes() for p in series_files(out)}
@@ -95,17 +98,20 @@ def test_verify_detects_stale_missing_extra(fake: Fake, tmp_path: Path) -> None:
     report = verify_tag(sources, fake.tag)
     assert not report.ok
     text = "\n".join(report.problems)
-    assert "stale: " in text and "0001-c10-cuda-add-the-Large-Model-Support-engine.patch" in text
+    assert "stale: " in text and "0001-c10-cuda-add-engine.patch" in text
     assert "extra: " in text and "0003-left-over.patch" in text
     assert f"run `make patches TAG={FAKE_TAG}` and commit" in text
-    (committed / "0002-c10-core-storage-access-hook.patch").unlink()
-    proc = run_cli(
-        "--repo", str(fake.project), "verify", FAKE_TAG, "--sources", str(fake.sources),
-        cache=fake.cache,
-    )  # fmt: skip
+    (committed / "0001-c10-cuda-add-engine.patch").unlink()
+    args = ("--repo", str(fake.project), "verify", FAKE_TAG, "--sources", str(fake.sources))
+    proc = run_cli(*args, cache=fake.cache)
     assert proc.returncode == 1
-    assert "missing: " in proc.stdout and "0002-c10-core-storage-access-hook.patch" in proc.stdout
+    assert "missing: " in proc.stdout and "0001-c10-cuda-add-engine.patch" in proc.stdout
     assert "verify failed for v0.1.0" in proc.stdout
+    # An integration patch is its own source: without it there is nothing to regenerate from.
+    (committed / "0002-c10-core-storage-access-hook.patch").unlink()
+    proc = run_cli(*args, cache=fake.cache)
+    assert proc.returncode == 1
+    assert "0002-c10-core-storage-access-hook.patch does not exist" in proc.stdout
 
 
 def test_verify_source_only_and_unavailable(fake: Fake, tmp_path: Path) -> None:
@@ -141,7 +147,7 @@ def test_engine_file_must_be_new(fake: Fake, tmp_path: Path) -> None:
 
 def test_failing_integration_patch_is_named(fake: Fake, tmp_path: Path) -> None:
     setup_integration(fake, tmp_path)
-    patch = fake.project / "integration" / FAKE_TAG / "0002-c10-core-storage-access-hook.patch"
+    patch = fake.project / "patches" / FAKE_TAG / "0002-c10-core-storage-access-hook.patch"
     patch.write_text(patch.read_text().replace(" // StorageImpl line 19", " // not there"))
     sources = Sources(fake.matrix, fake.spec, fake.project)
     with pytest.raises(LmsToolError) as exc:
@@ -158,20 +164,39 @@ def test_failing_integration_patch_is_named(fake: Fake, tmp_path: Path) -> None:
         ("0001-a.engine\n", "names the engine/ paths it carries"),
         ("0001-a.engine x\n0002-b.patch y\n", "only .engine entries take paths"),
         ("0001 bad name.patch\n", "is not an entry name"),
-        ("0009-absent.patch\n", "does not exist; add it or remove the line"),
+        ("0001-absent.patch\n", "does not exist; add it or remove the line"),
+        ("0001-a.engine x\n0003-b.patch\n", "number it 0002"),
         ("# only comments\n", "lists no entries"),
-        ("0001-a.engine x\n", "not listed in"),
+        ("0002-b.patch\n", "number it 0001"),
+        ("0001-c.patch\n", "not listed in"),
     ],
 )
 def test_bad_series_file(tmp_path: Path, series: str, expected: str) -> None:
     integ = tmp_path / "integration"
+    committed = tmp_path / "patches"
     integ.mkdir()
+    committed.mkdir()
     (integ / "0001-a.engine").write_text(ENGINE_HEADER)
-    if expected in ("not listed in", "only .engine entries take paths"):
-        (integ / "0002-b.patch").write_text("x")
+    (committed / "0002-b.patch").write_text("x")
+    (committed / "0003-b.patch").write_text("x")
+    (committed / "0001-c.patch").write_text("x")
     (integ / "series").write_text(series)
     with pytest.raises(LmsToolError, match=expected):
-        read_series(integ)
+        read_series(integ, committed)
+
+
+def test_integration_patch_is_kept_once(tmp_path: Path) -> None:
+    integ = tmp_path / "integration"
+    committed = tmp_path / "patches"
+    integ.mkdir()
+    committed.mkdir()
+    (integ / "0001-a.engine").write_text(ENGINE_HEADER)
+    (committed / "0002-b.patch").write_text("x")
+    (integ / "series").write_text("0001-a.engine x\n0002-b.patch\n")
+    assert [e.patch_name for e in read_series(integ, committed)] == ["0001-a.patch", "0002-b.patch"]
+    (integ / "0002-b.patch").write_text("x")
+    with pytest.raises(LmsToolError, match="integration patches are kept once"):
+        read_series(integ, committed)
 
 
 @pytest.mark.parametrize(
@@ -197,4 +222,34 @@ def test_engine_files_belong_to_exactly_one_entry(
         (integ / "0002-b.engine").unlink()
     (integ / "series").write_text(series)
     with pytest.raises(LmsToolError, match=expected):
-        check_engine_coverage(read_series(integ), engine)
+        check_engine_coverage(read_series(integ, tmp_path), engine)
+
+
+def test_engine_manifest_is_one_glob(tmp_path: Path) -> None:
+    """A file added under engine/ joins the manifest every build reads, with no list to edit."""
+    from lmstool import manifest
+
+    engine = tmp_path / "engine"
+    (engine / "c10" / "cuda").mkdir(parents=True)
+    (engine / "c10" / "cuda" / "A.h").write_text("//\n")
+    (engine / "c10" / "cuda" / "A.cpp").write_text("//\n")
+    (engine / "test").mkdir()
+    (engine / "test" / "test_x.py").write_text("#\n")
+    (engine / "c10" / "cuda" / "A.cpp.orig").write_text("//\n")
+    assert [p.as_posix() for p in manifest.cxx_sources(engine)] == ["c10/cuda/A.cpp"]
+    (engine / "c10" / "cuda" / "B.cpp").write_text("//\n")
+    assert [p.as_posix() for p in manifest.cxx_sources(engine, "c10/cuda")] == [
+        "c10/cuda/A.cpp",
+        "c10/cuda/B.cpp",
+    ]
+    assert [p.as_posix() for p in manifest.cxx_files(engine)] == [
+        "c10/cuda/A.cpp",
+        "c10/cuda/A.h",
+        "c10/cuda/B.cpp",
+    ]
+    assert "test/test_x.py" in [p.as_posix() for p in manifest.engine_files(engine)]
+    proc = run_cli("engine-files", "c10/cuda", "--sources", "--engine", str(engine))
+    assert proc.returncode == 0 and proc.stdout.split() == ["c10/cuda/A.cpp", "c10/cuda/B.cpp"]
+    # The extension's build reads the same manifest.
+    setup_py = (Path(__file__).resolve().parents[2] / "extension" / "setup.py").read_text()
+    assert "manifest.py" in setup_py and "LargeModelSupport.cpp" not in setup_py

@@ -11,8 +11,9 @@ import git
 import pytest
 from toolfakes import FAKE_TAG, FAKE_TARBALL, MTIME, Fake, make_tarball, run_cli, write_matrix
 
-from lmstool.config import load_matrix
 from lmstool.errors import LmsToolError
+from lmstool.gitutil import pinned_env
+from lmstool.matrix import load_matrix
 from lmstool.source import SourceSpec, SourceUnavailable, checkout, pristine_repo
 
 
@@ -181,3 +182,77 @@ def test_checkout_from_remote_url(fake: Fake, fake_tree: Path, tmp_path: Path) -
         checkout(fake.matrix, fake.tag, tmp_path / "y", bad, fake.project)
     assert not (tmp_path / "y").exists()
     shutil.rmtree(dest)
+
+
+def test_default_source_is_the_remote_with_submodules(
+    fake: Fake, fake_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No SOURCES/REMOTE/MIRROR: the matrix's GitHub remote, cloned with its submodules."""
+    sub = tmp_path / "third_party_lib"
+    sub_repo = git.Repo.init(sub)
+    (sub / "lib.h").write_text("// a third_party submodule\n")
+    sub_repo.git.add("lib.h")
+    sub_repo.git.commit("-q", "-m", "lib", env={**pinned_env(), "GIT_AUTHOR_NAME": "a",
+                                              "GIT_AUTHOR_EMAIL": "a@b"})  # fmt: skip
+    # git refuses file:// submodules unless told (real ones come over https).
+    monkeypatch.setenv("GIT_CONFIG_COUNT", "1")
+    monkeypatch.setenv("GIT_CONFIG_KEY_0", "protocol.file.allow")
+    monkeypatch.setenv("GIT_CONFIG_VALUE_0", "always")
+    upstream = git.Repo(fake_tree)
+    upstream.git.switch("-q", "-c", "with-sub")
+    upstream.git.submodule("add", "-q", f"file://{sub}", "third_party/lib")
+    upstream.git.commit("-q", "-m", "add submodule", env={**pinned_env(), "GIT_AUTHOR_NAME": "a",
+                                                        "GIT_AUTHOR_EMAIL": "a@b"})  # fmt: skip
+    upstream.git.tag("-f", FAKE_TAG)
+    remote = tmp_path / "github.git"
+    git.Repo.clone_from(str(fake_tree), remote, bare=True)
+    tags = fake.project / "config" / "tags.yaml"
+    tags.write_text(
+        tags.read_text().replace("https://invalid.example/fake.git", f"file://{remote}")
+    )
+    matrix = load_matrix(fake.project)
+    dest = tmp_path / "default"
+    checkout(matrix, matrix.get_tag(FAKE_TAG), dest, SourceSpec(cache=fake.cache), fake.project)
+    assert (dest / "third_party" / "lib" / "lib.h").read_text() == "// a third_party submodule\n"
+    reader = git.Repo(dest).config_reader("repository")
+    assert reader.get_value("lms", "submodules") is True
+    assert reader.get_value("lms", "source") == f"git file://{remote} {FAKE_TAG}"
+
+
+def test_fetch_downloads_checks_and_keeps(fake: Fake, tmp_path: Path) -> None:
+    """`lmstool fetch` (make sources): download by url, keep only a matching checksum."""
+    served = fake.sources / FAKE_TARBALL
+    tags = fake.project / "config" / "tags.yaml"
+    text = tags.read_text()
+    tags.write_text(
+        text.replace(f"        - name: {FAKE_TARBALL}\n",
+                     f"        - name: {FAKE_TARBALL}\n          url: file://{served}\n")
+    )  # fmt: skip
+    dest = tmp_path / "downloads"
+    args = ("--repo", str(fake.project), "fetch", FAKE_TAG, "--to", str(dest))
+    proc = run_cli(*args)
+    assert proc.returncode == 0, proc.stderr
+    assert (dest / FAKE_TARBALL).read_bytes() == served.read_bytes()
+    assert f"use them with --sources {dest}" in proc.stdout
+    # A second run keeps the file that is there.
+    proc = run_cli(*args)
+    assert proc.returncode == 0 and "already there, sha256 ok" in proc.stderr
+    # The served file changed: nothing is kept, and the message says why.
+    (dest / FAKE_TARBALL).unlink()
+    served.write_bytes(served.read_bytes() + b"tampered")
+    proc = run_cli(*args)
+    assert proc.returncode == 2 and "sha256 mismatch for file://" in proc.stderr
+    assert sorted(p.name for p in dest.iterdir()) == []
+    # A tag with no url says what to add.
+    proc = run_cli("--repo", str(fake.project), "fetch", "v0.0.9", "--to", str(dest))
+    assert proc.returncode == 2 and "lists no tarball with a url" in proc.stderr
+
+
+def test_tarball_url_is_checked(fake: Fake) -> None:
+    tags = fake.project / "config" / "tags.yaml"
+    tags.write_text(
+        tags.read_text().replace(f"        - name: {FAKE_TARBALL}\n",
+                                 f"        - name: {FAKE_TARBALL}\n          url: https://x/y.tar\n")
+    )  # fmt: skip
+    with pytest.raises(LmsToolError, match="does not end in the file name"):
+        load_matrix(fake.project)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import git
 
-from lmstool.config import Matrix, TagConfig
+from lmstool.matrix import Matrix, TagConfig
 from lmstool.source import SourceSpec, checkout
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -117,7 +117,7 @@ def commit_edit(
         "GIT_COMMITTER_EMAIL": "dev@example.org",
         "GIT_COMMITTER_DATE": date,
     }
-    message = subject + (f"\n\n{body}" if body else "\n\nUpstream-Status: Inappropriate [LMS]")
+    message = subject + (f"\n\n{body}" if body else "\n\nForwarded: not-needed")
     repo.git.commit("-q", "-m", message, env=env)
 
 
@@ -144,10 +144,9 @@ def tree_state(path: Path) -> tuple[str, str]:
 
 
 def sources_dir() -> Path | None:
-    """The folder of upstream release tarballs: $LMS_SOURCES, else ../shared/sources."""
+    """The folder of upstream release tarballs: $LMS_SOURCES (`make test SOURCES=DIR`)."""
     env = os.environ.get("LMS_SOURCES", "").strip()
-    path = Path(env) if env else REPO_ROOT.parent / "shared" / "sources"
-    return path if path.is_dir() else None
+    return Path(env) if env and Path(env).is_dir() else None
 
 
 @dataclass

@@ -24,10 +24,18 @@ TARBALL = "pytorch_2.6.0+dfsg.orig.tar.xz"
 CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 
 
+def missing_headers() -> list[str]:
+    """System headers the compile check needs that this host lacks (Debian package names)."""
+    dirs = [Path("/usr/include"), Path("/usr/local/include")]
+    dirs += [Path(p) for p in os.environ.get("CPATH", "").split(os.pathsep) if p]
+    wanted = {"fmt/core.h": "libfmt-dev"}
+    return [pkg for header, pkg in wanted.items() if not any((d / header).is_file() for d in dirs)]
+
+
 def sources_dir() -> Path | None:
+    """The folder of release tarballs: $LMS_SOURCES (`make test SOURCES=DIR` sets it)."""
     env = os.environ.get("LMS_SOURCES", "").strip()
-    path = Path(env) if env else REPO.parent / "shared" / "sources"
-    return path if (path / TARBALL).is_file() else None
+    return Path(env) if env and (Path(env) / TARBALL).is_file() else None
 
 
 def test_own_warnings_fail_the_check(tmp_path: Path) -> None:
@@ -45,6 +53,16 @@ def test_own_warnings_fail_the_check(tmp_path: Path) -> None:
     assert upstream.ok
     src.write_text("int f() { return 1; }\n")
     assert torchcheck._compile(cmd, "aten/src/ATen/cuda/LmsPinning.cpp", own=True).ok
+
+
+def test_sources_come_from_the_engine_manifest() -> None:
+    own = [source for source, is_own in torchcheck.SOURCES if is_own]
+    assert own == list(torchcheck.engine_sources())
+    assert "aten/src/ATen/cuda/LmsPinning.cpp" in own
+    assert "torch/csrc/cuda/LmsBindings.cpp" in own
+    assert all(not s.startswith("c10/") for s in own)
+    assert "c10/cuda/LargeModelSupport.h" in torchcheck.REQUIRED
+    assert "test/test_cuda_lms.py" in torchcheck.REQUIRED
 
 
 def test_tree_without_series_is_refused(tmp_path: Path) -> None:
@@ -78,11 +96,14 @@ def lmstool(*args: str) -> None:
 def test_patched_v260_compiles(tmp_path: Path) -> None:
     sources = sources_dir()
     if sources is None:
-        pytest.skip(f"needs {TARBALL} in ../shared/sources or $LMS_SOURCES")
+        pytest.skip(f"needs {TARBALL}: `make test SOURCES=DIR` (or $LMS_SOURCES) with its folder")
     if not (CUDA_HOME / "include/cuda_runtime_api.h").is_file():
         pytest.skip(f"needs the CUDA toolkit at {CUDA_HOME} (or $CUDA_HOME)")
     if shutil.which("g++") is None:
         pytest.skip("needs g++")
+    missing = missing_headers()
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (c10's headers include fmt): make deps")
     for module, why in (("pybind11", "pip install 'pybind11<3'"), ("yaml", "torchgen needs it")):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"needs the {module} package ({why})")

@@ -2,41 +2,42 @@
 
 from __future__ import annotations
 
-import re
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from lmstool import build, recipe
+from lmstool import naming, plan, recipe
 from lmstool.errors import LmsToolError
+from lmstool.matrix import Matrix, load_matrix
 
 pytest.importorskip("jinja2", reason="rendering the recipe needs Jinja2 (pip install Jinja2)")
 
 
-def variants(matrix: build.BuildMatrix) -> list[tuple[str, str, str, str]]:
+def variants(matrix: Matrix) -> list[tuple[str, str, str, str]]:
     out = []
     for tag in ("v2.6.0",):
-        for arch in build.ARCHES:
-            for cuda in matrix.cudas(tag, arch):
-                for python in matrix.pythons(tag):
+        for arch in naming.ARCHES:
+            for cuda in matrix.get_tag(tag).cudas(arch):
+                for python in list(matrix.get_tag(tag).python):
                     out.append((tag, arch, python, cuda))
     return out
 
 
-def test_renders_for_every_variant(matrix: build.BuildMatrix) -> None:
+def test_renders_for_every_variant(matrix: Matrix) -> None:
     rendered = 0
     for tag, arch, python, cuda in variants(matrix):
         meta = recipe.render_for(matrix, tag, arch, python, cuda)
         assert meta["package"] == {"name": "pytorch", "version": "2.6.0"}
-        assert meta["build"]["string"] == build.conda_build_string(python, cuda, 0)
+        assert meta["build"]["string"] == naming.conda_build_string(python, cuda, 0)
         assert "skip" not in meta["build"], f"{arch} cu{cuda} must not be skipped"
         assert meta["source"]["git_rev"] == tag
         run = recipe.run_depends(meta)
         host = meta["requirements"]["host"]
         build_reqs = meta["requirements"]["build"]
-        assert f"gcc_{build.CONDA_SUBDIRS[arch]}" in build_reqs
+        assert f"gcc_{naming.CONDA_SUBDIRS[arch]}" in build_reqs
         assert f"cuda-version {cuda}" in host
         assert (("mkl" in run) == (arch == "x86_64")) and (
             ("openblas" in run) == (arch == "ppc64le")
@@ -63,7 +64,7 @@ def test_ppc64le_cuda_12_6_is_skipped_by_the_recipe(repo: Path) -> None:
     assert "skip" not in x86["build"]
 
 
-def test_render_rejects_unsupported_variant(matrix: build.BuildMatrix) -> None:
+def test_render_rejects_unsupported_variant(matrix: Matrix) -> None:
     with pytest.raises(LmsToolError, match=r"last ppc64le toolkit is 12\.4"):
         recipe.render_for(matrix, "v2.6.0", "ppc64le", "3.11", "12.6")
     with pytest.raises(LmsToolError, match=r"Python 3\.7 is not supported"):
@@ -78,14 +79,15 @@ def test_selectors() -> None:
         recipe.apply_selectors("x: 1  # [windows_arm]\n", ns)
 
 
-def test_variant_config_matches_the_tag_matrix(repo: Path, matrix: build.BuildMatrix) -> None:
-    for arch in build.ARCHES:
+def test_variant_config_matches_the_tag_matrix(repo: Path, matrix: Matrix) -> None:
+    tag = matrix.get_tag(matrix.default_tag)
+    for arch in naming.ARCHES:
         cfg = recipe.render_variant_config(
             repo / recipe.RECIPE_DIR, recipe.Variant("v2.6.0", arch, "3.11", "12.4")
         )
         assert cfg["lms_tag"] == [matrix.default_tag]
-        assert cfg["python"] == matrix.pythons(matrix.default_tag)
-        assert cfg["cuda_compiler_version"] == matrix.cudas(matrix.default_tag, arch)
+        assert cfg["python"] == list(tag.python)
+        assert cfg["cuda_compiler_version"] == list(tag.cudas(arch))
         assert ["cuda_compiler", "cuda_compiler_version"] in cfg["zip_keys"]
         compilers = dict(zip(cfg["cuda_compiler_version"], cfg["cuda_compiler"]))
         for cuda, name in compilers.items():
@@ -93,35 +95,81 @@ def test_variant_config_matches_the_tag_matrix(repo: Path, matrix: build.BuildMa
             meta = recipe.render(
                 repo / recipe.RECIPE_DIR, recipe.Variant("v2.6.0", arch, "3.11", cuda)
             )
-            assert f"{name}_{build.CONDA_SUBDIRS[arch]}" in meta["requirements"]["build"]
+            assert f"{name}_{naming.CONDA_SUBDIRS[arch]}" in meta["requirements"]["build"]
 
 
-def test_build_sh_agrees_with_lmstool_build(repo: Path, matrix: build.BuildMatrix) -> None:
+def _build_sh_env(script: str, subdir: str, cuda: str) -> dict[str, str]:
+    """The variables build.sh exports for one target, by running it up to the build."""
+    head = script.split('"${PYTHON}" -m pip install')[0].replace("set -euxo", "set -euo")
+    code = head + "\nenv\n"
+    env = {
+        "target_platform": subdir,
+        "cuda_compiler_version": cuda,
+        "PKG_VERSION": "2.6.0",
+        "PKG_BUILDNUM": "0",
+        "CPU_COUNT": "2",
+        "PREFIX": "/p",
+        "PATH": "/usr/bin:/bin",
+    }
+    done = subprocess.run(["bash", "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+
+
+def test_build_sh_agrees_with_lmstool_build(repo: Path, matrix: Matrix) -> None:
     script = (repo / recipe.RECIPE_DIR / "build.sh").read_text()
-    exports = re.findall(r"^\s*export (\w+)=(.*)$", script, flags=re.M)
-    values: dict[str, set[str]] = {}
-    for name, value in exports:
-        values.setdefault(name, set()).add(value.strip('"'))
-    computed = {"MAX_JOBS", "TORCH_CUDA_ARCH_LIST", "PYTORCH_BUILD_VERSION", "PYTORCH_BUILD_NUMBER"}
-    for arch in build.ARCHES:
-        cfg = build.make_config(
-            matrix,
-            tag="v2.6.0",
-            arch=arch,
-            cuda=matrix.cudas("v2.6.0", arch)[-1],
-            python="3.11",
-            work=Path("work"),
+    for arch in naming.ARCHES:
+        for cuda in matrix.get_tag("v2.6.0").cudas(arch):
+            cfg = plan.make_config(
+                matrix, tag="v2.6.0", arch=arch, cuda=cuda, python="3.11", work=Path("work")
+            )
+            env = _build_sh_env(script, naming.CONDA_SUBDIRS[arch], cuda)
+            for name, value in plan.build_environment(cfg).items():
+                if name in ("MAX_JOBS", "PYTORCH_BUILD_NUMBER"):
+                    continue
+                assert env.get(name) == value, f"build.sh {arch} cu{cuda}: {name}"
+    done = subprocess.run(
+        ["bash", "-c", script.split('"${PYTHON}" -m pip install')[0]],
+        env={"target_platform": "linux-ppc64le", "cuda_compiler_version": "12.6"},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1
+    assert "no TORCH_CUDA_ARCH_LIST for linux-ppc64le CUDA 12.6" in done.stderr
+
+
+def test_generated_parts_are_current(matrix: Matrix) -> None:
+    """`lmstool recipe sync --check` in CI: the recipe agrees with config/ and patches/."""
+    assert recipe.sync(matrix, check=True) == [], "run `make recipe-sync` and commit"
+    from lmstool.cli import main
+
+    assert main(["recipe", "sync", "--check"]) == 0
+
+
+def test_sync_follows_the_matrix(repo: Path, tmp_path: Path) -> None:
+    root = _tmp_repo(repo, tmp_path)
+    tags = root / "config" / "tags.yaml"
+    tags.write_text(tags.read_text().replace('"3.13"]', '"3.13", "3.14"]'))
+    toolchain = root / "config" / "toolchain.yaml"
+    toolchain.write_text(
+        toolchain.read_text().replace(
+            'ppc64le: "6.0;7.0;8.0"\n  "12.6"', 'ppc64le: "7.0;8.0"\n  "12.6"'
         )
-        for name, value in build.build_environment(cfg).items():
-            if name in computed:
-                assert name in values, f"build.sh does not set {name}"
-                continue
-            assert value in values.get(name, set()), f"build.sh: {name} should be {value}"
-    for cuda, info in matrix.toolchain["cuda"].items():
-        for arch, arch_list in info["arch_list"].items():
-            if cuda in matrix.cudas("v2.6.0", arch):
-                assert arch_list in script, f"build.sh lacks {arch} CUDA {cuda} arch list"
-    assert "+lms.cu" in script
+    )
+    (root / "patches" / "v2.6.0").mkdir(parents=True)
+    (root / "patches" / "v2.6.0" / "0001-a.patch").write_text("From 0 Mon Sep 17 00:00:00 2001\n")
+    matrix = load_matrix(root)
+    changed = recipe.sync(matrix, check=True)
+    names = sorted(p.name for p in changed)
+    assert names == ["build.sh", "conda_build_config.yaml", "meta.yaml"]
+    recipe.sync(matrix)
+    cfg = recipe.render_variant_config(
+        root / recipe.RECIPE_DIR, recipe.Variant("v2.6.0", "x86_64", "3.11", "12.4")
+    )
+    assert cfg["python"][-1] == "3.14"
+    script = (root / recipe.RECIPE_DIR / "build.sh").read_text()
+    assert 'linux-ppc64le/12.4) arch_list="7.0;8.0"' in script
+    assert recipe.sync(matrix, check=True) == []
 
 
 def _tmp_repo(repo: Path, tmp_path: Path) -> Path:
@@ -137,10 +185,10 @@ def test_sync_lists_the_series_and_render_applies_it(repo: Path, tmp_path: Path)
     series.mkdir(parents=True)
     for name in ("0002-lms-allocator.patch", "0001-lms-engine.patch"):
         (series / name).write_text("From 0 Mon Sep 17 00:00:00 2001\n")
-    matrix = build.BuildMatrix.load(root)
-    assert recipe.sync_series(matrix, check=True) is True
-    assert recipe.sync_series(matrix) is True
-    assert recipe.sync_series(matrix, check=True) is False
+    matrix = load_matrix(root)
+    assert recipe.sync(matrix, check=True) != []
+    assert recipe.sync(matrix) != []
+    assert recipe.sync(matrix, check=True) == []
     meta = recipe.render_for(matrix, "v2.6.0", "ppc64le", "3.11", "12.4")
     patches = recipe.listed_patches(meta)
     assert patches == [
@@ -160,11 +208,7 @@ def test_sync_refuses_recipe_without_markers(repo: Path, tmp_path: Path) -> None
     meta = root / recipe.RECIPE_DIR / "meta.yaml"
     meta.write_text(meta.read_text().replace("# END lms-series", "# end"))
     with pytest.raises(LmsToolError, match="END lms-series"):
-        recipe.sync_series(build.BuildMatrix.load(root))
-
-
-def test_committed_recipe_lists_the_committed_series(matrix: build.BuildMatrix) -> None:
-    assert recipe.sync_series(matrix, check=True) is False, "run `lmstool recipe sync`"
+        recipe.sync(load_matrix(root))
 
 
 def test_render_cli(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from lmstool.build import BuildMatrix
+from lmstool.matrix import Matrix, load_matrix
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -15,5 +15,5 @@ def repo() -> Path:
 
 
 @pytest.fixture()
-def matrix() -> BuildMatrix:
-    return BuildMatrix.load(REPO)
+def matrix() -> Matrix:
+    return load_matrix(REPO)

@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from lmstool import build
+from lmstool import naming, plan, preflight
+from lmstool import steps as runner
 from lmstool.cli import main
 from lmstool.errors import LmsToolError
+from lmstool.matrix import Matrix
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -138,9 +140,9 @@ def test_dry_run_warns_that_orig_tarball_cannot_build(
     [
         (["--arch", "ppc64le", "--cuda", "12.6"], "last ppc64le toolkit is 12.4"),
         (["--arch", "x86_64", "--cuda", "13.0"], "newer than v2.6.0 supports on x86_64"),
-        (["--arch", "x86_64", "--cuda", "12.1"], "use CUDA= one of 11.8, 12.4, 12.6"),
+        (["--arch", "x86_64", "--cuda", "12.1"], "pass --cuda 11.8 or --cuda 12.4 or --cuda 12.6"),
         (["--arch", "x86_64", "--python", "3.8"], "Python 3.8 is not supported by v2.6.0"),
-        (["--arch", "arm64"], "ARCH must be one of x86_64, ppc64le"),
+        (["--arch", "arm64"], "pass --arch x86_64 or ppc64le"),
         (["--arch", "x86_64", "--max-jobs", "0"], "MAX_JOBS must be at least 1"),
     ],
 )
@@ -167,7 +169,7 @@ def _fake_tool(folder: Path, name: str, output: str) -> Path:
     return tool
 
 
-def _config(matrix: build.BuildMatrix, tmp_path: Path, **kw: object) -> build.BuildConfig:
+def _config(matrix: Matrix, tmp_path: Path, **kw: object) -> plan.BuildConfig:
     args: dict[str, object] = {
         "tag": "v2.6.0",
         "arch": "x86_64",
@@ -178,14 +180,14 @@ def _config(matrix: build.BuildMatrix, tmp_path: Path, **kw: object) -> build.Bu
         "python_exe": sys.executable,
     }
     args.update(kw)
-    return build.make_config(matrix, **args)  # type: ignore[arg-type]
+    return plan.make_config(matrix, **args)  # type: ignore[arg-type]
 
 
-def _by_check(findings: list[build.Finding]) -> dict[str, build.Finding]:
+def _by_check(findings: list[preflight.Finding]) -> dict[str, preflight.Finding]:
     return {f.check: f for f in findings}
 
 
-def test_preflight_host_checks(matrix: build.BuildMatrix, tmp_path: Path) -> None:
+def test_preflight_host_checks(matrix: Matrix, tmp_path: Path) -> None:
     bindir = tmp_path / "bin"
     gcc11 = _fake_tool(bindir, "gcc11", "11.4.0")
     gcc14 = _fake_tool(bindir, "gcc14", "14.1.0")
@@ -196,56 +198,62 @@ def test_preflight_host_checks(matrix: build.BuildMatrix, tmp_path: Path) -> Non
         tmp_path / "cuda130" / "bin", "nvcc", "Cuda compilation tools, release 13.0, V13.0.1"
     )
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    cfg = _config(matrix, tmp_path, python=py if py in matrix.pythons("v2.6.0") else "3.11")
+    cfg = _config(matrix, tmp_path, python=py if py in matrix.get_tag("v2.6.0").python else "3.11")
 
     good = {"CC": str(gcc11), "CUDA_HOME": str(tmp_path / "cuda126")}
-    found = _by_check(build.preflight(cfg, matrix, good, host="x86_64"))
+    found = _by_check(preflight.preflight(cfg, matrix, good, host="x86_64"))
     assert found["compiler"].ok and found["cuda"].ok and found["architecture"].ok
     assert found["submodules"].ok
 
     bad = {"CC": str(gcc14), "CUDA_HOME": str(tmp_path / "cuda130")}
-    found = _by_check(build.preflight(cfg, matrix, bad, host="ppc64le"))
+    found = _by_check(preflight.preflight(cfg, matrix, bad, host="ppc64le"))
     assert not found["compiler"].ok and "outside 9-13" in found["compiler"].message
     assert not found["cuda"].ok and "CUDA 13.0" in found["cuda"].message
     assert "CUDA_HOME" in found["cuda"].fix
     assert not found["architecture"].ok and "Dockerfile.x86_64" in found["architecture"].fix
 
     missing = {"CC": str(tmp_path / "nope"), "CUDA_HOME": str(tmp_path / "nocuda")}
-    found = _by_check(build.preflight(cfg, matrix, missing, host="x86_64"))
+    found = _by_check(preflight.preflight(cfg, matrix, missing, host="x86_64"))
     assert not found["compiler"].ok and not found["cuda"].ok
 
 
-def test_preflight_cuda11_caps_gcc(matrix: build.BuildMatrix, tmp_path: Path) -> None:
+def test_preflight_cuda11_caps_gcc(matrix: Matrix, tmp_path: Path) -> None:
     gcc12 = _fake_tool(tmp_path / "bin", "gcc", "12.2.0")
     cfg = _config(matrix, tmp_path, cuda="11.8")
-    found = _by_check(build.preflight(cfg, matrix, {"CC": str(gcc12)}, host="x86_64"))
+    found = _by_check(preflight.preflight(cfg, matrix, {"CC": str(gcc12)}, host="x86_64"))
     assert not found["compiler"].ok and "9-11" in found["compiler"].message
 
 
-def test_preflight_memory_suggests_max_jobs(matrix: build.BuildMatrix, tmp_path: Path) -> None:
-    if build.mem_available_gib() is None:
+def test_preflight_memory_suggests_max_jobs(matrix: Matrix, tmp_path: Path) -> None:
+    if preflight.mem_available_gib() is None:
         pytest.skip("no /proc/meminfo on this system")
     cfg = _config(matrix, tmp_path, max_jobs=100000)
-    found = _by_check(build.preflight(cfg, matrix, {}, host="x86_64"))
+    found = _by_check(preflight.preflight(cfg, matrix, {}, host="x86_64"))
     assert not found["memory"].ok
     assert found["memory"].fix.startswith("pass MAX_JOBS=")
 
 
-def test_preflight_python_mismatch(matrix: build.BuildMatrix, tmp_path: Path) -> None:
+def test_preflight_python_mismatch(
+    matrix: Matrix, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     other = "3.9" if sys.version_info[:2] != (3, 9) else "3.10"
     cfg = _config(matrix, tmp_path, python=other)
-    found = _by_check(build.preflight(cfg, matrix, {}, host="x86_64"))
+    found = _by_check(preflight.preflight(cfg, matrix, {}, host="x86_64"))
     assert not found["python"].ok and "--python-exe" in found["python"].fix
+    # Under make the fix names the make variables instead.
+    monkeypatch.setenv("LMSTOOL_FRONTEND", "make")
+    found = _by_check(preflight.preflight(cfg, matrix, {}, host="x86_64"))
+    assert "PYTHON_EXE=PATH" in found["python"].fix and "--python-exe" not in found["python"].fix
 
 
-def test_preflight_tree_without_submodules(matrix: build.BuildMatrix, tmp_path: Path) -> None:
+def test_preflight_tree_without_submodules(matrix: Matrix, tmp_path: Path) -> None:
     cfg = _config(matrix, tmp_path)
     cfg.tree.mkdir(parents=True)
     (cfg.tree / "setup.py").write_text("")
-    for name in matrix.required_submodules("v2.6.0", "x86_64")[1:]:
+    for name in matrix.get_tag("v2.6.0").submodules_for("x86_64")[1:]:
         (cfg.tree / "third_party" / name).mkdir(parents=True)
         (cfg.tree / "third_party" / name / "CMakeLists.txt").write_text("")
-    found = _by_check(build.preflight(cfg, matrix, {}, host="x86_64"))
+    found = _by_check(preflight.preflight(cfg, matrix, {}, host="x86_64"))
     assert not found["submodules"].ok
     assert found["submodules"].message.endswith("lacks pybind11")
     assert "submodule update --init --recursive" in found["submodules"].fix
@@ -254,7 +262,7 @@ def test_preflight_tree_without_submodules(matrix: build.BuildMatrix, tmp_path: 
 def test_full_build_from_orig_tarball_stops_at_preflight(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], repo: Path
 ) -> None:
-    sources = repo.parent.parent / "shared" / "sources"
+    sources = Path(os.environ.get("LMS_SOURCES", "").strip() or tmp_path / "none")
     if not (sources / "pytorch_2.6.0+dfsg.orig.tar.xz").exists():
         sources = tmp_path / "sources"
         sources.mkdir()
@@ -265,7 +273,7 @@ def test_full_build_from_orig_tarball_stops_at_preflight(
         "build",
         "v2.6.0",
         "--arch",
-        build.host_arch() if build.host_arch() in build.ARCHES else "x86_64",
+        naming.host_arch() if naming.host_arch() in naming.ARCHES else "x86_64",
         "--cuda",
         "12.4",
         "--python",
@@ -283,7 +291,7 @@ def test_full_build_from_orig_tarball_stops_at_preflight(
     assert logs == ["00-preflight.log"], "no step may run after a failed preflight"
 
 
-def _steps(tmp_path: Path, marker: str = "a") -> list[build.Step]:
+def _steps(tmp_path: Path, marker: str = "a") -> list[runner.Step]:
     out = tmp_path / "out"
     py = sys.executable
 
@@ -296,8 +304,8 @@ def _steps(tmp_path: Path, marker: str = "a") -> list[build.Step]:
 
     out.mkdir(exist_ok=True)
     return [
-        build.Step("one", "first", write("one.txt", marker), tmp_path, outputs=[out / "one.txt"]),
-        build.Step(
+        runner.Step("one", "first", write("one.txt", marker), tmp_path, outputs=[out / "one.txt"]),
+        runner.Step(
             "two",
             "second",
             write("two.txt", "b"),
@@ -305,31 +313,31 @@ def _steps(tmp_path: Path, marker: str = "a") -> list[build.Step]:
             env={"LMS_X": "1"},
             outputs=[out / "two.txt"],
         ),
-        build.Step("three", "third", write("three.txt", "c"), tmp_path),
+        runner.Step("three", "third", write("three.txt", "c"), tmp_path),
     ]
 
 
-def test_execute_logs_stamps_and_resumes(matrix: build.BuildMatrix, tmp_path: Path) -> None:
+def test_execute_logs_stamps_and_resumes(matrix: Matrix, tmp_path: Path) -> None:
     cfg = _config(matrix, tmp_path)
     steps = _steps(tmp_path)
     out = io.StringIO()
-    build.execute(cfg, steps, out=out)
+    runner.execute(cfg, steps, out=out)
     assert "[1/3] one: first" in out.getvalue() and "[3/3] three: ok in" in out.getvalue()
     log = (cfg.logs / "02-two.log").read_text()
     assert "# env: LMS_X=1" in log and "wrote two.txt" in log
     stamp = json.loads((cfg.stamps / "01-one.done").read_text())
-    assert stamp["key"] == build.step_keys(steps)[0]
+    assert stamp["key"] == runner.step_keys(steps)[0]
 
     out = io.StringIO()
-    build.execute(cfg, steps, out=out)
+    runner.execute(cfg, steps, out=out)
     assert out.getvalue().count("done earlier, skipped") == 3
-    assert "done, skipped on rerun" in build.format_plan(cfg, steps)
+    assert "done, skipped on rerun" in plan.format_plan(cfg, steps)
 
     # A changed input redoes that step and everything after it.
     (tmp_path / "out" / "three.txt").unlink()
     changed = _steps(tmp_path, marker="z")
     out = io.StringIO()
-    build.execute(cfg, changed, out=out)
+    runner.execute(cfg, changed, out=out)
     assert "skipped" not in out.getvalue()
     assert (tmp_path / "out" / "one.txt").read_text() == "z"
     assert (tmp_path / "out" / "three.txt").exists()
@@ -337,22 +345,22 @@ def test_execute_logs_stamps_and_resumes(matrix: build.BuildMatrix, tmp_path: Pa
     # A missing output also redoes the step.
     (tmp_path / "out" / "two.txt").unlink()
     out = io.StringIO()
-    build.execute(cfg, changed, out=out)
+    runner.execute(cfg, changed, out=out)
     assert "[1/3] one: done earlier" in out.getvalue()
     assert "[2/3] two: ok" in out.getvalue() and "[3/3] three: ok" in out.getvalue()
 
 
-def test_execute_failure_reports_log_tail(matrix: build.BuildMatrix, tmp_path: Path) -> None:
+def test_execute_failure_reports_log_tail(matrix: Matrix, tmp_path: Path) -> None:
     cfg = _config(matrix, tmp_path)
     steps = _steps(tmp_path)
-    steps[1] = build.Step(
+    steps[1] = runner.Step(
         "two",
         "fails",
         [sys.executable, "-c", "print('compiler exploded'); raise SystemExit(3)"],
         tmp_path,
     )
     with pytest.raises(LmsToolError) as info:
-        build.execute(cfg, steps, out=io.StringIO())
+        runner.execute(cfg, steps, out=io.StringIO())
     text = str(info.value)
     assert "step two failed with exit code 3" in text
     assert "compiler exploded" in text and str(cfg.logs / "02-two.log") in text
@@ -361,12 +369,44 @@ def test_execute_failure_reports_log_tail(matrix: build.BuildMatrix, tmp_path: P
     assert not (cfg.stamps / "03-three.done").exists()
 
 
-def test_step_keys_follow_series_content(matrix: build.BuildMatrix, tmp_path: Path) -> None:
+def test_step_keys_follow_series_content(matrix: Matrix, tmp_path: Path) -> None:
     cfg = _config(matrix, tmp_path)
-    keys = build.step_keys(build.plan(cfg, matrix))
+    keys = runner.step_keys(plan.plan(cfg, matrix))
     cfg2 = _config(matrix, tmp_path, max_jobs=4)
-    keys2 = build.step_keys(build.plan(cfg2, matrix))
+    keys2 = runner.step_keys(plan.plan(cfg2, matrix))
     # MAX_JOBS changes the wheel step: the steps before it keep their stamps.
     assert keys[:3] == keys2[:3] and keys[3] != keys2[3]
     assert len(set(keys)) == len(keys)
     assert os.environ.get("LMS_X") is None
+
+
+def test_tag_without_series_is_refused_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    work = tmp_path / "work"
+    code, out, err = run_cli(capsys, "build", "v1.13.1", "--work", str(work), "--preflight")
+    assert code == 2 and out == ""
+    assert "v1.13.1 has no LMS series" in err and "integration/v1.13.1/series" in err
+    assert "Use v2.6.0" in err
+    assert not work.exists(), "nothing may run for a tag without a series"
+    monkeypatch.setenv("LMSTOOL_FRONTEND", "make")
+    code, _, err = run_cli(capsys, "build", "v1.13.1", "--work", str(work), "--dry-run")
+    assert code == 2 and "Use TAG=v2.6.0" in err
+
+
+def test_submodule_fix_names_make_variables(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    (sources / "pytorch_2.6.0+dfsg.orig.tar.xz").write_bytes(b"")
+    monkeypatch.setenv("LMSTOOL_FRONTEND", "make")
+    args = ("build", "v2.6.0", "--arch", "x86_64", "--work", str(tmp_path / "w"), "--dry-run")
+    code, out, _ = run_cli(capsys, *args, "--sources", str(sources))
+    assert code == 0
+    assert f"run again without SOURCES={sources}" in out and "MIRROR=PATH" in out
+    assert "--sources" not in out.split("Preflight will stop this build")[1]
+    # The default (no SOURCES) clones from GitHub with the submodules: nothing to stop.
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0 and "Preflight will stop" not in out
+    assert "--sources" not in out and "checkout v2.6.0 --dest" in out

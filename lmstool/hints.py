@@ -1,0 +1,51 @@
+"""How an error names what the user can type: a make variable or a command-line option.
+
+The Makefile runs lmstool with ``LMSTOOL_FRONTEND=make``; messages then say ``SOURCES=DIR``
+where a direct call says ``--sources DIR``. Every user-facing fix goes through
+:func:`option`, so one message fits both ways of running the tool.
+"""
+
+from __future__ import annotations
+
+import os
+
+FRONTEND_ENV = "LMSTOOL_FRONTEND"
+
+# option name -> (command-line spelling, make spelling)
+_SPELLINGS: dict[str, tuple[str, str]] = {
+    "tag": ("TAG", "TAG="),
+    "sources": ("--sources ", "SOURCES="),
+    "remote": ("--remote ", "REMOTE="),
+    "mirror": ("--mirror ", "MIRROR="),
+    "work": ("--work ", "WORK="),
+    "dest": ("--dest ", "WORK="),
+    "tree": ("--tree ", "WORK="),
+    "arch": ("--arch ", "ARCH="),
+    "cuda": ("--cuda ", "CUDA="),
+    "python": ("--python ", "PYTHON="),
+    "python_exe": ("--python-exe ", "PYTHON_EXE="),
+    "max_jobs": ("--max-jobs ", "MAX_JOBS="),
+}
+
+
+def via_make() -> bool:
+    return os.environ.get(FRONTEND_ENV, "") == "make"
+
+
+def option(name: str, value: str = "") -> str:
+    """``option("sources", "DIR")`` is ``SOURCES=DIR`` under make, ``--sources DIR`` otherwise.
+
+    An empty ``value`` under make gives the blank assignment (``SOURCES=``), which is how a
+    make user clears a variable that has a default.
+    """
+    cli, make = _SPELLINGS[name]
+    if via_make():
+        return f"{make}{value}"
+    if name == "tag":
+        return value or cli
+    return f"{cli}{value}".rstrip()
+
+
+def command(cli: str, make: str) -> str:
+    """The command to run next: ``make`` form under make, the lmstool form otherwise."""
+    return f"`{make}`" if via_make() else f"`{cli}`"
