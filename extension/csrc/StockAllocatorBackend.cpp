@@ -37,7 +37,8 @@ namespace lms = c10::cuda::lms;
 
 size_t statCurrent(const c10::CachingDeviceAllocator::StatArray& stat) {
   const int64_t current =
-      stat[static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE)]
+      stat[static_cast<size_t>(
+               c10::CachingDeviceAllocator::StatType::AGGREGATE)]
           .current;
   return current > 0 ? static_cast<size_t>(current) : 0;
 }
@@ -102,9 +103,8 @@ class PrivatePoolTracker {
  private:
   std::atomic<int64_t>& reservedOf(c10::DeviceIndex device) {
     static std::atomic<int64_t> unknown{0};
-    return device >= 0 && device < C10_COMPILE_TIME_MAX_GPUS
-        ? reserved_[device]
-        : unknown;
+    return device >= 0 && device < C10_COMPILE_TIME_MAX_GPUS ? reserved_[device]
+                                                             : unknown;
   }
 
   std::mutex mutex_;
@@ -135,8 +135,7 @@ bool captureUnderway(c10::DeviceIndex device) {
 // never the LMS allocator in front of it (which would call the engine back).
 class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
  public:
-  explicit StockAllocatorBackend(alloc::CUDAAllocator* stock)
-      : stock_(stock) {}
+  explicit StockAllocatorBackend(alloc::CUDAAllocator* stock) : stock_(stock) {}
 
   void* malloc(c10::DeviceIndex device, size_t size, cudaStream_t stream)
       override {
@@ -259,7 +258,8 @@ class LmsAllocator final : public alloc::CUDAAllocator {
     }
     const c10::DeviceIndex device = c10::cuda::current_device();
     if (routedToPool(device)) {
-      return inPrivatePool(device, size, [&] { return stock_->allocate(size); });
+      return inPrivatePool(
+          device, size, [&] { return stock_->allocate(size); });
     }
     return lms::allocate(
         device, size, c10::cuda::getCurrentCUDAStream(device).stream());
@@ -337,7 +337,8 @@ class LmsAllocator final : public alloc::CUDAAllocator {
     poolRouting(device).fetch_sub(1);
   }
 
-  // --- Forwarded unchanged ----------------------------------------------------
+  // --- Forwarded unchanged
+  // ----------------------------------------------------
 
   void init(int device_count) override {
     stock_->init(device_count);
@@ -380,9 +381,8 @@ class LmsAllocator final : public alloc::CUDAAllocator {
   std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex device) override {
     return stock_->getMemoryInfo(device);
   }
-  alloc::SnapshotInfo snapshot(
-      c10::MempoolId_t mempool_id,
-      bool include_traces) override {
+  alloc::SnapshotInfo snapshot(c10::MempoolId_t mempool_id, bool include_traces)
+      override {
     return stock_->snapshot(mempool_id, include_traces);
   }
   void releasePool(c10::DeviceIndex device, c10::MempoolId_t mempool_id)
@@ -456,12 +456,11 @@ class LmsAllocator final : public alloc::CUDAAllocator {
   std::string getUserMetadata() override {
     return stock_->getUserMetadata();
   }
-  void attachOutOfMemoryObserver(alloc::OutOfMemoryObserver observer)
-      override {
+  void attachOutOfMemoryObserver(alloc::OutOfMemoryObserver observer) override {
     stock_->attachOutOfMemoryObserver(std::move(observer));
   }
-  void attachAllocatorTraceTracker(alloc::AllocatorTraceTracker tracker)
-      override {
+  void attachAllocatorTraceTracker(
+      alloc::AllocatorTraceTracker tracker) override {
     stock_->attachAllocatorTraceTracker(std::move(tracker));
   }
   void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access)
@@ -500,8 +499,8 @@ class LmsAllocator final : public alloc::CUDAAllocator {
       const void* ptr) override {
     return stock_->getContextForPointer(ptr);
   }
-  void attachOomRejectionObserver(alloc::OomRejectionObserver observer)
-      override {
+  void attachOomRejectionObserver(
+      alloc::OomRejectionObserver observer) override {
     stock_->attachOomRejectionObserver(std::move(observer));
   }
 #endif
@@ -539,10 +538,11 @@ class LmsAllocator final : public alloc::CUDAAllocator {
             "Large Model Support: out of memory for a private memory pool "
             "(a CUDA graph or torch.cuda.MemPool), whose memory LMS never pages "
             "out. ",
-            capturing ? "A CUDA graph capture is underway, and page-outs cannot "
-                        "be captured. "
-                      : "Every inactive storage outside the pools is already "
-                        "paged out. ",
+            capturing
+                ? "A CUDA graph capture is underway, and page-outs cannot "
+                  "be captured. "
+                : "Every inactive storage outside the pools is already "
+                  "paged out. ",
             "Private pools hold ",
             mebibytes(privatePools().reservedBytes(device)),
             " on this device. Leave room for them under the cap (a higher "

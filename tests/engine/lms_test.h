@@ -130,74 +130,76 @@ inline int run(int argc, char** argv) {
 #define LMS_TEST_CAT2(a, b) a##b
 #define LMS_TEST_CAT(a, b) LMS_TEST_CAT2(a, b)
 
-#define TEST_CASE(name)                                              \
-  static void LMS_TEST_CAT(test_, name)();                           \
-  static ::lms_test::Registrar LMS_TEST_CAT(registrar_, name)(       \
-      #name, &LMS_TEST_CAT(test_, name));                            \
+#define TEST_CASE(name)                                        \
+  static void LMS_TEST_CAT(test_, name)();                     \
+  static ::lms_test::Registrar LMS_TEST_CAT(registrar_, name)( \
+      #name, &LMS_TEST_CAT(test_, name));                      \
   static void LMS_TEST_CAT(test_, name)()
 
-#define CHECK(cond)                                                  \
-  do {                                                               \
-    if (!(cond)) {                                                   \
-      ::lms_test::fail(__FILE__, __LINE__, #cond);                   \
-    }                                                                \
+#define CHECK(cond)                                \
+  do {                                             \
+    if (!(cond)) {                                 \
+      ::lms_test::fail(__FILE__, __LINE__, #cond); \
+    }                                              \
   } while (0)
 
-#define CHECK_EQ(a, b)                                               \
-  do {                                                               \
-    const auto& lms_a_ = (a);                                        \
-    const auto& lms_b_ = (b);                                        \
-    if (!(lms_a_ == lms_b_)) {                                       \
-      ::lms_test::fail(                                              \
-          __FILE__,                                                  \
-          __LINE__,                                                  \
-          ::lms_test::describe(#a " == " #b, lms_a_, lms_b_));       \
-    }                                                                \
+#define CHECK_EQ(a, b)                                         \
+  do {                                                         \
+    const auto& lms_a_ = (a);                                  \
+    const auto& lms_b_ = (b);                                  \
+    if (!(lms_a_ == lms_b_)) {                                 \
+      ::lms_test::fail(                                        \
+          __FILE__,                                            \
+          __LINE__,                                            \
+          ::lms_test::describe(#a " == " #b, lms_a_, lms_b_)); \
+    }                                                          \
   } while (0)
 
-#define CHECK_LE(a, b)                                               \
-  do {                                                               \
-    const auto& lms_a_ = (a);                                        \
-    const auto& lms_b_ = (b);                                        \
-    if (!(lms_a_ <= lms_b_)) {                                       \
-      ::lms_test::fail(                                              \
-          __FILE__,                                                  \
-          __LINE__,                                                  \
-          ::lms_test::describe(#a " <= " #b, lms_a_, lms_b_));       \
-    }                                                                \
+#define CHECK_LE(a, b)                                         \
+  do {                                                         \
+    const auto& lms_a_ = (a);                                  \
+    const auto& lms_b_ = (b);                                  \
+    if (!(lms_a_ <= lms_b_)) {                                 \
+      ::lms_test::fail(                                        \
+          __FILE__,                                            \
+          __LINE__,                                            \
+          ::lms_test::describe(#a " <= " #b, lms_a_, lms_b_)); \
+    }                                                          \
   } while (0)
 
-#define REQUIRE(cond)                                                \
-  do {                                                               \
-    if (!(cond)) {                                                   \
-      ::lms_test::fail(__FILE__, __LINE__, #cond);                   \
-      throw ::lms_test::FatalFailure{};                              \
-    }                                                                \
+#define REQUIRE(cond)                              \
+  do {                                             \
+    if (!(cond)) {                                 \
+      ::lms_test::fail(__FILE__, __LINE__, #cond); \
+      throw ::lms_test::FatalFailure{};            \
+    }                                              \
   } while (0)
 
-#define CHECK_THROWS_AS(expr, type, needle)                          \
-  do {                                                               \
-    bool lms_thrown_ = false;                                        \
-    try {                                                            \
-      (void)(expr);                                                  \
-    } catch (const type& e) {                                        \
-      lms_thrown_ = true;                                            \
-      if (std::string(e.what()).find(needle) == std::string::npos) { \
-        ::lms_test::fail(                                            \
-            __FILE__,                                                \
-            __LINE__,                                                \
-            std::string("message lacks '") + (needle) +              \
-                "': " + e.what());                                   \
-      }                                                              \
-    }                                                                \
-    if (!lms_thrown_) {                                              \
+#define CHECK_THROWS_AS(expr, type, needle)                                \
+  do {                                                                     \
+    bool lms_thrown_ = false;                                              \
+    try {                                                                  \
+      (void)(expr);                                                        \
+    } catch (const type& e) {                                              \
+      lms_thrown_ = true;                                                  \
+      if (std::string(e.what()).find(needle) == std::string::npos) {       \
+        ::lms_test::fail(                                                  \
+            __FILE__,                                                      \
+            __LINE__,                                                      \
+            std::string("message lacks '") + (needle) + "': " + e.what()); \
+      }                                                                    \
+    }                                                                      \
+    if (!lms_thrown_) {                                                    \
       ::lms_test::fail(__FILE__, __LINE__, #expr " did not throw " #type); \
-    }                                                                \
+    }                                                                      \
   } while (0)
 
-#define SKIP(reason) throw ::lms_test::Skipped{reason}
+#define SKIP(reason)          \
+  throw ::lms_test::Skipped { \
+    reason                    \
+  }
 
-#define LMS_TEST_MAIN()                          \
-  int main(int argc, char** argv) {              \
-    return ::lms_test::run(argc, argv);          \
+#define LMS_TEST_MAIN()                 \
+  int main(int argc, char** argv) {     \
+    return ::lms_test::run(argc, argv); \
   }

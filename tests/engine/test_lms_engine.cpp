@@ -286,8 +286,8 @@ TEST_CASE(contents_bit_identical_after_thousands_of_cycles) {
           break;
         case 2: {
           // Two storages pinned at once, as by a binary operator.
-          const size_t j = (i + 1 + rng() % (storages.size() - 1)) %
-              storages.size();
+          const size_t j =
+              (i + 1 + rng() % (storages.size() - 1)) % storages.size();
           lms::pin(*storages[j]);
           mismatches += !matches(*storages[i], seeds[i]);
           lms::unpin(*storages[j]);
@@ -459,8 +459,7 @@ TEST_CASE(raw_access_pages_in_and_leaves_reclaim_list) {
     CHECK(state(s) == lms::StorageState::Allocated);
     CHECK_EQ(lms::reclaimInactive(0), size_t(0)); // off the reclaim list
     std::vector<uint64_t> got(2 * kMiB / 8);
-    C10_CUDA_CHECK(
-        cudaMemcpy(got.data(), p, 2 * kMiB, cudaMemcpyDeviceToHost));
+    C10_CUDA_CHECK(cudaMemcpy(got.data(), p, 2 * kMiB, cudaMemcpyDeviceToHost));
     CHECK(got == pattern(2 * kMiB, 42));
   }
   env.checkBaseline();
@@ -633,22 +632,20 @@ TEST_CASE(pending_error_is_raised_by_the_next_allocation) {
   {
     const auto failures = lms::getStats(0).pin_failures;
     CHECK(!lms::hasPendingError());
-    lms::setPendingError(
-        0, oomError("op did not fit"));
+    lms::setPendingError(0, oomError("op did not fit"));
     CHECK(lms::hasPendingError());
     CHECK_EQ(lms::getStats(0).pin_failures, failures + 1);
-    CHECK_THROWS_AS(newStorage(2 * kMiB), c10::OutOfMemoryError, "op did not fit");
+    CHECK_THROWS_AS(
+        newStorage(2 * kMiB), c10::OutOfMemoryError, "op did not fit");
     CHECK(!lms::hasPendingError());
     auto s = newStorage(2 * kMiB); // raised once only
     write(*s, 1);
     CHECK(matches(*s, 1));
     // Raw allocations raise it too; clearPendingError() drops it.
-    lms::setPendingError(
-        0, oomError("raw"));
+    lms::setPendingError(0, oomError("raw"));
     CHECK_THROWS_AS(
         lms::allocateRaw(0, 2 * kMiB, stream()), c10::OutOfMemoryError, "raw");
-    lms::setPendingError(
-        0, oomError("dropped"));
+    lms::setPendingError(0, oomError("dropped"));
     lms::clearPendingError();
     void* raw = lms::allocateRaw(0, 2 * kMiB, stream());
     CHECK(raw != nullptr);

@@ -225,7 +225,8 @@ std::vector<DeviceEngine*> g_engines; // never freed: used by late deleters
 
 DeviceEngine& engineFor(c10::DeviceIndex device) {
   std::lock_guard<std::mutex> lock(g_engines_mutex);
-  TORCH_CHECK(device >= 0, "LMS: invalid CUDA device index ", std::to_string(device));
+  TORCH_CHECK(
+      device >= 0, "LMS: invalid CUDA device index ", std::to_string(device));
   if (static_cast<size_t>(device) >= g_engines.size()) {
     g_engines.resize(device + 1, nullptr);
   }
@@ -706,8 +707,8 @@ bool prefetchOne(DeviceEngine& e, Record& r, cudaStream_t stream) {
     C10_CUDA_CHECK(cudaStreamWaitEvent(copy, ev, 0));
     C10_CUDA_CHECK(cudaStreamWaitEvent(copy, r.host_ready, 0));
     e.events.put(ev);
-    C10_CUDA_CHECK(cudaMemcpyAsync(
-        ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, copy));
+    C10_CUDA_CHECK(
+        cudaMemcpyAsync(ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, copy));
     finishPageIn(e, r, ptr, stream, copy);
   } catch (...) {
     // Reuse in `stream`'s order must also wait for the copy stream, which
@@ -877,8 +878,8 @@ void makeResident(
         "region once before capturing so its inputs are resident, or "
         "capture with LMS disabled (torch.cuda.set_enabled_lms(False)).");
     const int depth = target == State::Active ? g_prefetch_depth.load() : 0;
-    for (Record* p = r.prev; p != nullptr &&
-         static_cast<int>(prefetch.size()) < depth;
+    for (Record* p = r.prev;
+         p != nullptr && static_cast<int>(prefetch.size()) < depth;
          p = p->prev) {
       prefetch.push_back(p);
     }
@@ -1024,9 +1025,8 @@ DeviceMemoryBackend::~DeviceMemoryBackend() = default;
 
 HostPool& hostPool() {
   // Never destroyed: deleters of storages may run during static destruction.
-  static HostPool* pool = new HostPool([](cudaEvent_t ev, c10::DeviceIndex d) {
-    engineFor(d).events.put(ev);
-  });
+  static HostPool* pool = new HostPool(
+      [](cudaEvent_t ev, c10::DeviceIndex d) { engineFor(d).events.put(ev); });
   return *pool;
 }
 
@@ -1071,7 +1071,10 @@ size_t getSizeThreshold() {
 }
 
 void setPrefetchDepth(int depth) {
-  TORCH_CHECK(depth >= 0, "LMS: prefetch depth must be >= 0, got ", std::to_string(depth));
+  TORCH_CHECK(
+      depth >= 0,
+      "LMS: prefetch depth must be >= 0, got ",
+      std::to_string(depth));
   g_prefetch_depth.store(depth);
 }
 
@@ -1417,10 +1420,7 @@ c10::DataPtr allocate(
       ptr, r, &deleteRecord, c10::Device(c10::DeviceType::CUDA, device));
 }
 
-void* allocateRaw(
-    c10::DeviceIndex device,
-    size_t size,
-    cudaStream_t stream) {
+void* allocateRaw(c10::DeviceIndex device, size_t size, cudaStream_t stream) {
   raisePendingError();
   if (isCapturing(stream)) {
     return backend().malloc(device, size, stream);
@@ -1464,7 +1464,8 @@ void beginHostUse(c10::StorageImpl& storage) {
     dp = c10::DataPtr(r->host.ptr, ctx, &deleteRecord, device);
   }
   DeviceScope guard(e.device);
-  C10_CUDA_CHECK(cudaStreamWaitEvent(currentStream(e.device), r->host_ready, 0));
+  C10_CUDA_CHECK(
+      cudaStreamWaitEvent(currentStream(e.device), r->host_ready, 0));
 }
 
 void endHostUse(c10::StorageImpl& storage) {
@@ -1488,7 +1489,8 @@ bool reclaimForFailedAllocation(c10::DeviceIndex device, size_t size) {
   if (!isEnabled()) {
     return false;
   }
-  const bool freed = reclaim(engineFor(device), size, Trigger::AllocFailure) > 0;
+  const bool freed =
+      reclaim(engineFor(device), size, Trigger::AllocFailure) > 0;
   t_reclaimed_in_malloc = t_reclaimed_in_malloc || freed;
   return freed;
 }
@@ -1525,8 +1527,9 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
     return std::string(text);
   };
   const size_t pools = backend().privatePoolBytes(device);
-  const std::string pool_note = pools == 0 ? std::string()
-                                           : " " + mib(static_cast<int64_t>(pools)) +
+  const std::string pool_note = pools == 0
+      ? std::string()
+      : " " + mib(static_cast<int64_t>(pools)) +
           " is reserved by private pools (CUDA graphs, torch.cuda.MemPool), "
           "which LMS never pages out: leave room for them under the cap, or "
           "compile without mode=\"reduce-overhead\".";
@@ -1534,16 +1537,15 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
       mib(static_cast<int64_t>(size)) + " on device " +
       std::to_string(int(device)) +
       " after paging out every reclaimable storage. " +
-      mib(static_cast<int64_t>(allocated)) + " is allocated to tensors: " +
-      mib(s.active_bytes.current) + " pinned by the running operator(s), " +
-      mib(s.inactive_bytes.current) + " inactive (" +
-      std::to_string(reclaimable_count) +
+      mib(static_cast<int64_t>(allocated)) +
+      " is allocated to tensors: " + mib(s.active_bytes.current) +
+      " pinned by the running operator(s), " + mib(s.inactive_bytes.current) +
+      " inactive (" + std::to_string(reclaimable_count) +
       " storages below the LMS size threshold of " +
       mib(static_cast<int64_t>(g_size_threshold.load())) +
       " or without pinned host memory to page to), the rest too small or "
       "not yet used by an operator. LMS limit " +
-      mib(static_cast<int64_t>(limit)) + "; " +
-      mib(s.pagedout_bytes.current) +
+      mib(static_cast<int64_t>(limit)) + "; " + mib(s.pagedout_bytes.current) +
       " paged out to host. The working set of one operator must fit on the "
       "device: reduce the batch size or the operator's size, or lower the "
       "size threshold with torch.cuda.set_size_lms()." +

@@ -107,7 +107,9 @@ C10_CUDA_API size_t getSpeculativeMargin();
 //   lms_size_mb:<MiB>         size threshold (fractions allowed, e.g. 0.5)
 //   lms_prefetch:<count>      prefetch depth
 //   lms_speculative_mb:<MiB>  speculative page-out margin
-C10_CUDA_API bool parseConfigOption(std::string_view key, std::string_view value);
+C10_CUDA_API bool parseConfigOption(
+    std::string_view key,
+    std::string_view value);
 
 // Applies every LMS option found in a PYTORCH_CUDA_ALLOC_CONF string and
 // ignores the others; with `only_lms_keys` (a configuration string of LMS
@@ -183,9 +185,8 @@ C10_CUDA_API size_t reclaimBytes(c10::DeviceIndex device, size_t bytes);
 // speculative mark, if set); returns the bytes freed. The allocation path
 // does this itself; allocators that cannot call LMS on every allocation call
 // it where they can (e.g. when their free list misses).
-C10_CUDA_API size_t ensureHeadroom(
-    c10::DeviceIndex device,
-    size_t incoming_bytes);
+C10_CUDA_API size_t
+ensureHeadroom(c10::DeviceIndex device, size_t incoming_bytes);
 
 // Frees cached pinned host buffers that no paged-out storage uses.
 C10_CUDA_API void releaseCachedHostMemory();
@@ -252,7 +253,10 @@ class C10_CUDA_API DeviceMemoryBackend {
   virtual ~DeviceMemoryBackend();
   // Device memory for `size` bytes, safe to use in `stream` order. Throws
   // c10::OutOfMemoryError when the device cannot provide it.
-  virtual void* malloc(c10::DeviceIndex device, size_t size, cudaStream_t stream) = 0;
+  virtual void* malloc(
+      c10::DeviceIndex device,
+      size_t size,
+      cudaStream_t stream) = 0;
   // Returns memory from malloc(). Reuse is safe in the order of the stream it
   // was allocated on.
   virtual void free(void* ptr) = 0;
@@ -311,14 +315,20 @@ C10_CUDA_API void* allocateRaw(
 // Failure trigger for allocators that can retry inside their own malloc
 // path: pages out least-recently-used inactive storages of `device` totalling
 // at least `size` bytes. Returns true when anything was freed.
-C10_CUDA_API bool reclaimForFailedAllocation(c10::DeviceIndex device, size_t size);
+C10_CUDA_API bool reclaimForFailedAllocation(
+    c10::DeviceIndex device,
+    size_t size);
 
 // Records that `stream` uses the memory of an LMS storage (recordStream): a
 // page-out copy is ordered after the stream's work.
-C10_CUDA_API void recordStream(const c10::DataPtr& data_ptr, cudaStream_t stream);
+C10_CUDA_API void recordStream(
+    const c10::DataPtr& data_ptr,
+    cudaStream_t stream);
 
 // The message an out-of-memory error carries when even reclaiming every
 // inactive storage cannot make room.
-C10_CUDA_API std::string describeOutOfMemory(c10::DeviceIndex device, size_t size);
+C10_CUDA_API std::string describeOutOfMemory(
+    c10::DeviceIndex device,
+    size_t size);
 
 } // namespace c10::cuda::lms

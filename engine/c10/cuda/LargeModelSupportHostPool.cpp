@@ -76,8 +76,7 @@ HostBuffer HostPool::allocate(size_t size) {
     void* ptr = nullptr;
     // Portable: a buffer paged out from one device may be paged in to
     // another's memory pool later, and any device's copy engine may use it.
-    const cudaError_t err =
-        cudaHostAlloc(&ptr, rounded, cudaHostAllocPortable);
+    const cudaError_t err = cudaHostAlloc(&ptr, rounded, cudaHostAllocPortable);
     if (err == cudaSuccess) {
       std::lock_guard<std::mutex> lock(mutex_);
       capacity_.emplace(ptr, rounded);
