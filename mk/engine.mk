@@ -2,13 +2,13 @@
 #   make engine                  T1: patched c10 + c10_cuda of TAG built on the simulated GPU,
 #                                engine suite and simgpu tests run (RUNTIME=real on a GPU host)
 #   make ppc64le                 the same cross-built for ppc64le and run under qemu-user
-#   make gpu-engine|gpu-regression|gpu-benchmarks MODEL=...
+#   make gpu-engine|gpu-regression|gpu-matrix|gpu-stress|gpu-benchmarks MODEL=...
 #                                T2/T3 on a machine with a GPU (results under OUT)
 RUNTIME ?= sim
 MODEL ?= gpt
 OUT ?= out
 
-.PHONY: engine ppc64le gpu-engine gpu-regression gpu-benchmarks
+.PHONY: engine ppc64le gpu-engine gpu-regression gpu-matrix gpu-stress gpu-benchmarks
 
 engine: patch ## build TAG's patched c10/c10_cuda (RUNTIME=sim|real) and run the engine suite
 	PYTHON=$(PY) standalone/build.sh --source $(TREE) --build $(WORK)/engine-$(RUNTIME) --runtime $(RUNTIME) --test
@@ -22,6 +22,12 @@ gpu-engine: ## on a GPU host: engine suite and copy benchmark on the real GPU (n
 
 gpu-regression: ## on a GPU host: build the drop-in extension, run tests/regression
 	OUT=$(abspath $(OUT))/regression scripts/gpu/run-regression.sh
+
+gpu-matrix: ## on a GPU host: regression matrix of model families (PYTEST_ARGS='-k capped|share|nocap|ddp')
+	OUT=$(abspath $(OUT))/matrix scripts/gpu/run-matrix.sh
+
+gpu-stress: ## on a GPU host: randomized stress suite (STRESS_START=, STRESS_ARGS='--jobs 8')
+	OUT=$(abspath $(OUT))/stress scripts/gpu/run-stress.sh
 
 gpu-benchmarks: ## on a GPU host: compare LMS with the alternatives for MODEL=gpt|resnet152|vit_l
 	OUT=$(abspath $(OUT))/benchmarks scripts/gpu/run-benchmarks.sh $(MODEL)
