@@ -45,15 +45,7 @@ for name in ("torchvision", "matplotlib"):
         print(name, "missing")
 PY
 
-echo "== build torch_lms (offline)"
-start=$(date +%s)
-(
-  cd "$ROOT/extension"
-  export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-  export MAX_JOBS=${MAX_JOBS:-8}
-  "$PY" setup.py build_ext --inplace
-) >"$OUT/build.log" 2>&1 || { tail -n 60 "$OUT/build.log"; echo "build failed"; exit 1; }
-echo "built in $(( $(date +%s) - start )) s"
+PYTHON="$PY" "$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log"
 
 export PYTHONPATH="$ROOT/extension${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

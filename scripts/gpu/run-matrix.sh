@@ -38,19 +38,7 @@ except ImportError:
     print("torchvision missing: the DDP row uses a CNN of its own instead of ResNet-50")
 PY
 
-if compgen -G "$ROOT/extension/torch_lms/_C*.so" >/dev/null; then
-  echo "== torch_lms already built: $(ls "$ROOT"/extension/torch_lms/_C*.so)"
-else
-  echo "== build torch_lms (offline)"
-  start=$(date +%s)
-  (
-    cd "$ROOT/extension"
-    export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-    export MAX_JOBS=${MAX_JOBS:-8}
-    "$PY" setup.py build_ext --inplace
-  ) >"$OUT/build.log" 2>&1 || { tail -n 60 "$OUT/build.log"; echo "build failed"; exit 1; }
-  echo "built in $(( $(date +%s) - start )) s"
-fi
+PYTHON="$PY" "$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log" --if-missing
 
 echo "== regression matrix"
 export PYTHONPATH="$ROOT/extension${PYTHONPATH:+:$PYTHONPATH}"

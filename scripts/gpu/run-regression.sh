@@ -28,15 +28,7 @@ except ImportError:
     print("torchvision missing: the torchvision model tests will be skipped")
 PY
 
-echo "== build torch_lms (offline)"
-start=$(date +%s)
-(
-  cd "$ROOT/extension"
-  export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-  export MAX_JOBS=${MAX_JOBS:-8}
-  "$PY" setup.py build_ext --inplace
-) >"$OUT/build.log" 2>&1 || { tail -n 60 "$OUT/build.log"; echo "build failed"; exit 1; }
-echo "built in $(( $(date +%s) - start )) s"
+PYTHON="$PY" "$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log"
 
 echo "== regression suite"
 export PYTHONPATH="$ROOT/extension${PYTHONPATH:+:$PYTHONPATH}"

@@ -34,18 +34,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 
 if "$PY" -c 'import sys, torch; sys.exit(0 if hasattr(torch.cuda, "set_enabled_lms") else 1)'; then
   echo "== PyTorch has LMS built in: no extension needed"
-elif compgen -G "$ROOT/extension/torch_lms/_C*.so" >/dev/null; then
-  echo "== torch_lms already built: $(ls "$ROOT"/extension/torch_lms/_C*.so)"
 else
-  echo "== build torch_lms (offline)"
-  start=$(date +%s)
-  (
-    cd "$ROOT/extension"
-    export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-    export MAX_JOBS=${MAX_JOBS:-8}
-    "$PY" setup.py build_ext --inplace
-  ) >"$OUT/build.log" 2>&1 || { tail -n 60 "$OUT/build.log"; echo "build failed"; exit 1; }
-  echo "built in $(( $(date +%s) - start )) s"
+  PYTHON="$PY" "$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log" --if-missing
 fi
 
 echo "== stress suite: seeds from $START, budget $BUDGET s"
