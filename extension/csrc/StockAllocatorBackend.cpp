@@ -120,6 +120,32 @@ PrivatePoolTracker& privatePools() {
 
 std::atomic<bool> g_hooks_attached{false};
 
+// Per device: how many routings of allocations into a private pool are open
+// (beginAllocateToPool without its endAllocateToPool yet).
+std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> g_pool_routing{};
+
+std::atomic<int>& poolRouting(c10::DeviceIndex device) {
+  TORCH_CHECK(
+      device >= 0 && device < C10_COMPILE_TIME_MAX_GPUS,
+      "torch_lms: CUDA device index ",
+      std::to_string(device),
+      " is out of range");
+  return g_pool_routing[device];
+}
+
+bool routedToPool(c10::DeviceIndex device) {
+  return poolRouting(device).load(std::memory_order_relaxed) > 0;
+}
+
+bool anyPoolRouting() {
+  for (const auto& routing : g_pool_routing) {
+    if (routing.load(std::memory_order_relaxed) > 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
 bool captureUnderway(c10::DeviceIndex device) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   const cudaError_t err = cudaStreamIsCapturing(
@@ -203,6 +229,20 @@ class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
 
   size_t privatePoolBytes(c10::DeviceIndex device) override {
     return privatePools().reservedBytes(device);
+  }
+
+  // Cached free blocks of the default pool go back to the device (the stock
+  // emptyCache, which also unmaps free pages of expandable segments). Never
+  // while allocations of any device are routed to a private pool (a CUDA
+  // graph capture or its warm-up): the stock allocator synchronizes to free
+  // blocks, and asserts that no capture is underway.
+  bool releaseCachedMemory(c10::DeviceIndex device) override {
+    if (anyPoolRouting() || captureUnderway(device)) {
+      return false;
+    }
+    c10::cuda::CUDAGuard guard(device);
+    stock_->emptyCache(c10::MempoolId_t{0, 0});
+    return true;
   }
 
   // Under torch.cuda.set_per_process_memory_fraction the stock allocator
@@ -563,21 +603,7 @@ class LmsAllocator final : public alloc::CUDAAllocator {
     return text;
   }
 
-  std::atomic<int>& poolRouting(c10::DeviceIndex device) {
-    TORCH_CHECK(
-        device >= 0 && device < static_cast<c10::DeviceIndex>(routing_.size()),
-        "torch_lms: CUDA device index ",
-        std::to_string(device),
-        " is out of range");
-    return routing_[device];
-  }
-
-  bool routedToPool(c10::DeviceIndex device) {
-    return poolRouting(device).load(std::memory_order_relaxed) > 0;
-  }
-
   alloc::CUDAAllocator* stock_;
-  std::array<std::atomic<int>, C10_COMPILE_TIME_MAX_GPUS> routing_{};
 };
 
 } // namespace

@@ -15,7 +15,9 @@ through the LMS allocator that ``torch_lms._C`` installs in front of the caching
   ``Tensor.data_ptr``, is turned off so compiled kernels launch through Triton's launcher;
 * ``torch.cuda.CUDAGraph.capture_begin`` refuses to start a capture while storages of the
   device are paged out: a page-in cannot be captured, and on a stock wheel an operator whose
-  input could not be paged in would run (RecordFunction callbacks cannot stop it).
+  input could not be paged in would run (RecordFunction callbacks cannot stop it). Captures
+  of ``torch.compile(mode="reduce-overhead")`` regions are let through: LMS makes their
+  inputs resident before the capture begins (``torch/cuda/lms.py``).
 """
 
 from __future__ import annotations
@@ -133,9 +135,13 @@ def _use_triton_launcher() -> None:
         inductor_config.use_static_cuda_launcher = False
 
 
-def _guard_graph_capture(binding: ModuleType) -> None:
+def _guard_graph_capture(binding: ModuleType, api: ModuleType) -> None:
     def check() -> None:
         if not binding._cuda_lms_getEnabled():
+            return
+        # A compiled region's CUDA graph (torch.compile mode="reduce-overhead"): LMS made
+        # its inputs resident, and the storages still paged out are not read in it.
+        if api.capturing_with_resident_inputs():
             return
         device = torch.cuda.current_device()
         paged_out = binding._cuda_lms_stats(device)["pagedout_bytes"]["current"]
@@ -220,7 +226,7 @@ def install(binding: ModuleType, api: ModuleType) -> None:
     _wrap_memory_summary(binding, api)
     _wrap_data_ptr(binding)
     _use_triton_launcher()
-    _guard_graph_capture(binding)
+    _guard_graph_capture(binding, api)
     _expandable_segments_with_lms(binding)
     # LMS enabled through PYTORCH_LMS_CONF: finish what enabling through the API does
     # (initialize CUDA, attach the allocator hook that adoption needs).

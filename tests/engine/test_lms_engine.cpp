@@ -546,6 +546,110 @@ TEST_CASE(device_allocation_failure_triggers_reclaim) {
   env.checkBaseline();
 }
 
+// Several processes on one device: memory held outside this process's
+// caching allocator (another process, simulated by raw cudaMalloc) shrinks the
+// limit, and LMS keeps a headroom of the device free for allocations that do
+// not go through the allocator (cuBLAS handles, say).
+size_t deviceShareNow(size_t* headroom) {
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  *headroom = static_cast<size_t>(0.05 * static_cast<double>(total_bytes));
+  const size_t reserved = lms::getBackend()->reservedBytes(0);
+  return free_bytes + reserved - *headroom;
+}
+
+// The device's occupancy is read from the driver at most every 10 ms.
+void waitForDeviceSample() {
+  std::this_thread::sleep_for(std::chrono::milliseconds(25));
+}
+
+TEST_CASE(default_limit_is_the_share_other_processes_leave) {
+  requireSimulated("a device whose size the test knows");
+  Env env(0); // no limit set: the device share alone
+  {
+    size_t headroom = 0;
+    waitForDeviceSample();
+    const size_t alone = deviceShareNow(&headroom);
+    CHECK_EQ(lms::getLimit(0), alone);
+
+    // Another process takes 96 MiB: this process's limit shrinks by as much.
+    void* other = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&other, 96 * kMiB));
+    waitForDeviceSample();
+    CHECK_EQ(lms::getLimit(0), alone - 96 * kMiB);
+
+    // Training through more than the share pages out, loses nothing, and
+    // leaves the headroom free for allocations outside the allocator. (The
+    // storages are over 10 MiB, so each has a segment of its own: blocks of 1
+    // to 10 MiB share 20 MiB segments, whose rounding can take up to one
+    // segment of the headroom; expandable segments do not round.)
+    std::vector<StoragePtr> s;
+    for (int i = 0; i < 16; ++i) { // 192 MiB
+      s.push_back(newStorage(12 * kMiB));
+      write(*s.back(), 500 + i);
+    }
+    CHECK(lms::getStats(0).reclaim_limit > 0);
+    CHECK_LE(allocatedBytes(), lms::getLimit(0));
+    void* handle = nullptr; // a library's handle memory, in either process
+    CHECK_EQ(cudaMalloc(&handle, headroom / 2), cudaSuccess);
+    C10_CUDA_CHECK(cudaFree(handle));
+    int mismatches = 0;
+    for (int i = 0; i < 16; ++i) {
+      mismatches += !matches(*s[i], 500 + i);
+    }
+    CHECK_EQ(mismatches, 0);
+
+    // The other process ends: the limit grows back.
+    C10_CUDA_CHECK(cudaFree(other));
+    waitForDeviceSample();
+    CHECK_EQ(lms::getLimit(0), deviceShareNow(&headroom));
+    CHECK(lms::getLimit(0) > alone - 96 * kMiB);
+    s.clear();
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(cached_blocks_go_back_when_another_process_needs_the_device) {
+  requireSimulated("a device whose size the test knows");
+  Env env(0);
+  {
+    // This process trains, then frees: its cache holds the memory.
+    {
+      std::vector<StoragePtr> s;
+      for (int i = 0; i < 30; ++i) {
+        s.push_back(newStorage(4 * kMiB));
+        write(*s.back(), i);
+      }
+    }
+    const size_t cached = lms::getBackend()->reservedBytes(0);
+    CHECK(cached >= 120 * kMiB);
+    // Another process takes what is free and then needs 64 MiB more, which
+    // only this process's cache can give.
+    size_t free_bytes = 0;
+    size_t total_bytes = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    void* other = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&other, free_bytes));
+    void* more = nullptr;
+    CHECK(cudaMalloc(&more, 64 * kMiB) != cudaSuccess);
+    (void)cudaGetLastError();
+    // This process's next allocation sees that it holds more than its share
+    // and returns its cached free blocks (at most one return per 100 ms).
+    std::this_thread::sleep_for(std::chrono::milliseconds(120));
+    const auto releases = lms::getStats(0).cache_releases;
+    auto small = newStorage(1 * kMiB);
+    write(*small, 7);
+    CHECK_EQ(lms::getStats(0).cache_releases, releases + 1);
+    CHECK(lms::getBackend()->reservedBytes(0) < cached);
+    CHECK_EQ(cudaMalloc(&more, 64 * kMiB), cudaSuccess);
+    CHECK(matches(*small, 7));
+    C10_CUDA_CHECK(cudaFree(more));
+    C10_CUDA_CHECK(cudaFree(other));
+  }
+  env.checkBaseline();
+}
+
 TEST_CASE(pinned_working_set_too_large_gives_lms_oom) {
   Env env(size_t(1) << 50);
   {

@@ -43,6 +43,7 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "stall_ms": 1.25,
         "oom_count": 0,
         "pin_failures": 0,
+        "cache_releases": 0,
         "limit_bytes": 2048 * MiB,
     }
     for gauge in ("managed_bytes", "active_bytes", "inactive_bytes", "pagedout_bytes"):

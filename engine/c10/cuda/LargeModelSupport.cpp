@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -25,8 +26,17 @@ namespace {
 
 constexpr size_t kMiB = 1024 * 1024;
 constexpr size_t kDefaultSizeThreshold = 1 * kMiB;
-// Default limit: this share of (free + reserved) device memory at first use.
-constexpr double kDefaultLimitFraction = 0.95;
+// Share of the device's memory that every LMS process leaves free for
+// memory taken outside the caching allocator: library handles and workspaces
+// (cuBLAS, cuDNN, NCCL) of this process and of others sharing the device.
+constexpr double kDeviceHeadroomFraction = 0.05;
+// How long a reading of the memory other processes hold is trusted before the
+// allocation path asks the driver again (cudaMemGetInfo costs microseconds,
+// too much for every allocation).
+constexpr std::chrono::milliseconds kDeviceSampleInterval{10};
+// Least time between two returns of cached free blocks to the device: each
+// one synchronizes the device.
+constexpr std::chrono::milliseconds kCacheReleaseInterval{100};
 
 std::atomic<bool> g_enabled{false};
 std::atomic<size_t> g_size_threshold{kDefaultSizeThreshold};
@@ -196,7 +206,13 @@ struct DeviceEngine {
   List reclaim_list; // inactive, resident
   List pagedout_list; // paged out, in page-out order
   size_t user_limit = 0;
-  size_t default_limit = 0;
+  // The device as last read from the driver: its size, and the bytes held by
+  // anything other than this process's caching allocator (other processes,
+  // this process's CUDA context and library handles).
+  size_t device_total = 0;
+  size_t device_others = 0;
+  std::chrono::steady_clock::time_point device_sampled;
+  std::chrono::steady_clock::time_point cache_released;
   LmsStats stats;
   cudaStream_t copy_stream = nullptr;
   EventPool events;
@@ -347,17 +363,17 @@ void addStall(DeviceEngine& e, cudaEvent_t start, cudaEvent_t end) {
 // Limit and reclaim
 // ---------------------------------------------------------------------------
 
-size_t limitOf(DeviceEngine& e) {
+// Reads how much of the device anything but this process's caching allocator
+// holds. The figure does not move when this process allocates or frees through
+// the allocator, so a reading stays good for a while; it moves when other
+// processes (or libraries, outside the allocator) take or return memory.
+void sampleDevice(DeviceEngine& e, bool force) {
+  const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(e.mutex);
-    if (e.user_limit != 0) {
-      return e.user_limit;
-    }
-    if (const size_t conf = g_conf_limit.load(); conf != 0) {
-      return conf;
-    }
-    if (e.default_limit != 0) {
-      return e.default_limit;
+    if (!force && e.device_total != 0 &&
+        now - e.device_sampled < kDeviceSampleInterval) {
+      return;
     }
   }
   DeviceScope guard(e.device);
@@ -365,17 +381,69 @@ size_t limitOf(DeviceEngine& e) {
   size_t total_bytes = 0;
   C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   const size_t reserved = backend().reservedBytes(e.device);
+  const size_t used = total_bytes > free_bytes ? total_bytes - free_bytes : 0;
   std::lock_guard<std::mutex> lock(e.mutex);
-  if (e.default_limit == 0) {
-    e.default_limit = static_cast<size_t>(
-        kDefaultLimitFraction * static_cast<double>(free_bytes + reserved));
+  e.device_total = total_bytes;
+  e.device_others = used > reserved ? used - reserved : 0;
+  e.device_sampled = now;
+}
+
+// What this process may hold for tensors without taking the device's last
+// free memory from others: the device, less what others hold, less the
+// headroom every LMS process leaves free. Processes sharing a device each
+// see the others' memory here, so their limits shrink as the others grow
+// and the device never fills up with tensors of any one of them.
+size_t deviceShare(DeviceEngine& e) {
+  sampleDevice(e, /*force=*/false);
+  std::lock_guard<std::mutex> lock(e.mutex);
+  const auto headroom = static_cast<size_t>(
+      kDeviceHeadroomFraction * static_cast<double>(e.device_total));
+  const size_t taken = e.device_others + headroom;
+  return e.device_total > taken ? e.device_total - taken : 0;
+}
+
+// The limit set by the user (API or PYTORCH_CUDA_ALLOC_CONF), or 0.
+size_t userLimitOf(DeviceEngine& e) {
+  std::lock_guard<std::mutex> lock(e.mutex);
+  if (e.user_limit != 0) {
+    return e.user_limit;
   }
-  return e.default_limit;
+  return g_conf_limit.load();
+}
+
+size_t limitOf(DeviceEngine& e) {
+  const size_t user = userLimitOf(e);
+  const size_t share = deviceShare(e);
+  return user != 0 ? std::min(user, share) : share;
 }
 
 // The limit in force: never more than the allocator may hold.
 size_t effectiveLimit(DeviceEngine& e) {
   return std::min(limitOf(e), backend().capacityBytes(e.device));
+}
+
+// When this process reserves more than its limit, free blocks sit in its
+// cache that another process sharing the device (or a library allocating
+// outside the allocator) may be failing for: give them back to the device.
+// Rate-limited, because returning cached memory synchronizes the device.
+void releaseCacheOverLimit(DeviceEngine& e, size_t limit) {
+  DeviceMemoryBackend& b = backend();
+  if (b.reservedBytes(e.device) <= limit) {
+    return;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    if (e.cache_released.time_since_epoch().count() != 0 &&
+        now - e.cache_released < kCacheReleaseInterval) {
+      return;
+    }
+    e.cache_released = now;
+  }
+  if (b.releaseCachedMemory(e.device)) {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    ++e.stats.cache_releases;
+  }
 }
 
 // Raises the error an operator's pinning left for its first allocation.
@@ -570,6 +638,7 @@ size_t enforceLimit(DeviceEngine& e, size_t size) {
   const size_t wanted = allocated + size;
   if (wanted > limit) {
     const size_t freed = reclaim(e, wanted - limit, Trigger::Limit);
+    releaseCacheOverLimit(e, limit);
     // What is left above the limit could not be paged out: it is pinned by
     // running operators, or not (yet) reclaimable.
     const size_t after = wanted > freed ? wanted - freed : 0;
@@ -585,6 +654,7 @@ size_t enforceLimit(DeviceEngine& e, size_t size) {
     std::lock_guard<std::mutex> lock(e.mutex);
     e.stats.over_limit_bytes.current = 0;
   }
+  releaseCacheOverLimit(e, limit);
   const size_t margin = g_speculative_margin.load();
   if (margin != 0 && limit > margin && wanted > limit - margin) {
     return reclaim(e, wanted - (limit - margin), Trigger::Speculative);

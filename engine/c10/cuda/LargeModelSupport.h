@@ -73,11 +73,17 @@ using EnabledObserver = void (*)(bool enabled);
 C10_CUDA_API void setEnabledObserver(EnabledObserver observer);
 
 // Soft limit, in bytes, of device memory allocated to tensors before LMS
-// reclaims inactive storages. Until set, the limit of a device is 95% of
-// (free + reserved) device memory measured at the device's first LMS
-// allocation. Setting 0 restores that default. Either way the limit in force
-// never exceeds what the allocator may hold (DeviceMemoryBackend::
-// capacityBytes, e.g. a per-process memory fraction).
+// reclaims inactive storages. The limit in force is the smaller of the limit
+// set here (0, the default, sets none) and this process's share of the
+// device: its size, less the memory that anything but this process's caching
+// allocator holds (other processes, CUDA contexts, library handles), less a
+// headroom of 5% of the device that every LMS process leaves free for
+// allocations outside the allocator (cuBLAS, cuDNN, NCCL). The share is read
+// from the driver at most every few milliseconds, so processes that share a
+// device shrink their limits as the others grow; a process that holds more
+// than its share also returns its cached free blocks to the device. The
+// limit never exceeds what the allocator may hold either
+// (DeviceMemoryBackend::capacityBytes, e.g. a per-process memory fraction).
 C10_CUDA_API void setLimit(c10::DeviceIndex device, size_t bytes);
 C10_CUDA_API size_t getLimit(c10::DeviceIndex device);
 
@@ -224,6 +230,9 @@ struct LmsStats {
   int64_t oom_count = 0; // LMS out-of-memory errors raised
   // Operators whose inputs could not all be made resident.
   int64_t pin_failures = 0;
+  // Times cached free blocks were returned to the device because this
+  // process held more than its share of it (see the limit below).
+  int64_t cache_releases = 0;
   // Gauges, in bytes.
   LmsStat managed_bytes; // every LMS storage, resident or not
   LmsStat active_bytes; // pinned by running operators
@@ -289,6 +298,13 @@ class C10_CUDA_API DeviceMemoryBackend {
   virtual size_t privatePoolBytes(c10::DeviceIndex device) {
     (void)device;
     return 0;
+  }
+  // Returns the allocator's cached free blocks of `device` to the device, so
+  // that other processes (and libraries allocating outside the allocator) can
+  // have the memory. Returns false when the allocator cannot.
+  virtual bool releaseCachedMemory(c10::DeviceIndex device) {
+    (void)device;
+    return false;
   }
 };
 

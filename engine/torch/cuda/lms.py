@@ -18,7 +18,10 @@ Compiled code: the Triton kernels that ``torch.compile`` generates are launched
 from Python, outside the dispatcher, so each launch is an operator boundary of
 its own: the storages of its tensor arguments are pinned for the launch and
 reclaimable again after it (Inductor's ``CachingAutotuner.run``, wrapped when
-its module is first imported).
+its module is first imported). Before a region compiled with
+``mode="reduce-overhead"`` is captured into a CUDA graph, its inputs are paged
+in (Inductor's ``CUDAGraphNode._record``, wrapped likewise): the graph bakes in
+their addresses, and a page-in cannot be captured.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import importlib.abc
 import importlib.util
 import operator
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any, Callable, Optional, Union
@@ -76,6 +80,7 @@ _COUNTER_KEYS = (
     "stall_ms",
     "oom_count",
     "pin_failures",
+    "cache_releases",
     "limit_bytes",
 )
 _GAUGE_KEYS = (
@@ -149,13 +154,72 @@ def _pin_compiled_kernel_launches(module: ModuleType) -> None:
     autotuner.run = run
 
 
-class _PinLaunchesOnImport(importlib.abc.MetaPathFinder):
-    """Wraps Inductor's kernel launcher when its module is imported (never imports it)."""
+# Inductor's CUDA graph trees, whose CUDAGraphNode._record captures a compiled region.
+_CUDAGRAPH_TREES = "torch._inductor.cudagraph_trees"
+
+# Per thread: a CUDA graph trees capture whose inputs were made resident first.
+_capture_state = threading.local()
+
+
+def capturing_with_resident_inputs() -> bool:
+    """Whether the running capture is one whose inputs LMS made resident before it began.
+
+    The drop-in extension's capture guard refuses other captures while anything is paged
+    out; these it lets through (see :func:`_resident_graph_inputs`).
+    """
+    return bool(getattr(_capture_state, "resident_inputs", False))
+
+
+def _resident_graph_inputs(module: ModuleType) -> None:
+    """Wraps ``CUDAGraphNode._record`` so that a compiled region's inputs are resident when
+    its CUDA graph is captured.
+
+    A captured graph bakes in the addresses it reads, and a page-in cannot be captured.
+    The inputs of a region compiled with ``mode="reduce-overhead"`` (parameters, buffers,
+    constants, the tensors it is called with) are known before the capture: they are paged
+    in first and, once an operator inside the capture has used them, LMS never pages them
+    out again. Other storages may stay paged out; the region does not read them.
+    """
+    node = getattr(module, "CUDAGraphNode", None)
+    record = getattr(node, "_record", None)
+    if record is None or getattr(record, "_lms_resident_inputs", False):
+        return
+
+    @functools.wraps(record)
+    def _record(self: Any, model: Any, inputs: list[Any]) -> Any:
+        bindings = _lms_bindings()
+        if not bindings._cuda_lms_getEnabled():
+            return record(self, model, inputs)
+        constants = getattr(getattr(self, "wrapped_function", None), "constants", ())
+        for tensor in (*inputs, *constants):
+            if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+                bindings._cuda_lms_access(tensor)
+        _capture_state.resident_inputs = True
+        try:
+            return record(self, model, inputs)
+        finally:
+            _capture_state.resident_inputs = False
+
+    _record._lms_resident_inputs = True  # type: ignore[attr-defined]
+    node._record = _record
+
+
+# Inductor modules LMS wraps when they are first imported, and how.
+_WRAP_ON_IMPORT: dict[str, Callable[[ModuleType], None]] = {
+    _TRITON_RUNTIME: _pin_compiled_kernel_launches,
+    _CUDAGRAPH_TREES: _resident_graph_inputs,
+}
+
+
+class _WrapOnImport(importlib.abc.MetaPathFinder):
+    """Wraps Inductor's kernel launcher and CUDA graph recorder when their modules are
+    imported (never imports them)."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> Any:
-        if fullname != _TRITON_RUNTIME:
+        wrap = _WRAP_ON_IMPORT.get(fullname)
+        if wrap is None:
             return None
         sys.meta_path.remove(self)
         try:
@@ -167,23 +231,27 @@ class _PinLaunchesOnImport(importlib.abc.MetaPathFinder):
             return spec
         exec_module = loader.exec_module
 
-        def exec_and_pin(module: ModuleType) -> None:
+        def exec_and_wrap(module: ModuleType) -> None:
             exec_module(module)
-            _pin_compiled_kernel_launches(module)
+            wrap(module)
 
-        loader.exec_module = exec_and_pin
+        loader.exec_module = exec_and_wrap
         return spec
 
 
-def _install_launch_pinning() -> None:
-    module = sys.modules.get(_TRITON_RUNTIME)
-    if module is not None:
-        _pin_compiled_kernel_launches(module)
-    elif not any(isinstance(f, _PinLaunchesOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PinLaunchesOnImport())
+def _install_compiled_code_hooks() -> None:
+    pending = False
+    for name, wrap in _WRAP_ON_IMPORT.items():
+        module = sys.modules.get(name)
+        if module is not None:
+            wrap(module)
+        else:
+            pending = True
+    if pending and not any(isinstance(f, _WrapOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _WrapOnImport())
 
 
-_install_launch_pinning()
+_install_compiled_code_hooks()
 
 
 def _check_int(name: str, value: Any, minimum: int = 0, maximum: int | None = None) -> int:
@@ -234,11 +302,18 @@ def set_limit_lms(limit_bytes: int, device: _DeviceArg = None) -> None:
     r"""Set the LMS limit of a device: the GPU memory, in bytes, that tensors may
     occupy before LMS pages inactive storages out.
 
-    Until it is set, the limit is 95% of the device memory that is free or
-    reserved by the caching allocator at the device's first LMS allocation.
+    The limit in force is the smaller of this one and the process's share of
+    the device: the device memory, less what anything but this process's
+    caching allocator holds (other processes sharing the GPU, CUDA contexts,
+    library handles), less a headroom of 5% of the device that every LMS
+    process leaves free for memory taken outside the allocator (cuBLAS, cuDNN,
+    NCCL). The share follows other processes as they grow and shrink; a
+    process that holds more than its share returns its cached free blocks to
+    the device. Until a limit is set, the share alone is the limit.
 
     Args:
-        limit_bytes (int): the limit in bytes; ``0`` restores the default.
+        limit_bytes (int): the limit in bytes; ``0`` removes it (the share
+            applies alone).
         device (torch.device or int, optional): selected device. Sets the limit
             of the current device, given by :func:`~torch.cuda.current_device`,
             if :attr:`device` is ``None`` (default).
@@ -368,9 +443,12 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     - ``pin_failures``: operators whose inputs could not all be made resident
       (each raised :class:`torch.OutOfMemoryError` at its first allocation, or,
       allocating nothing, ran on the host copies of the inputs left out).
+    - ``cache_releases``: times cached free blocks were returned to the device
+      because this process held more than its share of it (other processes or
+      libraries needed the memory).
     - ``limit_bytes``: the limit in force (``0`` before CUDA is initialized):
-      the one set with :func:`set_limit_lms`, or the default, and never more
-      than the allocator may hold (e.g. under
+      the one set with :func:`set_limit_lms` or this process's share of the
+      device, whichever is smaller, and never more than the allocator may hold (e.g. under
       :func:`~torch.cuda.set_per_process_memory_fraction`).
 
     The gauges ``managed_bytes``, ``active_bytes``, ``inactive_bytes``,
@@ -572,6 +650,7 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
     )
     lines.append(
         f" LMS OOMs: {counters['oom_count']} | "
-        f"Operators whose inputs did not fit: {counters['pin_failures']}".ljust(_WIDTH)
+        f"Operators whose inputs did not fit: {counters['pin_failures']} | "
+        f"Cache returned: {counters['cache_releases']}".ljust(_WIDTH)
     )
     return [line.replace("{", "{{").replace("}", "}}") for line in lines]

@@ -181,6 +181,7 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["stall_ms"] = stats.stall_ms;
   dict["oom_count"] = stats.oom_count;
   dict["pin_failures"] = stats.pin_failures;
+  dict["cache_releases"] = stats.cache_releases;
   dict["limit_bytes"] = asInt(stats.limit_bytes);
   dict["managed_bytes"] = gaugeToDict(stats.managed_bytes);
   dict["active_bytes"] = gaugeToDict(stats.active_bytes);
