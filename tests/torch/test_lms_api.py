@@ -371,9 +371,74 @@ def test_inductor_launcher_is_wrapped_when_its_module_is_imported() -> None:
         f"assert {'torch._inductor.runtime.triton_heuristics'!r} not in sys.modules\n"
         "from torch._inductor.runtime import triton_heuristics as th\n"
         "print(getattr(th.CachingAutotuner.run, '_lms_launch_pins', False))\n"
+        f"assert {'torch._inductor.cudagraph_trees'!r} not in sys.modules\n"
+        "from torch._inductor import cudagraph_trees as ct\n"
+        "print(getattr(ct.CUDAGraphNode._record, '_lms_resident_inputs', False))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "True"
+    assert proc.stdout.strip().splitlines()[-2:] == ["True", "True"]
+
+
+def _graph_trees_module(events: list[str], seen: list[bool], lms: ModuleType) -> ModuleType:
+    class CUDAGraphNode:
+        device = 0
+
+        class wrapped_function:  # noqa: N801 - stands for Inductor's WrappedFunction
+            constants = (torch.zeros(2).as_subclass(_CudaLike),)
+
+        def _record(self, model: Any, inputs: list[Any]) -> str:
+            events.append(f"record:{len(inputs)}")
+            seen.append(lms.capturing_with_resident_inputs())
+            return "outputs"
+
+    module = ModuleType("fake_cudagraph_trees")
+    module.CUDAGraphNode = CUDAGraphNode  # type: ignore[attr-defined]
+    return module
+
+
+def test_graph_capture_of_a_compiled_region_makes_its_inputs_resident_and_room_first(
+    lms: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    seen: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    module = _graph_trees_module(events, seen, lms)
+    lms._resident_graph_inputs(module)
+    lms._resident_graph_inputs(module)  # wrapping twice is harmless
+    cuda_like = torch.zeros(4).as_subclass(_CudaLike)
+    inputs = [cuda_like, torch.zeros(3), 5]
+
+    lms.fake.enabled = False
+    assert module.CUDAGraphNode()._record(None, list(inputs)) == "outputs"
+    assert events == ["record:3"] and lms.fake.calls == []
+
+    lms.fake.enabled = True
+    events.clear()
+    assert module.CUDAGraphNode()._record(None, list(inputs)) == "outputs"
+    # The CUDA inputs and the constant are paged in, the rest of the device is paged out
+    # and its cache returned, all before the capture; the capture guard is told.
+    names = [name for name, _ in lms.fake.calls]
+    assert names == ["access", "access", "reclaimInactive"]
+    assert lms.fake.calls[-1] == ("reclaimInactive", (0,))
+    assert events == ["empty_cache", "record:3"]
+    assert seen == [False, True]
+    assert not lms.capturing_with_resident_inputs()  # reset after the capture
+
+
+def test_graph_capture_flag_is_reset_when_the_capture_fails(lms: ModuleType) -> None:
+    class CUDAGraphNode:
+        device = 0
+
+        def _record(self, model: Any, inputs: list[Any]) -> str:
+            raise RuntimeError("capture failed")
+
+    module = ModuleType("fake_cudagraph_trees")
+    module.CUDAGraphNode = CUDAGraphNode  # type: ignore[attr-defined]
+    lms._resident_graph_inputs(module)
+    lms.fake.enabled = True
+    with pytest.raises(RuntimeError, match="capture failed"):
+        module.CUDAGraphNode()._record(None, [])
+    assert not lms.capturing_with_resident_inputs()

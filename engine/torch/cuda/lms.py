@@ -179,6 +179,11 @@ def _resident_graph_inputs(module: ModuleType) -> None:
     constants, the tensors it is called with) are known before the capture: they are paged
     in first and, once an operator inside the capture has used them, LMS never pages them
     out again. Other storages may stay paged out; the region does not read them.
+
+    A page-out cannot be captured either, so the room the capture allocates in the graph's
+    private pool must be there before it begins: every other inactive storage of the
+    device is paged out and the cache returned to the device (once per captured graph;
+    what the next operators need comes back on demand).
     """
     node = getattr(module, "CUDAGraphNode", None)
     record = getattr(node, "_record", None)
@@ -194,6 +199,9 @@ def _resident_graph_inputs(module: ModuleType) -> None:
         for tensor in (*inputs, *constants):
             if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
                 bindings._cuda_lms_access(tensor)
+        device = _get_device_index(getattr(self, "device", None), optional=True)
+        bindings._cuda_lms_reclaimInactive(device)
+        torch.cuda.empty_cache()
         _capture_state.resident_inputs = True
         try:
             return record(self, model, inputs)
