@@ -117,6 +117,7 @@ class Env {
       CHECK_EQ(lms::getStats(dev).pagedout_bytes.current, 0);
       CHECK_EQ(lms::getStats(dev).inactive_bytes.current, 0);
       CHECK_EQ(lms::getStats(dev).active_bytes.current, 0);
+      CHECK_EQ(lms::getStats(dev).operator_output_bytes.current, 0);
       CHECK_EQ(allocatedBytes(dev), size_t(0));
     }
     cca::emptyCache(); // also releases LMS's idle pinned host buffers
@@ -646,6 +647,45 @@ TEST_CASE(cached_blocks_go_back_when_another_process_needs_the_device) {
     CHECK(matches(*small, 7));
     C10_CUDA_CHECK(cudaFree(more));
     C10_CUDA_CHECK(cudaFree(other));
+  }
+  env.checkBaseline();
+}
+
+// An operator whose own inputs, outputs so far and next allocation pass the
+// limit: the error says that no page-out could help, with the figures.
+TEST_CASE(oom_names_the_running_operators_working_set) {
+  Env env(16 * kMiB);
+  {
+    size_t free_bytes = 0;
+    size_t total_bytes = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    cca::setMemoryFraction(24.0 * kMiB / total_bytes, 0);
+    std::vector<StoragePtr> inputs;
+    for (int i = 0; i < 3; ++i) { // 12 MiB pinned by the operator
+      inputs.push_back(newStorage(4 * kMiB));
+      lms::pin(*inputs.back());
+    }
+    auto output = newStorage(4 * kMiB); // its first output, not released yet
+    CHECK_EQ(lms::getStats(0).operator_output_bytes.current, int64_t(4 * kMiB));
+    bool threw = false;
+    try {
+      auto more = newStorage(8 * kMiB); // 24 MiB at once under a 16 MiB limit
+    } catch (const c10::OutOfMemoryError& e) {
+      threw = true;
+      const std::string msg = e.what();
+      CHECK(msg.find("working set does not fit") != std::string::npos);
+      CHECK(msg.find("4.00 MiB allocated by it so far") != std::string::npos);
+      CHECK(msg.find("= 24.00 MiB > 16.00 MiB") != std::string::npos);
+    }
+    CHECK(threw);
+    lms::releaseOutput(*output); // the operator ends
+    CHECK_EQ(lms::getStats(0).operator_output_bytes.current, int64_t(0));
+    for (auto& s : inputs) {
+      lms::unpin(*s);
+    }
+    inputs.clear();
+    output.reset();
+    cca::setMemoryFraction(1.0, 0);
   }
   env.checkBaseline();
 }

@@ -50,6 +50,7 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         stats[gauge] = {"current": 4 * MiB, "peak": 12 * MiB}
     stats["host_bytes"] = {"current": 16 * MiB, "peak": 16 * MiB}
     stats["over_limit_bytes"] = {"current": 0, "peak": 2 * MiB}
+    stats["operator_output_bytes"] = {"current": 0, "peak": 4 * MiB}
     stats["private_pool_bytes"] = {"current": 0, "peak": 0}
     stats.update(overrides)
     return stats

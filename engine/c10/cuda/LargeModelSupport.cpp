@@ -842,6 +842,15 @@ int64_t sz(const Record& r) {
   return static_cast<int64_t>(r.size);
 }
 
+// The storage is no longer an unreleased output of a running operator.
+// Called with the engine lock held.
+void clearFresh(DeviceEngine& e, Record& r) {
+  if (r.fresh) {
+    r.fresh = false;
+    add(e.stats.operator_output_bytes, -sz(r));
+  }
+}
+
 StorageState publicState(State state) {
   switch (state) {
     case State::Allocated:
@@ -988,7 +997,7 @@ void makeResident(
   }
   leave(e, r);
   enter(e, r, target);
-  r.fresh = false;
+  clearFresh(e, r);
   r.pins = target == State::Active ? 1 : 0;
   refreshDataPtr(storage, r);
   arm(storage, false);
@@ -1018,6 +1027,7 @@ void deleteRecord(void* ctx) {
       r->list->remove(r);
     }
     leave(e, *r);
+    clearFresh(e, *r);
     add(e.stats.managed_bytes, -sz(*r));
   }
   DeviceScope guard(e.device);
@@ -1327,7 +1337,7 @@ void releaseOutput(c10::StorageImpl& storage) {
   if (r->state != State::Allocated || !r->fresh || r->busy) {
     return; // pinned, reclaimable already, or accessed raw since
   }
-  r->fresh = false;
+  clearFresh(e, *r);
   addUser(*r, stream);
   if (capturing || r->graph_owned) {
     r->graph_owned = true; // a captured graph bakes in its address
@@ -1429,7 +1439,8 @@ void resetPeakStats(c10::DeviceIndex device) {
         &e.stats.active_bytes,
         &e.stats.inactive_bytes,
         &e.stats.pagedout_bytes,
-        &e.stats.over_limit_bytes}) {
+        &e.stats.over_limit_bytes,
+        &e.stats.operator_output_bytes}) {
     stat->peak = stat->current;
   }
   hostPool().resetPeak();
@@ -1445,6 +1456,7 @@ void resetAccumulatedStats(c10::DeviceIndex device) {
     fresh.inactive_bytes = e.stats.inactive_bytes;
     fresh.pagedout_bytes = e.stats.pagedout_bytes;
     fresh.over_limit_bytes = e.stats.over_limit_bytes;
+    fresh.operator_output_bytes = e.stats.operator_output_bytes;
     e.stats = fresh;
   }
   pollStalls(e, /*wait=*/true);
@@ -1485,6 +1497,7 @@ c10::DataPtr allocate(
   {
     std::lock_guard<std::mutex> lock(e.mutex);
     add(e.stats.managed_bytes, sz(*r));
+    add(e.stats.operator_output_bytes, sz(*r));
   }
   return c10::DataPtr(
       ptr, r, &deleteRecord, c10::Device(c10::DeviceType::CUDA, device));
@@ -1603,13 +1616,29 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
           " is reserved by private pools (CUDA graphs, torch.cuda.MemPool), "
           "which LMS never pages out: leave room for them under the cap, or "
           "compile without mode=\"reduce-overhead\".";
+  // What the running operators need at once: what they pinned, what they
+  // allocated so far, and this request. When that alone passes the limit, no
+  // page-out can help; say so first.
+  const int64_t working_set = s.active_bytes.current +
+      s.operator_output_bytes.current + static_cast<int64_t>(size);
+  const std::string verdict = working_set > static_cast<int64_t>(limit)
+      ? "The running operator's working set does not fit under the LMS "
+        "limit: " +
+          mib(s.active_bytes.current) + " pinned + " +
+          mib(s.operator_output_bytes.current) + " allocated by it so far + " +
+          mib(static_cast<int64_t>(size)) + " requested = " +
+          mib(working_set) + " > " + mib(static_cast<int64_t>(limit)) + ". "
+      : std::string();
   return "CUDA out of memory with Large Model Support. Tried to allocate " +
       mib(static_cast<int64_t>(size)) + " on device " +
       std::to_string(int(device)) +
-      " after paging out every reclaimable storage. " +
+      " after paging out every reclaimable storage. " + verdict +
       mib(static_cast<int64_t>(allocated)) +
       " is allocated to tensors: " + mib(s.active_bytes.current) +
-      " pinned by the running operator(s), " + mib(s.inactive_bytes.current) +
+      " pinned by the running operator(s), " +
+      mib(s.operator_output_bytes.current) +
+      " allocated by them and not released yet, " +
+      mib(s.inactive_bytes.current) +
       " inactive (" + std::to_string(reclaimable_count) +
       " storages below the LMS size threshold of " +
       mib(static_cast<int64_t>(g_size_threshold.load())) +

@@ -236,6 +236,9 @@ struct LmsStats {
   // Gauges, in bytes.
   LmsStat managed_bytes; // every LMS storage, resident or not
   LmsStat active_bytes; // pinned by running operators
+  // Allocated by running operators and not released yet: their outputs and
+  // temporaries so far, part of their working set like what they pin.
+  LmsStat operator_output_bytes;
   LmsStat inactive_bytes; // resident and reclaimable
   LmsStat pagedout_bytes; // contents held in host memory
   LmsStat host_bytes; // pinned host memory held by LMS (process-wide)

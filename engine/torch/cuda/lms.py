@@ -90,6 +90,7 @@ _GAUGE_KEYS = (
     "pagedout_bytes",
     "host_bytes",
     "over_limit_bytes",
+    "operator_output_bytes",
     "private_pool_bytes",
 )
 _STORAGE_STATES = ("unmanaged", "allocated", "active", "inactive", "paged out")
@@ -456,14 +457,15 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       libraries needed the memory).
     - ``limit_bytes``: the limit in force (``0`` before CUDA is initialized):
       the one set with :func:`set_limit_lms` or this process's share of the
-      device, whichever is smaller, and never more than the allocator may hold (e.g. under
-      :func:`~torch.cuda.set_per_process_memory_fraction`).
+      device, whichever is smaller, and never more than the allocator may hold
+      (e.g. under :func:`~torch.cuda.set_per_process_memory_fraction`).
 
     The gauges ``managed_bytes``, ``active_bytes``, ``inactive_bytes``,
     ``pagedout_bytes``, ``host_bytes`` (pinned host memory LMS holds,
     process-wide), ``over_limit_bytes`` (bytes allocated beyond the limit
     after an allocation's reclaim: pinned by running operators or not
-    reclaimable) and ``private_pool_bytes`` (device memory reserved by CUDA
+    reclaimable), ``operator_output_bytes`` (allocated by running operators
+    and not released yet: part of their working set) and ``private_pool_bytes`` (device memory reserved by CUDA
     graph pools and :class:`torch.cuda.MemPool`, which LMS never pages out)
     are dicts ``{"current": int, "peak": int}``.
 
@@ -619,6 +621,7 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
         ("pagedout_bytes", "Paged out to host"),
         ("host_bytes", "Pinned host memory"),
         ("over_limit_bytes", "Over the limit"),
+        ("operator_output_bytes", "Held by running ops"),
         ("private_pool_bytes", "Private pools (graphs)"),
     ):
         current, peak = gauges[key]

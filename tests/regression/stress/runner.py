@@ -8,7 +8,11 @@ process of its own, so a crash ends one run only. Outcomes:
 - ``identical``: the capped run's parameters equal the references', which agree;
 - ``reference-not-repeatable``: the two references differ (nothing to compare against);
 - ``mismatch``: the references agree and the capped run differs;
-- ``oom-expected``: out of memory, and the bound exceeds the cap;
+- ``oom-expected``: out of memory, and one operator's own working set exceeds the cap: the
+  bound does, or LMS's error says that the running operator's pinned inputs, what it
+  allocated so far and its request pass the limit (the bound is measured per ATen kernel
+  below autograd; LMS pins at the outermost operator, so a composite operator such as
+  ``aten::lstm`` on its native path holds every step's tensors at once);
 - ``oom-unexpected``: out of memory although one operator's working set fits the cap;
 - ``crash``: killed by a signal, a CUDA error, no result, or hung;
 - ``error``: another Python exception in the capped run;
@@ -60,6 +64,10 @@ CLASSES = (
     "error",
     "reference-failed",
 )
+# What LMS's out-of-memory error says when the running operator's own working set (pinned
+# inputs, what it allocated so far, the request) passes the limit: no page-out could help.
+OPERATOR_OVER_LIMIT = "working set does not fit under the LMS limit"
+
 GATE_FAILURES = ("crash", "error", "mismatch", "oom-unexpected", "reference-failed")
 CUDNN_FAMILIES = ("resnet_add", "densenet_cat", "conv3d", "lstm")
 PIN_FAILURE_MARKER = "could not all be made resident"
@@ -219,13 +227,17 @@ def classify(
         message = capped.result.get("exception", {}).get("message", "")
         if reason.startswith("LMS pin failure"):
             message = reason
-        expected = info["bound_exceeds_cap"]
+        operator_over_limit = OPERATOR_OVER_LIMIT in message
+        info["operator_over_limit"] = operator_over_limit
+        expected = info["bound_exceeds_cap"] or operator_over_limit
         why = (
             f"the largest operator working set ({_fmt_gib(bound) or '?'} GiB, "
             f"{info['bound_op']}) "
-            + ("exceeds" if expected else "fits")
+            + ("exceeds" if info["bound_exceeds_cap"] else "fits")
             + f" the cap ({_fmt_gib(cap_bytes) or '?'} GiB)"
         )
+        if operator_over_limit and not info["bound_exceeds_cap"]:
+            why += "; LMS: the running operator's own working set exceeds the limit"
         return {
             "class": "oom-expected" if expected else "oom-unexpected",
             "reason": f"{oom_reason(message)}; {why}",

@@ -163,8 +163,10 @@ class WorkingSetMode(TorchDispatchMode):
     """Records the largest working set of one operator on one device type.
 
     The working set of an operator call is the sum of the sizes of the distinct storages of
-    its tensor inputs and outputs; also kept: the largest single output storage (the largest
-    allocation an operator makes for its result).
+    its tensor inputs and outputs, or, on CUDA, its inputs plus the most memory the call had
+    allocated at once (outputs and temporaries such as a cuDNN workspace), whichever is
+    larger; also kept: the largest single output storage (the largest allocation an operator
+    makes for its result).
     """
 
     def __init__(self, device_type: str) -> None:
@@ -188,12 +190,21 @@ class WorkingSetMode(TorchDispatchMode):
         return found
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        cuda = self.device_type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
         out = func(*args, **(kwargs or {}))
         self.ops += 1
         outputs = self._storages(out)
-        everything = self._storages((args, kwargs))
+        inputs = self._storages((args, kwargs))
+        everything = dict(inputs)
         everything.update(outputs)
         total = sum(everything.values())
+        if cuda:
+            transient = torch.cuda.max_memory_allocated() - before
+            # Inputs (in-place ones too) were there before; new outputs are in the peak.
+            total = max(total, sum(inputs.values()) + transient)
         if total > self.max_bytes:
             self.max_bytes, self.max_op = total, str(func)
         if outputs:

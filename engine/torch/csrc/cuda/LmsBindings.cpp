@@ -189,6 +189,7 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["pagedout_bytes"] = gaugeToDict(stats.pagedout_bytes);
   dict["host_bytes"] = gaugeToDict(stats.host_bytes);
   dict["over_limit_bytes"] = gaugeToDict(stats.over_limit_bytes);
+  dict["operator_output_bytes"] = gaugeToDict(stats.operator_output_bytes);
   dict["private_pool_bytes"] = gaugeToDict(stats.private_pool_bytes);
   return dict;
 }
