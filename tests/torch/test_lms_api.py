@@ -387,7 +387,7 @@ def _graph_trees_module(events: list[str], seen: list[bool], lms: ModuleType) ->
     class CUDAGraphNode:
         device = 0
 
-        class wrapped_function:  # noqa: N801 - stands for Inductor's WrappedFunction
+        class wrapped_function:  # stands for Inductor's WrappedFunction
             constants = (torch.zeros(2).as_subclass(_CudaLike),)
 
         def _record(self, model: Any, inputs: list[Any]) -> str:

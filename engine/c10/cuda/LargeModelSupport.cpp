@@ -1626,8 +1626,8 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
         "limit: " +
           mib(s.active_bytes.current) + " pinned + " +
           mib(s.operator_output_bytes.current) + " allocated by it so far + " +
-          mib(static_cast<int64_t>(size)) + " requested = " +
-          mib(working_set) + " > " + mib(static_cast<int64_t>(limit)) + ". "
+          mib(static_cast<int64_t>(size)) + " requested = " + mib(working_set) +
+          " > " + mib(static_cast<int64_t>(limit)) + ". "
       : std::string();
   return "CUDA out of memory with Large Model Support. Tried to allocate " +
       mib(static_cast<int64_t>(size)) + " on device " +
@@ -1638,8 +1638,8 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
       " pinned by the running operator(s), " +
       mib(s.operator_output_bytes.current) +
       " allocated by them and not released yet, " +
-      mib(s.inactive_bytes.current) +
-      " inactive (" + std::to_string(reclaimable_count) +
+      mib(s.inactive_bytes.current) + " inactive (" +
+      std::to_string(reclaimable_count) +
       " storages below the LMS size threshold of " +
       mib(static_cast<int64_t>(g_size_threshold.load())) +
       " or without pinned host memory to page to), the rest too small or "

@@ -465,9 +465,10 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     process-wide), ``over_limit_bytes`` (bytes allocated beyond the limit
     after an allocation's reclaim: pinned by running operators or not
     reclaimable), ``operator_output_bytes`` (allocated by running operators
-    and not released yet: part of their working set) and ``private_pool_bytes`` (device memory reserved by CUDA
-    graph pools and :class:`torch.cuda.MemPool`, which LMS never pages out)
-    are dicts ``{"current": int, "peak": int}``.
+    and not released yet: part of their working set) and
+    ``private_pool_bytes`` (device memory reserved by CUDA graph pools and
+    :class:`torch.cuda.MemPool`, which LMS never pages out) are dicts
+    ``{"current": int, "peak": int}``.
 
     With LMS built in, :func:`~torch.cuda.memory_stats` reports the same values
     under ``"lms."`` keys.
