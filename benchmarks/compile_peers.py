@@ -34,7 +34,8 @@ temporary folder of this run (``TORCHINDUCTOR_CACHE_DIR``, ``TRITON_CACHE_DIR``)
 the end unless ``--keep-cache``.
 
 Per configuration and cap: seconds per iteration (median of ``--iterations`` after
-``--warmup``; the first step, which compiles, is reported apart), peak allocated memory,
+``--warmup``; the first step, which compiles, is reported apart), peak allocated memory over
+the timed steps (the warm-up's, with compilation and autotuning, is in the JSON),
 activation memory (allocated after the forward pass minus before it), bytes paged out and in
 per iteration and stall milliseconds per iteration (``torch.cuda.lms_stats()``, LMS rows),
 bytes offloaded per iteration (the tensors the offloading pass chose, offload rows), whether
@@ -800,14 +801,10 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     device = torch.device(spec.get("device", "cuda"))
     cuda = device.type == "cuda"
     try:
-        result["environment"] = _worker_environment(cuda)
         if cuda and not torch.cuda.is_available():
             result["detail"] = "no CUDA device"
             return result
-        if not spec["amp"]:
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        if spec["lms"]:
+        if spec["lms"]:  # before CUDA is initialized, as the drop-in extension expects
             from _lms_setup import LmsUnavailable, ensure_lms_api
 
             try:
@@ -815,6 +812,10 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
             except LmsUnavailable as exc:
                 result["status"], result["detail"] = "unavailable", str(exc)
                 return result
+        result["environment"] = _worker_environment(cuda)
+        if not spec["amp"]:
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
         passes = _apply_compile_options(spec)
         _train(spec, device, result, passes)
     except Exception as exc:  # a configuration's failure is its result
@@ -935,6 +936,9 @@ def _train(
             if step == warmup:
                 sync()
                 before = lms_snapshot()
+                if cuda:  # the peak of training, not of compiling and autotuning
+                    result["warmup_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
             inputs, targets = make_batch(spec["batch"], device, step)
             sync()
             start = time.perf_counter()
