@@ -167,3 +167,191 @@ def test_graph_pool_that_cannot_fit_raises_the_lms_message() -> None:
         torch.cuda.set_enabled_lms(True)
         with pytest.raises(torch.OutOfMemoryError, match="Large Model Support"):
             _train_reduce_overhead(steps=3)
+
+
+# ---------------------------------------------------------------------------------------
+# A GPT-style decoder compiled in default mode, at 1/2 and 1/4 of its own compiled peak
+# ---------------------------------------------------------------------------------------
+
+# The drop-in extension's default reclaim headroom: an allocation inside an operator larger
+# than this can only be made room for by a reclaim in the allocation path, for its own size.
+RECLAIM_HEADROOM_BYTES = 256 * 2**20
+
+
+class DecoderAttention(nn.Module):
+    """Causal self-attention written out (deterministic forward and backward kernels, unlike
+    scaled_dot_product_attention's backward), so that runs compare bit for bit."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+        y = scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(dim)
+        self.attn = DecoderAttention(dim, heads)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab: int, context: int, dim: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(context, dim)
+        self.blocks = nn.Sequential(*(DecoderBlock(dim, heads) for _ in range(layers)))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tokens(idx) + self.positions(positions)
+        return self.head(self.ln(self.blocks(x)))
+
+
+# 96 x 256 tokens: the MLP's first output is 288 MiB and the logits 384 MiB, each allocated
+# inside one compiled graph and larger than the reclaim headroom; 49M parameters (0.7 GiB with
+# gradients and Adam's state) and the working set of the largest kernel (under 1 GiB) stay well
+# under a quarter of the peak, while the saved activations make the peak several GiB.
+DECODER = {"vocab": 4096, "context": 256, "dim": 768, "layers": 6, "heads": 6}
+DECODER_BATCH = 96
+DECODER_STEPS = 5
+
+
+def _decoder_largest_allocation() -> int:
+    tokens = DECODER_BATCH * DECODER["context"]
+    return 4 * tokens * max(4 * DECODER["dim"], DECODER["vocab"])
+
+
+def _decoder_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def _train_compiled_decoder() -> tuple[Any, float]:
+    """Adam steps of the compiled decoder (the harness's deterministic ``train``); returns the
+    run and the median seconds per iteration of the steps after the first (which compiles),
+    from the start of one step to the start of the next (each step ends by copying its loss
+    to the host, which waits for the device)."""
+    import statistics
+    import time
+
+    from lms_regression_harness import train
+
+    starts: list[float] = []
+
+    def batches(step: int) -> Batch:
+        starts.append(time.perf_counter())
+        g = torch.Generator(device="cuda").manual_seed(3000 + step)
+        data = torch.randint(
+            0,
+            DECODER["vocab"],
+            (DECODER_BATCH, DECODER["context"] + 1),
+            device="cuda",
+            generator=g,
+        )
+        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+    run = train(lambda: torch.compile(Decoder(**DECODER)), batches, _decoder_loss, DECODER_STEPS)
+    durations = [b - a for a, b in zip(starts[1:-1], starts[2:])]
+    return run, statistics.median(durations)
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25], ids=["half-peak", "quarter-peak"])
+def test_compiled_decoder_under_a_share_of_its_compiled_peak(
+    share: float, record: Callable[[str, Any], None]
+) -> None:
+    """The decoder compiled in default mode trains under a cap of ``share`` of its own
+    uncapped compiled peak with LMS, and its losses, gradients and parameters are those of
+    the uncapped compiled run, bit for bit. Two uncapped runs are compared first: where they
+    differ, the compiled program is not repeatable on this machine, which is recorded, and
+    the capped run is held to the references' own spread instead."""
+    from lms_regression_harness import (
+        MiB,
+        first_difference,
+        host_bytes,
+        lms_summary,
+        max_relative_difference,
+        memory_cap,
+        settle,
+    )
+
+    settle()
+    reference, reference_s = _train_compiled_decoder()
+    settle()
+    repeat, _ = _train_compiled_decoder()
+    settle()
+    baseline = torch.cuda.memory_allocated()
+    peak = reference.peak_bytes
+    cap = int(share * peak)
+    limit = int(cap * 0.75)
+    largest = _decoder_largest_allocation()
+    record("peak_mib", round(peak / MiB, 1))
+    record("static_mib", round(reference.static_bytes / MiB, 1))
+    record("cap_mib", round(cap / MiB, 1))
+    record("limit_mib", round(limit / MiB, 1))
+    record("largest_allocation_mib", round(largest / MiB, 1))
+    record("reference_s_per_iter", round(reference_s, 4))
+    assert largest > RECLAIM_HEADROOM_BYTES
+    assert peak - cap > RECLAIM_HEADROOM_BYTES, "the cap is not well under the peak"
+
+    difference = first_difference(reference, repeat)
+    record("references_identical", difference is None)
+    spread = 0.0
+    if difference is not None:
+        spread = max_relative_difference(reference, repeat)
+        record("references_difference", difference)
+        record("references_max_relative_difference", spread)
+
+    with memory_cap(cap):
+        host_baseline = host_bytes()
+        torch.cuda.set_enabled_lms(True)
+        torch.cuda.set_limit_lms(limit)
+        torch.cuda.reset_accumulated_lms_stats()
+        torch.cuda.reset_peak_lms_stats()
+        capped, capped_s = _train_compiled_decoder()
+        stats = torch.cuda.lms_stats()
+    deficit = peak - cap
+    pageout_per_iter = stats["pageout_bytes"] / DECODER_STEPS
+    record("lms", lms_summary(stats))
+    record("s_per_iter", round(capped_s, 4))
+    record("time_vs_reference", round(capped_s / reference_s, 2))
+    record("deficit_mib", round(deficit / MiB, 1))
+    record("pageout_mib_per_iter", round(pageout_per_iter / MiB, 1))
+    record("pageout_per_iter_vs_deficit", round(pageout_per_iter / deficit, 2))
+    record("stall_ms_per_iter", round(stats["stall_ms"] / DECODER_STEPS, 1))
+    assert stats["pageout_bytes"] > 0, "LMS trained under the cap without paging anything out"
+    assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
+    assert capped.peak_bytes <= cap
+    if difference is None:
+        mismatch = first_difference(reference, capped)
+        assert mismatch is None, f"the capped run differs from the uncapped one: {mismatch}"
+    else:
+        off = max_relative_difference(reference, capped)
+        record("capped_max_relative_difference", off)
+        assert off <= 2 * spread, (
+            f"the capped run is {off:.3g} off the reference, the two references {spread:.3g}"
+        )
+
+    torch.cuda.set_enabled_lms(False)
+    del reference, repeat, capped
+    settle()
+    assert torch.cuda.memory_allocated() == baseline, "device memory did not return to baseline"
+    assert host_bytes() == host_baseline, "LMS still holds pinned host memory"
+    assert torch.cuda.lms_stats()["managed_bytes"]["current"] == 0
