@@ -74,7 +74,9 @@ from _search import (  # noqa: E402
 )
 
 MODELS = ("resnet152", "vit_l", "gpt")
-CAPPED_METHODS = ("lms", "save_on_cpu", "checkpoint", "no_lms")
+CAPPED_METHODS = ("lms", "lms_reactive", "offload", "save_on_cpu", "checkpoint", "no_lms")
+# Methods measured at batch B under every cap (no_lms is measured at its own largest batch).
+PEER_METHODS = ("lms", "lms_reactive", "offload", "save_on_cpu", "checkpoint")
 EFFICIENCY_GOAL = 0.90
 BATCH_RATIO_GOAL = 10.0
 OVERHEAD_GOAL = 0.02
@@ -170,6 +172,10 @@ class Measurement:
     out_bytes_per_iter: float | None = None
     in_bytes_per_iter: float | None = None
     stall_ms_per_iter: float | None = None
+    # Bytes of the uncapped peak at this batch that do not fit under the cap: what any method
+    # must keep off the device (rows at batch B only).
+    deficit_bytes: int | None = None
+    lms_schedule: str = ""  # the learned swap schedule at the end of the row (LMS rows)
     peak_allocated_bytes: int | None = None
     static_bytes: int | None = None
     roofline_s: float | None = None
@@ -254,7 +260,11 @@ def evaluate_goals(rows: Sequence[Measurement], factors: Sequence[float]) -> lis
                     _status_note(lms),
                 )
             )
-        for rival in ("save_on_cpu", "checkpoint"):
+        # The offload peer is new: goals against it only where it was measured.
+        rivals = ("save_on_cpu", "checkpoint")
+        if any(m.method == "offload" for m in rows):
+            rivals = ("offload", *rivals)
+        for rival in rivals:
             other = _find(rows, rival, f)
             name = f"lms_faster_than_{rival}"
             if not lms_ok or lms is None or lms.samples_per_s is None:
@@ -404,6 +414,9 @@ MEASUREMENT_COLUMNS = (
     "out_gib_per_iter",
     "in_gib_per_iter",
     "stall_ms_per_iter",
+    "deficit_gib",
+    "out_vs_deficit",
+    "lms_schedule",
     "peak_allocated_gib",
     "roofline_ms",
     "efficiency",
@@ -437,6 +450,14 @@ def measurement_record(m: Measurement) -> dict[str, str]:
             None if m.in_bytes_per_iter is None else m.in_bytes_per_iter / GiB, ".3f"
         ),
         "stall_ms_per_iter": _num(m.stall_ms_per_iter, ".2f"),
+        "deficit_gib": _num(None if m.deficit_bytes is None else m.deficit_bytes / GiB, ".3f"),
+        "out_vs_deficit": _num(
+            None
+            if not m.deficit_bytes or m.out_bytes_per_iter is None
+            else m.out_bytes_per_iter / m.deficit_bytes,
+            ".2f",
+        ),
+        "lms_schedule": m.lms_schedule,
         "peak_allocated_gib": _num(
             None if m.peak_allocated_bytes is None else m.peak_allocated_bytes / GiB, ".3f"
         ),
@@ -489,6 +510,8 @@ def measurements_markdown(records: Sequence[dict[str, str]]) -> str:
         "batch",
         "samples/s",
         "GiB out/in per iter",
+        "deficit GiB",
+        "stall ms/iter",
         "efficiency",
         "largest batch",
         "status",
@@ -512,6 +535,8 @@ def measurements_markdown(records: Sequence[dict[str, str]]) -> str:
                 r["batch"],
                 r["samples_per_s"],
                 moved,
+                r["deficit_gib"],
+                r["stall_ms_per_iter"],
                 eff,
                 largest,
                 status,
@@ -621,6 +646,16 @@ def parse_factors(text: str) -> list[float]:
     return sorted(set(factors))
 
 
+def parse_methods(text: str) -> tuple[str, ...]:
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in methods if m not in PEER_METHODS]
+    if not methods or unknown:
+        raise argparse.ArgumentTypeError(
+            f"methods must be some of {', '.join(PEER_METHODS)}, got {text!r}"
+        )
+    return methods
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="compare.py",
@@ -633,7 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--factors",
         type=parse_factors,
-        default=parse_factors("1.5,2,4"),
+        default=parse_factors("1.5,2,4,8"),
         help="oversubscription factors (cap = uncapped peak / factor)",
     )
     parser.add_argument(
@@ -690,6 +725,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=nonneg_int,
         default=0,
         help="LMS speculative page-out margin in MiB",
+    )
+    parser.add_argument(
+        "--methods",
+        type=parse_methods,
+        default=PEER_METHODS,
+        help="methods measured under each cap (comma-separated; split a run across calls "
+        "with it): " + ", ".join(PEER_METHODS),
+    )
+    parser.add_argument(
+        "--overhead",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure LMS on with everything fitting, and LMS off again (lms_fits, "
+        "baseline_repeat); calls that split a run measure it once",
     )
     parser.add_argument(
         "--oom-retries",
@@ -829,7 +878,7 @@ def make_workload(args: argparse.Namespace) -> Any:
     return models.gpt_workload(cfg)
 
 
-def lms_settings(args: argparse.Namespace, cap: int | None) -> LmsSettings:
+def lms_settings(args: argparse.Namespace, cap: int | None, schedule: bool = True) -> LmsSettings:
     limit = None if cap is None else max(1, int(cap * args.lms_limit_frac / MiB))
     return LmsSettings(
         enabled=True,
@@ -837,6 +886,7 @@ def lms_settings(args: argparse.Namespace, cap: int | None) -> LmsSettings:
         size_mb=args.size_mb,
         prefetch=args.prefetch,
         speculative_mb=args.speculative_mb,
+        schedule=schedule,
     )
 
 
@@ -919,7 +969,19 @@ def train_measure(
 
     device = torch.device("cuda", torch.cuda.current_device())
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if args.amp else contextlib.nullcontext()
-    counter = models.SaveOnCpuCounter(pin_memory=True) if m.method == "save_on_cpu" else None
+    counter: Any = None
+    if m.method == "save_on_cpu":
+        counter = models.SaveOnCpuCounter(pin_memory=True)
+    offload: Any = None
+    if m.method == "offload":
+        # torchtune's implementation where installed; otherwise the same mechanism as a
+        # baseline of this benchmark (models.StreamOffload), named so in the row's detail.
+        offload = models.torchtune_offload()
+        if offload is None:
+            counter = models.StreamOffload()
+            m.detail = "baseline: models.StreamOffload (torchtune not installed)"
+        else:
+            m.detail = "torchtune.training.OffloadActivations"
     model: Any = None
     optimizer: Any = None
     retries_left = args.oom_retries if lms is not None else 0
@@ -942,13 +1004,20 @@ def train_measure(
                 if step == warmup:
                     torch.cuda.synchronize()
                     before = lms_stats()
-                    if counter is not None:
+                    if isinstance(counter, models.StreamOffload):
+                        counter.reset()
+                    elif counter is not None:
                         counter.out_bytes = counter.in_bytes = 0
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 try:
                     inputs, targets = workload.make_batch(m.batch, device, step)
-                    ctx = counter.context() if counter is not None else contextlib.nullcontext()
+                    if counter is not None:
+                        ctx = counter.context()
+                    elif offload is not None:
+                        ctx = offload()
+                    else:
+                        ctx = contextlib.nullcontext()
                     with ctx, amp:
                         loss = workload.loss(model(inputs), targets)
                     loss.backward()
@@ -975,6 +1044,24 @@ def train_measure(
             m.out_bytes_per_iter = (after["pageout_bytes"] - before["pageout_bytes"]) / iterations
             m.in_bytes_per_iter = (after["pagein_bytes"] - before["pagein_bytes"]) / iterations
             m.stall_ms_per_iter = (after["stall_ms"] - before["stall_ms"]) / iterations
+            m.lms_schedule = (
+                f"period {after['schedule_period']}, "
+                f"{after['schedule_fallbacks']} fallbacks, "
+                f"{(after['pagein_demand_count'] - before['pagein_demand_count']) / iterations:g}"
+                " demand page-ins/iter"
+                if after.get("schedule_active")
+                else (
+                    f"inactive, {after.get('schedule_fallbacks', 0)} fallbacks"
+                    if "schedule_active" in after
+                    else ""
+                )
+            )
+        elif isinstance(counter, models.StreamOffload):
+            m.out_bytes_per_iter = counter.out_bytes / iterations
+            m.in_bytes_per_iter = counter.in_bytes / iterations
+            m.stall_ms_per_iter = counter.stall_ms / iterations
+        elif offload is not None:
+            m.out_bytes_per_iter = m.in_bytes_per_iter = None  # torchtune does not say
         elif counter is not None:
             m.out_bytes_per_iter = counter.out_bytes / iterations
             m.in_bytes_per_iter = counter.in_bytes / iterations
@@ -1186,8 +1273,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
         peak = base.peak_allocated_bytes
         static = base.static_bytes or 0
         per_sample = base.iteration_s / batch
-        measure("lms_fits", None, None, batch, lms_settings(args, None))
-        measure("baseline_repeat", None, None, batch, None)
+        if args.overhead:
+            measure("lms_fits", None, None, batch, lms_settings(args, None))
+            measure("baseline_repeat", None, None, batch, None)
 
         caps = {f: cap_bytes(peak, f) for f in args.factors}
         for f in args.factors:
@@ -1195,9 +1283,13 @@ def run_benchmark(args: argparse.Namespace) -> int:
                 f"== {f:g}x oversubscribed: cap {caps[f] / GiB:.2f} GiB (uncapped peak "
                 f"{peak / GiB:.2f} GiB, static {static / GiB:.2f} GiB)"
             )
-            measure("lms", f, caps[f], batch, lms_settings(args, caps[f]))
-            measure("save_on_cpu", f, caps[f], batch, None)
-            measure("checkpoint", f, caps[f], batch, None)
+            for method in args.methods:
+                if method in ("lms", "lms_reactive"):
+                    settings = lms_settings(args, caps[f], schedule=method == "lms")
+                    row = measure(method, f, caps[f], batch, settings)
+                else:
+                    row = measure(method, f, caps[f], batch, None)
+                row.deficit_bytes = max(0, peak - caps[f])
             save(final=False)
 
         # A probe that starts before the search deadline may run up to --probe-timeout-s.

@@ -308,3 +308,116 @@ class SaveOnCpuCounter:
         hooks.pack_hook = counting_pack
         hooks.unpack_hook = counting_unpack
         return hooks
+
+
+class StreamOffload:
+    """Stream-overlapped activation offloading, as torchtune's ``OffloadActivations`` does it,
+    written here as the baseline for machines without torchtune.
+
+    Saved-tensor hooks: packing copies a saved activation to pinned host memory on a
+    device-to-host side stream (the compute stream goes on; the device memory is reused only
+    after the copy, through ``record_stream``); unpacking, in backward, starts bringing this
+    and the next ``prefetch`` saved activations (backward unpacks in the reverse order of
+    packing) back on a host-to-device side stream, and the compute stream waits on the copy's
+    event. Parameters, their views, non-contiguous tensors and tensors under ``min_bytes``
+    stay on the device. The counters add up the bytes copied each way; ``stall_ms`` is the
+    time the compute stream waited at unpacking (timing events around the wait).
+    """
+
+    def __init__(self, min_bytes: int = 1 << 20, prefetch: int = 2) -> None:
+        self.min_bytes = min_bytes
+        self.prefetch = prefetch
+        self.out_bytes = 0
+        self.in_bytes = 0
+        self._waits: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._stall_ms = 0.0
+
+    @property
+    def stall_ms(self) -> float:
+        """Time the compute stream waited so far (synchronizes with the device)."""
+        torch.cuda.synchronize()
+        for start, end in self._waits:
+            self._stall_ms += max(0.0, start.elapsed_time(end))
+        self._waits.clear()
+        return self._stall_ms
+
+    def reset(self) -> None:
+        _ = self.stall_ms
+        self.out_bytes = self.in_bytes = 0
+        self._stall_ms = 0.0
+
+    def context(self) -> torch.autograd.graph.saved_tensors_hooks:
+        d2h = torch.cuda.Stream()
+        h2d = torch.cuda.Stream()
+        # index -> [host copy, its D2H event, (device copy, its H2D event) or None]
+        entries: list[list[Any] | None] = []
+
+        def keep_on_device(t: torch.Tensor) -> bool:
+            base = t._base if t._base is not None else t
+            return (
+                not t.is_cuda
+                or t.numel() * t.element_size() < self.min_bytes
+                or not t.is_contiguous()
+                or (base.is_leaf and base.requires_grad)
+            )
+
+        def pack(t: torch.Tensor) -> Any:
+            if keep_on_device(t):
+                return ("device", t)
+            compute = torch.cuda.current_stream()
+            d2h.wait_stream(compute)
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            with torch.cuda.stream(d2h):
+                host.copy_(t, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(d2h)
+            t.record_stream(d2h)  # its memory is reused only after the copy
+            self.out_bytes += t.numel() * t.element_size()
+            entries.append([host, done, None])
+            return ("host", len(entries) - 1)
+
+        def fetch(index: int) -> None:
+            entry = entries[index] if 0 <= index < len(entries) else None
+            if entry is None or entry[2] is not None:
+                return
+            host, done, _ = entry
+            with torch.cuda.stream(h2d):
+                h2d.wait_event(done)
+                dev = torch.empty(host.shape, dtype=host.dtype, device="cuda")
+                dev.copy_(host, non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record(h2d)
+            self.in_bytes += host.numel() * host.element_size()
+            entry[2] = (dev, ready)
+
+        def unpack(packed: Any) -> torch.Tensor:
+            kind, value = packed
+            if kind == "device":
+                return value
+            index = int(value)
+            for ahead in range(index, index - self.prefetch - 1, -1):
+                fetch(ahead)
+            entry = entries[index]
+            assert entry is not None and entry[2] is not None
+            dev, ready = entry[2]
+            compute = torch.cuda.current_stream()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(compute)
+            compute.wait_event(ready)
+            end.record(compute)
+            self._waits.append((start, end))
+            dev.record_stream(compute)
+            entries[index] = None  # the host copy goes back to the caching host allocator
+            return dev
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def torchtune_offload() -> Callable[[], Any] | None:
+    """torchtune's ``OffloadActivations`` (a factory of its context managers) when torchtune
+    is installed, else None."""
+    try:
+        from torchtune.training import OffloadActivations  # type: ignore[import-not-found]
+    except Exception:  # not installed, or an incompatible version
+        return None
+    return lambda: OffloadActivations(use_streams=True)

@@ -44,6 +44,7 @@ class LmsSettings:
     size_mb: float | None = None  # None: the build's default threshold (1 MiB)
     prefetch: int = 0
     speculative_mb: int = 0
+    schedule: bool = True  # the learned swap schedule (builds that have it)
 
     def validate(self) -> None:
         if self.limit_mb is not None and self.limit_mb <= 0:
@@ -106,6 +107,9 @@ def apply_lms(settings: LmsSettings) -> None:
     torch.cuda.set_size_lms(MiB if settings.size_mb is None else int(settings.size_mb * MiB))
     torch.cuda.set_prefetch_lms(settings.prefetch)
     torch.cuda.set_speculative_lms(int(settings.speculative_mb * MiB))
+    if hasattr(torch.cuda, "set_schedule_lms"):
+        torch.cuda.set_schedule_lms(settings.schedule)
+        torch.cuda.reset_lms_schedule()  # each run learns its own iteration
     torch.cuda.set_enabled_lms(settings.enabled)
     torch.cuda.reset_accumulated_lms_stats()
     torch.cuda.reset_peak_lms_stats()

@@ -42,6 +42,13 @@ API_NAMES: tuple[str, ...] = (
     "get_prefetch_lms",
     "set_speculative_lms",
     "get_speculative_lms",
+    "set_schedule_lms",
+    "get_schedule_lms",
+    "set_lookahead_lms",
+    "get_lookahead_lms",
+    "set_prefetch_budget_lms",
+    "get_prefetch_budget_lms",
+    "reset_lms_schedule",
     "reclaim_inactive",
     "lms_stats",
 )

@@ -8,13 +8,17 @@
 # Environment: PYTHON (default python3, the interpreter with torch, torchvision, matplotlib),
 # CUDA_HOME (default /usr/local/cuda), MAX_JOBS (parallel compile jobs, default 8),
 # TOTAL_S (whole-script budget in seconds, default 530: the build's time is taken from it and
-# the rest given to compare.py --time-budget-s, so the script ends within ~9 minutes).
+# the rest given to compare.py --time-budget-s, so the script ends within ~9 minutes),
+# REBUILD=1 (rebuild torch_lms even when it is built already).
+# One call does not hold every method at every cap of a large model: split it with
+# compare.py's --factors, --methods, --no-overhead and --no-search, one OUT per call
+# (benchmarks/README.md, "Splitting a run", lists the calls).
 # Writes: run-benchmarks-MODEL.log, build.log, compare-MODEL.csv, compare-MODEL-goals.csv,
 # compare-MODEL.json, compare-MODEL.png.
 set -euo pipefail
 
 if [ $# -lt 1 ] || [ "$1" = "-h" ] || [ "$1" = "--help" ]; then
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
   [ $# -ge 1 ] && exit 0 || exit 2
 fi
 MODEL=$1
@@ -45,7 +49,11 @@ for name in ("torchvision", "matplotlib"):
         print(name, "missing")
 PY
 
-PYTHON="$PY" "$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log"
+if [ "${REBUILD:-0}" = 1 ]; then
+  PYTHON="$PY" "$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log"
+else
+  PYTHON="$PY" "$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log" --if-missing
+fi
 
 export PYTHONPATH="$ROOT/extension${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1

@@ -66,6 +66,17 @@ def test_engine_suite_on_two_simulated_devices(sim_build: Path) -> None:
     assert passed == 2, out
 
 
+def test_learned_swap_schedule_on_a_simulated_device(sim_build: Path) -> None:
+    """Period detection, next-use victims, early page-out and page-in ahead of use
+    (tests/engine/test_lms_schedule.cpp)."""
+    out, passed, failed, skipped = run_suite(
+        executable(sim_build, "test_lms_schedule"),
+        {"SIMGPU_DEVICE_COUNT": "1", "SIMGPU_CAPACITY_MB": "256"},
+    )
+    assert (failed, skipped) == (0, 0), out[-8000:]
+    assert passed >= 7, out
+
+
 def test_simgpu_selftest_and_unpatched_allocator_smoke(sim_build: Path) -> None:
     for name in ("simgpu_selftest", "simgpu_c10_smoke"):
         out, _, failed, _ = run_suite(executable(sim_build, name), {})

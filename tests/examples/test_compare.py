@@ -327,3 +327,25 @@ def test_no_gpu_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
         pytest.skip("a GPU is present: this checks the message on machines without one")
     assert compare.main(["--model", "gpt", "--out", "unused"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_methods_option_and_deficit_columns() -> None:
+    parser = compare.build_parser()
+    args = parser.parse_args(["--model", "gpt"])
+    assert args.methods == compare.PEER_METHODS
+    assert args.factors == [1.5, 2.0, 4.0, 8.0]
+    args = parser.parse_args(["--model", "gpt", "--methods", "lms,offload"])
+    assert args.methods == ("lms", "offload")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "gpt", "--methods", "lms,magic"])
+    m = Measurement("gpt", "lms", 4.0, GiB, 8)
+    m.out_bytes_per_iter, m.in_bytes_per_iter = 3 * GiB, 3 * GiB
+    m.deficit_bytes = 2 * GiB
+    m.stall_ms_per_iter = 12.5
+    m.lms_schedule = "period 812, 0 fallbacks, 0 demand page-ins/iter"
+    record = compare.measurement_record(m)
+    assert record["deficit_gib"] == "2.000"
+    assert record["out_vs_deficit"] == "1.50"
+    assert record["lms_schedule"].startswith("period 812")
+    table = compare.measurements_markdown([record])
+    assert "deficit GiB" in table and "stall ms/iter" in table and "| 12.50 |" in table

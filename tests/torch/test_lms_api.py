@@ -40,6 +40,17 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "alloc_after_reclaim": 1,
         "prefetch_count": 4,
         "prefetch_hits": 3,
+        "prefetch_late": 1,
+        "pagein_demand_count": 2,
+        "schedule_active": 1,
+        "schedule_period": 312,
+        "schedule_detections": 1,
+        "schedule_fallbacks": 2,
+        "schedule_victims": 5,
+        "schedule_prefetch_count": 4,
+        "schedule_rescues": 1,
+        "early_pageout_count": 2,
+        "early_pageout_bytes": 2 * 4 * MiB,
         "stall_ms": 1.25,
         "oom_count": 0,
         "pin_failures": 0,
@@ -62,7 +73,14 @@ class FakeBindings:
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.enabled = False
-        self.values: dict[str, int] = {"size": MiB, "prefetch": 0, "speculative": 0}
+        self.values: dict[str, int] = {
+            "size": MiB,
+            "prefetch": 0,
+            "speculative": 0,
+            "schedule": 1,
+            "lookahead": 0,
+            "budget": 0,
+        }
         self.limits: dict[int, int] = {}
 
     def _record(self, name: str, *args: Any) -> None:
@@ -100,6 +118,27 @@ class FakeBindings:
 
     def _cuda_lms_getSpeculative(self) -> int:
         return self.values["speculative"]
+
+    def _cuda_lms_setSchedule(self, enabled: bool) -> None:
+        self.values["schedule"] = int(enabled)
+
+    def _cuda_lms_getSchedule(self) -> bool:
+        return bool(self.values["schedule"])
+
+    def _cuda_lms_setLookahead(self, operators: int) -> None:
+        self.values["lookahead"] = operators
+
+    def _cuda_lms_getLookahead(self) -> int:
+        return self.values["lookahead"]
+
+    def _cuda_lms_setPrefetchBudget(self, budget: int) -> None:
+        self.values["budget"] = budget
+
+    def _cuda_lms_getPrefetchBudget(self) -> int:
+        return self.values["budget"]
+
+    def _cuda_lms_resetSchedule(self) -> None:
+        self._record("resetSchedule")
 
     def _cuda_lms_reclaimInactive(self, device: int) -> int:
         self._record("reclaimInactive", device)
@@ -154,6 +193,15 @@ def test_settings_reach_the_bindings(lms: ModuleType) -> None:
     assert lms.get_prefetch_lms() == 4
     lms.set_speculative_lms(64 * MiB)
     assert lms.get_speculative_lms() == 64 * MiB
+    assert lms.get_schedule_lms() is True
+    lms.set_schedule_lms(False)
+    assert lms.get_schedule_lms() is False
+    lms.set_lookahead_lms(32)
+    assert lms.get_lookahead_lms() == 32
+    lms.set_prefetch_budget_lms(256 * MiB)
+    assert lms.get_prefetch_budget_lms() == 256 * MiB
+    lms.reset_lms_schedule()
+    assert lms.fake.calls[-1] == ("resetSchedule", ())
     assert lms.reclaim_inactive() == 8 * MiB
     lms.reset_peak_lms_stats(1)
     lms.reset_accumulated_lms_stats()
@@ -180,6 +228,10 @@ def test_numpy_integers_are_sizes(lms: ModuleType) -> None:
         (lambda m: m.set_prefetch_lms(2**31), ValueError, "depth must be <= 2147483647"),
         (lambda m: m.set_speculative_lms(None), TypeError, "margin_bytes must be an int"),
         (lambda m: m.set_speculative_lms(-5), ValueError, "margin_bytes must be >= 0"),
+        (lambda m: m.set_schedule_lms(1), TypeError, "enable must be a bool, got int"),
+        (lambda m: m.set_lookahead_lms(-1), ValueError, "operators must be >= 0"),
+        (lambda m: m.set_lookahead_lms(2**31), ValueError, "operators must be <= 2147483647"),
+        (lambda m: m.set_prefetch_budget_lms(-1), ValueError, "budget_bytes must be >= 0"),
         (lambda m: m.lms_storage_state([1, 2]), TypeError, "tensor must be a torch.Tensor"),
         (lambda m: m._lms_access(None), TypeError, "tensor must be a torch.Tensor"),
         (lambda m: m.set_limit_lms(MiB, device="cpu"), ValueError, "Expected a cuda device"),

@@ -4,7 +4,9 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/LargeModelSupportHostPool.h>
+#include <c10/cuda/LargeModelSupportSchedule.h>
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 #include <c10/util/intrusive_ptr.h>
 #include <c10/util/irange.h>
 
@@ -16,6 +18,7 @@
 #include <cstdlib>
 #include <deque>
 #include <limits>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -46,6 +49,16 @@ std::atomic<size_t> g_speculative_margin{0};
 std::atomic<size_t> g_conf_limit{0};
 std::atomic<DeviceMemoryBackend*> g_backend{nullptr};
 std::atomic<EnabledObserver> g_enabled_observer{nullptr};
+// Learned swap schedule (see LargeModelSupportSchedule.h and "Learned swap
+// schedule" below): on by default, so that LMS with defaults is the fast path.
+std::atomic<bool> g_schedule_enabled{true};
+std::atomic<int> g_lookahead_ops{0}; // 0: derived from the period
+std::atomic<size_t> g_prefetch_budget{0}; // 0: derived from the limit
+// Clock of the last operator the schedule recorded; stamps storages' touches
+// without taking the schedule's lock.
+std::atomic<uint64_t> g_op_clock{0};
+// Allocations since the operator of g_op_clock began: an allocation's gap.
+std::atomic<uint64_t> g_births_in_op{0};
 // Set when the allocator's own malloc path reclaimed for this thread's
 // allocation (reclaimForFailedAllocation), for the allocation-source stats.
 thread_local bool t_reclaimed_in_malloc = false;
@@ -107,6 +120,20 @@ struct Record {
   bool busy = false; // a copy is being set up outside the engine lock
   bool prefetched = false;
   bool graph_owned = false; // used during CUDA graph capture: never paged
+  // Operator clock of the allocation or the last pin: what the learned
+  // schedule identifies the storage by (see LargeModelSupportSchedule.h).
+  std::atomic<uint64_t> touch{0};
+  // The gap before that touch (AccessSchedule::Use::gap).
+  std::atomic<uint64_t> gap{0};
+  // Paged out early by the schedule: the copy to host is queued on the D2H
+  // stream, and the device memory is kept until it is done (then freed with
+  // no stream waiting), or until the storage is used again (then no copy
+  // back is needed). On the engine's draining list meanwhile.
+  bool draining = false;
+  cudaEvent_t drain_copied = nullptr; // timing event after the copy
+  // Paged out with a known next use: in the engine's `upcoming` map.
+  bool upcoming = false;
+  std::multimap<uint64_t, Record*>::iterator upcoming_at;
   // Allocated through allocate() and neither pinned nor accessed raw since:
   // when the operator that allocated it ends, it becomes reclaimable.
   bool fresh = false;
@@ -205,6 +232,17 @@ struct DeviceEngine {
   std::condition_variable settled; // a busy record finished its copy
   List reclaim_list; // inactive, resident
   List pagedout_list; // paged out, in page-out order
+  List draining_list; // paged out early, device memory not yet released
+  size_t draining_bytes = 0;
+  // Paged-out storages by the clock of their next use (learned schedule),
+  // valid for schedule generation `upcoming_generation`.
+  std::multimap<uint64_t, Record*> upcoming;
+  uint64_t upcoming_generation = 0;
+  // Bytes paged in ahead by the schedule and not used yet.
+  size_t prefetched_bytes = 0;
+  // Schedule statistics at the last resetAccumulatedStats().
+  int64_t detections_base = 0;
+  int64_t fallbacks_base = 0;
   size_t user_limit = 0;
   // The device as last read from the driver: its size, and the bytes held by
   // anything other than this process's caching allocator (other processes,
@@ -214,7 +252,8 @@ struct DeviceEngine {
   std::chrono::steady_clock::time_point device_sampled;
   std::chrono::steady_clock::time_point cache_released;
   LmsStats stats;
-  cudaStream_t copy_stream = nullptr;
+  cudaStream_t copy_stream = nullptr; // device to host (and demand prefetch)
+  cudaStream_t h2d_stream = nullptr; // host to device, ahead of use
   EventPool events;
   std::mutex stall_mutex;
   std::deque<PendingStall> stalls;
@@ -233,6 +272,21 @@ struct DeviceEngine {
           &copy_stream, cudaStreamNonBlocking, greatest));
     }
     return copy_stream;
+  }
+
+  // A second copy stream for page-ins ahead of use, so that they run while
+  // page-outs run on copy_stream: the bus moves both directions at once.
+  cudaStream_t h2dStream() {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (h2d_stream == nullptr) {
+      DeviceScope guard(device);
+      int least = 0;
+      int greatest = 0;
+      C10_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      C10_CUDA_CHECK(cudaStreamCreateWithPriority(
+          &h2d_stream, cudaStreamNonBlocking, greatest));
+    }
+    return h2d_stream;
   }
 };
 
@@ -459,7 +513,8 @@ void enqueuePageOut(
     DeviceEngine& e,
     Record& r,
     const HostBuffer& host,
-    StorageRef& keep_alive);
+    StorageRef& keep_alive,
+    bool hand_back);
 
 // A paged-out storage must not keep pointing at memory the allocator may
 // already have handed to someone else. It points at its pinned host copy
@@ -487,14 +542,22 @@ void pointAtHostCopy(Record& r, void* host_ptr, StorageRef& keep_alive) {
 // Copies a victim's contents to pinned host memory and returns its device
 // memory to the allocator. The victim is busy and on no list; the engine lock
 // is not held. Returns false when no pinned host memory could be had.
-bool pageOut(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
+//
+// Without `hand_back` (an early page-out of the learned schedule) the device
+// memory stays with the record, which goes on draining: it is released once
+// the copy is done, so no compute stream waits for the copy (drainPageOuts).
+bool pageOut(
+    DeviceEngine& e,
+    Record& r,
+    StorageRef& keep_alive,
+    bool hand_back = true) {
   DeviceScope guard(e.device);
   HostBuffer host = hostPool().allocate(r.size);
   if (host.ptr == nullptr) {
     return false;
   }
   try {
-    enqueuePageOut(e, r, host, keep_alive);
+    enqueuePageOut(e, r, host, keep_alive, hand_back);
   } catch (...) {
     // Nothing was freed: the storage stays resident. Let any copy that did
     // start finish before the buffer can be handed out again.
@@ -510,7 +573,8 @@ void enqueuePageOut(
     DeviceEngine& e,
     Record& r,
     const HostBuffer& host,
-    StorageRef& keep_alive) {
+    StorageRef& keep_alive,
+    bool hand_back) {
   const cudaStream_t copy = e.copyStream();
   // Order the copy after all work already queued on every stream that used
   // the memory. One event serves all waits: cudaStreamWaitEvent captures the
@@ -530,6 +594,22 @@ void enqueuePageOut(
       host.ptr, r.device_ptr, r.size, cudaMemcpyDeviceToHost, copy));
   cudaEvent_t done = e.events.get(/*timing=*/false);
   C10_CUDA_CHECK(cudaEventRecord(done, copy));
+  if (!hand_back) {
+    // Draining: the memory is released after the copy (drainPageOuts). The
+    // timing event lets a forced early release measure the wait it causes.
+    r.drain_copied = e.events.get(/*timing=*/true);
+    C10_CUDA_CHECK(cudaEventRecord(r.drain_copied, copy));
+    r.draining = true;
+    pointAtHostCopy(r, host.ptr, keep_alive);
+    r.host = host;
+    r.host_ready = done;
+    r.users.clear();
+    if (r.device_ready != nullptr) {
+      e.events.put(r.device_ready);
+      r.device_ready = nullptr;
+    }
+    return;
+  }
   // Hand the memory to the next allocation with GPU-side ordering: work the
   // allocation stream queues from now on waits for the copy; the host never
   // blocks. The timing pair measures how long that stream actually waited.
@@ -557,10 +637,21 @@ void enqueuePageOut(
   r.users.clear();
 }
 
-// Pages out least-recently-used inactive storages until `bytes` are freed or
-// none is left. Returns the bytes freed.
+// Learned swap schedule (defined below).
+Record* pickVictim(DeviceEngine& e, size_t threshold, uint64_t protect_until);
+size_t drainPageOuts(DeviceEngine& e, size_t bytes);
+void addUpcoming(DeviceEngine& e, Record& r);
+void removeUpcoming(DeviceEngine& e, Record& r);
+void clearPrefetched(DeviceEngine& e, Record& r);
+
+// Pages out inactive storages until `bytes` are freed or none is left: the
+// one used furthest in the future while a learned schedule is active, else
+// the least recently used. Returns the bytes freed.
 size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
-  size_t freed = 0;
+  // Storages paged out early are on their way already: releasing their
+  // memory costs at most the rest of a copy that is under way, where a new
+  // victim's copy would queue behind them.
+  size_t freed = drainPageOuts(e, bytes);
   bool counted = false;
   const size_t threshold = g_size_threshold.load();
   while (freed < bytes) {
@@ -569,12 +660,7 @@ size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
     Record* victim = nullptr;
     {
       std::lock_guard<std::mutex> lock(e.mutex);
-      for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
-        if (r->size >= threshold) {
-          victim = r;
-          break;
-        }
-      }
+      victim = pickVictim(e, threshold, /*protect_until=*/0);
       if (victim == nullptr) {
         break;
       }
@@ -618,8 +704,9 @@ size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
       break;
     }
     victim->state = State::PagedOut;
-    victim->prefetched = false;
+    clearPrefetched(e, *victim);
     e.pagedout_list.push_back(victim);
+    addUpcoming(e, *victim);
     ++e.stats.pageout_count;
     e.stats.pageout_bytes += static_cast<int64_t>(victim->size);
     add(e.stats.inactive_bytes, -static_cast<int64_t>(victim->size));
@@ -767,7 +854,8 @@ bool prefetchOne(DeviceEngine& e, Record& r, cudaStream_t stream) {
   } catch (const c10::OutOfMemoryError&) {
     return false;
   }
-  const cudaStream_t copy = e.copyStream();
+  // Not the page-out stream: page-ins ahead of use overlap with page-outs.
+  const cudaStream_t copy = e.h2dStream();
   try {
     // The memory belongs to `stream`'s pool: the copy may start only after
     // the work `stream` has queued so far (which may still use the memory's
@@ -814,6 +902,7 @@ void prefetchAfterPin(DeviceEngine& e, std::vector<Record*> candidates) {
     if (ok) {
       r->state = State::Inactive;
       r->prefetched = true;
+      e.prefetched_bytes += r->size;
       e.reclaim_list.push_back(r);
       ++e.stats.prefetch_count;
       ++e.stats.pagein_count;
@@ -925,6 +1014,416 @@ void waitUntilResident(DeviceEngine& e, Record& r, cudaStream_t stream) {
   r.device_ready = nullptr;
 }
 
+// ---------------------------------------------------------------------------
+// Learned swap schedule
+// ---------------------------------------------------------------------------
+//
+// AccessSchedule (LargeModelSupportSchedule.h) learns the repeating order of
+// operators and predicts each storage's next use. While it is active:
+// - victims are the inactive storages used furthest in the future (Belady),
+//   never one needed within the lookahead window if another will do;
+// - at every operator boundary, storages whose next use is beyond the window
+//   are paged out early, on the D2H stream, whenever less than the prefetch
+//   budget is free under the limit; their memory is released once the copy
+//   is done, so no compute stream waits for it (draining);
+// - storages used within the window are paged in ahead, soonest first, on
+//   the H2D stream, while no more than the budget of prefetched bytes waits
+//   to be used; the consumer then waits only on a copy that has (almost
+//   always) completed.
+// Both directions run on their own streams, so they overlap each other and
+// compute. Without a schedule, reclaim is least recently used and page-ins
+// happen on demand on the consumer's stream.
+
+std::mutex g_schedule_mutex;
+
+// Process-wide: an operator's inputs may live on several devices, and the
+// operator clock must be one.
+AccessSchedule& theSchedule() {
+  static AccessSchedule* schedule = new AccessSchedule(); // never destroyed
+  return *schedule;
+}
+
+uint64_t lookaheadOps(uint64_t period) {
+  if (const int ops = g_lookahead_ops.load(); ops > 0) {
+    return static_cast<uint64_t>(ops);
+  }
+  // An eighth of an iteration: far enough ahead for copies of the sizes one
+  // layer uses to complete, near enough that prefetched storages do not
+  // crowd out the allocations in between.
+  return std::clamp<uint64_t>(period / 8, 4, 512);
+}
+
+size_t prefetchBudget(size_t limit) {
+  if (const size_t bytes = g_prefetch_budget.load(); bytes > 0) {
+    return bytes;
+  }
+  return limit / 8;
+}
+
+void clearPrefetched(DeviceEngine& e, Record& r) {
+  if (r.prefetched) {
+    r.prefetched = false;
+    e.prefetched_bytes -= std::min(e.prefetched_bytes, r.size);
+  }
+}
+
+void removeUpcoming(DeviceEngine& e, Record& r) {
+  if (r.upcoming) {
+    e.upcoming.erase(r.upcoming_at);
+    r.upcoming = false;
+  }
+}
+
+// Files a paged-out storage under the clock of its next use. Engine lock held.
+void addUpcoming(DeviceEngine& e, Record& r) {
+  if (r.upcoming || !g_schedule_enabled.load()) {
+    return;
+  }
+  uint64_t next = AccessSchedule::kNever;
+  {
+    std::lock_guard<std::mutex> lock(g_schedule_mutex);
+    next = theSchedule().nextUse(r.touch.load(), r.size, r.gap.load());
+  }
+  if (next != AccessSchedule::kNever) {
+    r.upcoming_at = e.upcoming.emplace(next, &r);
+    r.upcoming = true;
+  }
+}
+
+// Next uses change with the schedule: refile every paged-out storage. Engine
+// lock held.
+void refileUpcoming(DeviceEngine& e, uint64_t generation) {
+  for (auto& [next, r] : e.upcoming) {
+    (void)next;
+    r->upcoming = false;
+  }
+  e.upcoming.clear();
+  for (List* list : {&e.pagedout_list, &e.draining_list}) {
+    for (Record* r = list->head; r != nullptr; r = r->next) {
+      addUpcoming(e, *r);
+    }
+  }
+  e.upcoming_generation = generation;
+}
+
+// The inactive storage to page out next, or null. With an active schedule:
+// the one whose next use is furthest (storages the schedule never sees again
+// first, least recently used first among equals); with `protect_until` set,
+// only one whose next use comes after that clock. Without a schedule: the
+// least recently used, and none when `protect_until` is set. Engine lock
+// held.
+Record* pickVictim(DeviceEngine& e, size_t threshold, uint64_t protect_until) {
+  if (g_schedule_enabled.load()) {
+    std::lock_guard<std::mutex> lock(g_schedule_mutex);
+    const AccessSchedule& schedule = theSchedule();
+    if (schedule.active()) {
+      Record* best = nullptr;
+      uint64_t best_next = 0;
+      for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
+        if (r->size < threshold) {
+          continue;
+        }
+        const uint64_t next =
+            schedule.nextUse(r->touch.load(), r->size, r->gap.load());
+        if (best == nullptr || next > best_next) {
+          best = r;
+          best_next = next;
+        }
+      }
+      if (best != nullptr && protect_until != 0 && best_next <= protect_until) {
+        return nullptr;
+      }
+      if (best != nullptr) {
+        ++e.stats.schedule_victims;
+      }
+      return best;
+    }
+  }
+  if (protect_until != 0) {
+    return nullptr;
+  }
+  for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
+    if (r->size >= threshold) {
+      return r;
+    }
+  }
+  return nullptr;
+}
+
+// Releases the device memory of a draining storage, busy and off every list.
+// `done`: its copy has completed. Otherwise the storage's stream waits for
+// the copy first (GPU-side, like a reclaim's hand-back), and the wait counts
+// as stall time.
+void releaseDrained(DeviceEngine& e, Record& r, bool done) {
+  DeviceScope guard(e.device);
+  if (!r.stream_known) {
+    // The pool the memory returns to is unknown: the allocator holds it
+    // back until the copy is done.
+    backend().freeAfter(r.device_ptr, e.device, e.copyStream());
+  } else {
+    if (!done) {
+      cudaEvent_t reached = e.events.get(/*timing=*/true);
+      C10_CUDA_CHECK(cudaEventRecord(reached, r.stream));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(r.stream, r.host_ready, 0));
+      addStall(e, reached, r.drain_copied);
+      r.drain_copied = nullptr;
+    }
+    backend().free(r.device_ptr);
+  }
+  if (r.drain_copied != nullptr) {
+    e.events.put(r.drain_copied);
+    r.drain_copied = nullptr;
+  }
+}
+
+// Releases the memory of storages paged out early: every one whose copy is
+// done, then, in page-out order, ones still copying until `bytes` are freed.
+// Returns the bytes freed.
+size_t drainPageOuts(DeviceEngine& e, size_t bytes) {
+  size_t freed = 0;
+  while (true) {
+    Record* r = nullptr;
+    bool done = false;
+    {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      r = e.draining_list.head;
+      if (r == nullptr) {
+        break;
+      }
+      const cudaError_t err = cudaEventQuery(r->host_ready);
+      if (err == cudaErrorNotReady) {
+        (void)cudaGetLastError(); // not an error: clear the sticky state
+      } else {
+        C10_CUDA_CHECK(err);
+      }
+      done = err == cudaSuccess;
+      // Copies complete in the order of the one D2H stream: once one is
+      // not done, the later ones are not either.
+      if (!done && freed >= bytes) {
+        break;
+      }
+      e.draining_list.remove(r);
+      r->busy = true;
+    }
+    try {
+      releaseDrained(e, *r, done);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      r->busy = false;
+      e.draining_list.push_back(r);
+      e.settled.notify_all();
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(e.mutex);
+    r->busy = false;
+    r->draining = false;
+    r->device_ptr = nullptr;
+    e.draining_bytes -= r->size;
+    e.pagedout_list.push_back(r);
+    e.settled.notify_all();
+    freed += r->size;
+  }
+  return freed;
+}
+
+// A draining storage is needed again while its device memory is still held:
+// it becomes resident (inactive) with no copy back. Whoever uses the memory
+// next waits for the page-out copy, which may still be reading it. Engine
+// lock held; the record is not busy.
+void rescueDrained(DeviceEngine& e, Record& r) {
+  e.draining_list.remove(&r);
+  removeUpcoming(e, r);
+  e.draining_bytes -= r.size;
+  r.draining = false;
+  DeviceScope guard(e.device);
+  // The host buffer may be reused after the copy; device_ready orders the
+  // next user of the device memory after it too.
+  cudaEvent_t read = e.events.get(/*timing=*/false);
+  C10_CUDA_CHECK(cudaEventRecord(read, e.copy_stream));
+  hostPool().release(r.host, read, e.device);
+  r.host = HostBuffer{};
+  r.device_ready = r.host_ready;
+  r.host_ready = nullptr;
+  if (r.drain_copied != nullptr) {
+    e.events.put(r.drain_copied);
+    r.drain_copied = nullptr;
+  }
+  // A later page-out or free is ordered after the copy stream's work.
+  addUser(r, e.copy_stream);
+  leave(e, r);
+  enter(e, r, State::Inactive);
+  e.reclaim_list.push_back(&r);
+  ++e.stats.schedule_rescues;
+}
+
+// Pages in, on the H2D stream, the paged-out storages used within the next
+// `window` operators, soonest first, while the prefetched bytes not yet used
+// stay within `budget` and the limit has room.
+void prefetchUpcoming(
+    DeviceEngine& e,
+    uint64_t now,
+    uint64_t window,
+    size_t budget) {
+  const cudaStream_t stream = currentStream(e.device);
+  while (true) {
+    Record* r = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      // A predicted use that passed unseen: leave it to demand paging.
+      while (!e.upcoming.empty() && e.upcoming.begin()->first < now) {
+        e.upcoming.begin()->second->upcoming = false;
+        e.upcoming.erase(e.upcoming.begin());
+      }
+      if (e.upcoming.empty() || e.upcoming.begin()->first > now + window) {
+        return;
+      }
+      r = e.upcoming.begin()->second;
+      if (r->busy || e.prefetched_bytes + r->size > budget) {
+        return;
+      }
+      if (r->draining) {
+        rescueDrained(e, *r);
+        r->prefetched = true;
+        e.prefetched_bytes += r->size;
+        continue;
+      }
+      e.pagedout_list.remove(r);
+      removeUpcoming(e, *r);
+      r->busy = true;
+    }
+    bool ok = false;
+    try {
+      ok = prefetchOne(e, *r, stream);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      r->busy = false;
+      e.pagedout_list.push_back(r);
+      e.settled.notify_all();
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(e.mutex);
+    r->busy = false;
+    if (!ok) {
+      // No room under the limit yet: early page-outs make some, and the
+      // next operator boundary tries again.
+      e.pagedout_list.push_back(r);
+      addUpcoming(e, *r);
+      e.settled.notify_all();
+      return;
+    }
+    r->state = State::Inactive;
+    r->prefetched = true;
+    e.prefetched_bytes += r->size;
+    e.reclaim_list.push_back(r);
+    ++e.stats.prefetch_count;
+    ++e.stats.schedule_prefetch_count;
+    ++e.stats.pagein_count;
+    e.stats.pagein_bytes += static_cast<int64_t>(r->size);
+    add(e.stats.pagedout_bytes, -static_cast<int64_t>(r->size));
+    add(e.stats.inactive_bytes, static_cast<int64_t>(r->size));
+    e.settled.notify_all();
+  }
+}
+
+// Keeps `margin` bytes free under the limit (counting memory that draining
+// page-outs are about to release) by paging out early, without a hand-back,
+// the storages used furthest in the future, none used before
+// `protect_until`.
+void pageOutEarly(
+    DeviceEngine& e,
+    uint64_t protect_until,
+    size_t limit,
+    size_t margin) {
+  if (limit <= margin) {
+    return;
+  }
+  const size_t allocated = backend().allocatedBytes(e.device);
+  size_t pending = 0;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    pending = e.draining_bytes;
+  }
+  const size_t expected = allocated > pending ? allocated - pending : 0;
+  if (expected <= limit - margin) {
+    return;
+  }
+  const size_t wanted = expected - (limit - margin);
+  const size_t threshold = g_size_threshold.load();
+  size_t freed = 0;
+  while (freed < wanted) {
+    StorageRef keep_alive; // destroyed after the victim is no longer busy
+    Record* victim = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      victim = pickVictim(e, threshold, protect_until);
+      if (victim == nullptr) {
+        return;
+      }
+      e.reclaim_list.remove(victim);
+      victim->busy = true;
+    }
+    bool ok = false;
+    try {
+      ok = pageOut(e, *victim, keep_alive, /*hand_back=*/false);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      victim->busy = false;
+      e.reclaim_list.push_back(victim);
+      e.settled.notify_all();
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(e.mutex);
+    victim->busy = false;
+    if (!ok) {
+      e.reclaim_list.push_back(victim);
+      e.settled.notify_all();
+      return;
+    }
+    victim->state = State::PagedOut;
+    clearPrefetched(e, *victim);
+    e.draining_list.push_back(victim);
+    e.draining_bytes += victim->size;
+    addUpcoming(e, *victim);
+    ++e.stats.pageout_count;
+    e.stats.pageout_bytes += static_cast<int64_t>(victim->size);
+    ++e.stats.early_pageout_count;
+    e.stats.early_pageout_bytes += static_cast<int64_t>(victim->size);
+    add(e.stats.inactive_bytes, -static_cast<int64_t>(victim->size));
+    add(e.stats.pagedout_bytes, static_cast<int64_t>(victim->size));
+    e.settled.notify_all();
+    freed += victim->size;
+  }
+}
+
+// What the schedule does at an operator boundary for one device.
+void scheduleTick(DeviceEngine& e) {
+  drainPageOuts(e, 0);
+  uint64_t now = 0;
+  uint64_t period = 0;
+  uint64_t generation = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_schedule_mutex);
+    const AccessSchedule& schedule = theSchedule();
+    if (!schedule.active()) {
+      return;
+    }
+    now = schedule.now();
+    period = schedule.period();
+    generation = schedule.generation();
+  }
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    if (e.upcoming_generation != generation) {
+      refileUpcoming(e, generation);
+    }
+  }
+  const uint64_t window = lookaheadOps(period);
+  const size_t limit = effectiveLimit(e);
+  const size_t budget = prefetchBudget(limit);
+  prefetchUpcoming(e, now, window, budget);
+  pageOutEarly(e, now + window, limit, budget);
+}
+
 // Makes `r` resident for use on the current stream and moves it to `target`
 // (Active for pin, Allocated for raw access). Called with `lock` held.
 void makeResident(
@@ -936,16 +1435,34 @@ void makeResident(
   e.settled.wait(lock, [&] { return !r.busy; });
   const cudaStream_t stream = currentStream(e.device);
   std::vector<Record*> prefetch;
+  if (target == State::Active) {
+    const uint64_t now = g_op_clock.load(std::memory_order_relaxed);
+    const uint64_t last = r.touch.load(std::memory_order_relaxed);
+    if (now > last) {
+      r.gap.store(now - last, std::memory_order_relaxed);
+      r.touch.store(now, std::memory_order_relaxed);
+    }
+  }
   if (r.state == State::Active && target == State::Active) {
     ++r.pins;
     waitUntilResident(e, r, stream);
     return;
   }
+  if (r.state == State::PagedOut && r.draining) {
+    // Used again before its early page-out released the memory: the
+    // contents are still there, no copy back is needed.
+    rescueDrained(e, r);
+  }
   if (r.state == State::Inactive) {
     e.reclaim_list.remove(&r);
     if (r.prefetched) {
       ++e.stats.prefetch_hits;
-      r.prefetched = false;
+      if (r.device_ready != nullptr &&
+          cudaEventQuery(r.device_ready) == cudaErrorNotReady) {
+        (void)cudaGetLastError(); // not an error: clear the sticky state
+        ++e.stats.prefetch_late;
+      }
+      clearPrefetched(e, r);
     }
   } else if (r.state == State::PagedOut) {
     TORCH_CHECK(
@@ -963,8 +1480,10 @@ void makeResident(
       prefetch.push_back(p);
     }
     e.pagedout_list.remove(&r);
+    removeUpcoming(e, r);
     for (Record* p : prefetch) {
       e.pagedout_list.remove(p);
+      removeUpcoming(e, *p);
       p->busy = true;
     }
     r.busy = true;
@@ -985,6 +1504,7 @@ void makeResident(
     lock.lock();
     r.busy = false;
     ++e.stats.pagein_count;
+    ++e.stats.pagein_demand_count;
     e.stats.pagein_bytes += sz(r);
     e.settled.notify_all();
   }
@@ -1026,11 +1546,26 @@ void deleteRecord(void* ctx) {
     if (r->list != nullptr) {
       r->list->remove(r);
     }
+    removeUpcoming(e, *r);
+    clearPrefetched(e, *r);
+    if (r->draining) {
+      e.draining_bytes -= r->size;
+    }
     leave(e, *r);
     clearFresh(e, *r);
     add(e.stats.managed_bytes, -sz(*r));
   }
   DeviceScope guard(e.device);
+  if (r->draining) {
+    // The device memory may be reused only after the copy that reads it.
+    C10_CUDA_CHECK_WARN(cudaStreamWaitEvent(r->stream, r->host_ready, 0));
+    e.events.put(r->drain_copied);
+    r->drain_copied = nullptr;
+    if (!r->stream_known) {
+      backend().freeAfter(r->device_ptr, e.device, e.copyStream());
+      r->device_ptr = nullptr;
+    }
+  }
   if (r->device_ready != nullptr) {
     C10_CUDA_CHECK_WARN(cudaStreamWaitEvent(r->stream, r->device_ready, 0));
     e.events.put(r->device_ready);
@@ -1170,6 +1705,86 @@ size_t getSpeculativeMargin() {
   return g_speculative_margin.load();
 }
 
+void setScheduleEnabled(bool enabled) {
+  g_schedule_enabled.store(enabled);
+}
+
+bool isScheduleEnabled() {
+  return g_schedule_enabled.load();
+}
+
+void setLookahead(int operators) {
+  TORCH_CHECK(
+      operators >= 0,
+      "LMS: the lookahead must be >= 0 operators, got ",
+      std::to_string(operators));
+  g_lookahead_ops.store(operators);
+}
+
+int getLookahead() {
+  return g_lookahead_ops.load();
+}
+
+void setPrefetchBudget(size_t bytes) {
+  g_prefetch_budget.store(bytes);
+}
+
+size_t getPrefetchBudget() {
+  return g_prefetch_budget.load();
+}
+
+void resetSchedule() {
+  std::lock_guard<std::mutex> lock(g_schedule_mutex);
+  theSchedule().reset();
+  g_op_clock.store(0);
+}
+
+void beginOperator(
+    std::string_view name,
+    c10::ArrayRef<c10::StorageImpl*> inputs) {
+  if (!isEnabled() || !g_schedule_enabled.load()) {
+    return;
+  }
+  c10::SmallVector<AccessSchedule::Use, 16> uses;
+  DeviceEngine* device_engine = nullptr;
+  for (c10::StorageImpl* storage : inputs) {
+    if (Record* r = recordOf(*storage)) {
+      uses.push_back(
+          AccessSchedule::Use{r->touch.load(), r->size, r->gap.load()});
+      device_engine = r->engine;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_schedule_mutex);
+    g_op_clock.store(theSchedule().record(name, uses.data(), uses.size()));
+    g_births_in_op.store(0);
+  }
+  if (device_engine != nullptr) {
+    scheduleTick(*device_engine);
+    return;
+  }
+  // No managed input says where the operator runs: serve every device that
+  // has LMS storages (usually the one).
+  std::vector<DeviceEngine*> engines;
+  {
+    std::lock_guard<std::mutex> lock(g_engines_mutex);
+    engines = g_engines;
+  }
+  for (DeviceEngine* e : engines) {
+    if (e == nullptr) {
+      continue;
+    }
+    bool managed = false;
+    {
+      std::lock_guard<std::mutex> lock(e->mutex);
+      managed = e->stats.managed_bytes.current > 0;
+    }
+    if (managed) {
+      scheduleTick(*e);
+    }
+  }
+}
+
 namespace {
 
 double parseNonNegative(std::string_view key, std::string_view value) {
@@ -1214,6 +1829,23 @@ bool parseConfigOption(std::string_view key, std::string_view value) {
     setPrefetchDepth(static_cast<int>(v));
   } else if (key == "lms_speculative_mb") {
     setSpeculativeMargin(mebibytes(key, value));
+  } else if (key == "lms_schedule") {
+    TORCH_CHECK(
+        value == "True" || value == "False",
+        "PYTORCH_CUDA_ALLOC_CONF: lms_schedule expects True or False, got '",
+        std::string(value),
+        "'");
+    setScheduleEnabled(value == "True");
+  } else if (key == "lms_lookahead") {
+    const double v = parseNonNegative(key, value);
+    TORCH_CHECK(
+        v == static_cast<int>(v),
+        "PYTORCH_CUDA_ALLOC_CONF: lms_lookahead expects a whole number, got '",
+        std::string(value),
+        "'");
+    setLookahead(static_cast<int>(v));
+  } else if (key == "lms_prefetch_budget_mb") {
+    setPrefetchBudget(mebibytes(key, value));
   } else {
     return false;
   }
@@ -1225,7 +1857,8 @@ void parseConfig(const char* conf, bool only_lms_keys, const char* source) {
     return;
   }
   constexpr const char* kKeys =
-      "lms, lms_limit_mb, lms_size_mb, lms_prefetch, lms_speculative_mb";
+      "lms, lms_limit_mb, lms_size_mb, lms_prefetch, lms_speculative_mb, "
+      "lms_schedule, lms_lookahead, lms_prefetch_budget_mb";
   // Same syntax as the caching allocator: "key:value,key:value".
   std::string_view rest(conf);
   while (!rest.empty()) {
@@ -1416,6 +2049,14 @@ LmsStats getStats(c10::DeviceIndex device) {
     std::lock_guard<std::mutex> lock(e.stall_mutex);
     s.stall_ms = e.stall_ms;
   }
+  {
+    std::lock_guard<std::mutex> lock(g_schedule_mutex);
+    const AccessSchedule& schedule = theSchedule();
+    s.schedule_active = schedule.active() ? 1 : 0;
+    s.schedule_period = static_cast<int64_t>(schedule.period());
+    s.schedule_detections = schedule.detections() - e.detections_base;
+    s.schedule_fallbacks = schedule.fallbacks() - e.fallbacks_base;
+  }
   const HostPool::Usage host = hostPool().usage();
   s.host_bytes.current = host.held_bytes;
   s.host_bytes.peak = host.peak_held_bytes;
@@ -1458,6 +2099,9 @@ void resetAccumulatedStats(c10::DeviceIndex device) {
     fresh.over_limit_bytes = e.stats.over_limit_bytes;
     fresh.operator_output_bytes = e.stats.operator_output_bytes;
     e.stats = fresh;
+    std::lock_guard<std::mutex> schedule_lock(g_schedule_mutex);
+    e.detections_base = theSchedule().detections();
+    e.fallbacks_base = theSchedule().fallbacks();
   }
   pollStalls(e, /*wait=*/true);
   std::lock_guard<std::mutex> lock(e.stall_mutex);
@@ -1494,6 +2138,9 @@ c10::DataPtr allocate(
   r->device_ptr = ptr;
   r->stream = stream;
   r->fresh = true;
+  // Born in the running operator: the schedule measures distances from here.
+  r->touch.store(g_op_clock.load(std::memory_order_relaxed));
+  r->gap.store(AccessSchedule::kBirth + g_births_in_op.fetch_add(1));
   {
     std::lock_guard<std::mutex> lock(e.mutex);
     add(e.stats.managed_bytes, sz(*r));
@@ -1536,6 +2183,17 @@ void beginHostUse(c10::StorageImpl& storage) {
   DeviceEngine& e = *r->engine;
   std::unique_lock<std::mutex> lock(e.mutex);
   e.settled.wait(lock, [&] { return !r->busy; });
+  if (r->state == State::PagedOut && r->draining) {
+    // Paged out early and its device memory still held: it needs no room,
+    // so it is made resident again rather than used over the bus.
+    rescueDrained(e, *r);
+    rememberOwner(*r, storage);
+    refreshDataPtr(storage, *r);
+    DeviceScope guard(e.device);
+    C10_CUDA_CHECK(
+        cudaStreamWaitEvent(currentStream(e.device), r->device_ready, 0));
+    return;
+  }
   if (r->state != State::PagedOut || r->host_ready == nullptr) {
     return;
   }

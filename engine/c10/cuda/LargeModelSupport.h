@@ -45,6 +45,7 @@
 #include <c10/core/Device.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDAMacros.h>
+#include <c10/util/ArrayRef.h>
 
 #include <cuda_runtime_api.h>
 
@@ -106,6 +107,31 @@ C10_CUDA_API int getPrefetchDepth();
 C10_CUDA_API void setSpeculativeMargin(size_t bytes);
 C10_CUDA_API size_t getSpeculativeMargin();
 
+// Learned swap schedule (LargeModelSupportSchedule.h): LMS learns the
+// repeating order in which operators use storages (a training iteration) and,
+// once it has seen it twice, pages out the storages used furthest in the
+// future, early and on a device-to-host stream, and pages them back in ahead
+// of use on a host-to-device stream. When the order changes it falls back to
+// least-recently-used reclaim and demand page-in until it has learned the new
+// one. On by default.
+C10_CUDA_API void setScheduleEnabled(bool enabled);
+C10_CUDA_API bool isScheduleEnabled();
+
+// How many operators ahead the schedule pages storages in (and within which
+// it never picks a victim while another will do). 0 (the default) derives it
+// from the iteration: an eighth of its operators, between 4 and 512.
+C10_CUDA_API void setLookahead(int operators);
+C10_CUDA_API int getLookahead();
+
+// Bytes the schedule may have paged in ahead and not yet used, and the room
+// it keeps free under the limit by paging out early. 0 (the default) derives
+// it from the limit: one eighth of it.
+C10_CUDA_API void setPrefetchBudget(size_t bytes);
+C10_CUDA_API size_t getPrefetchBudget();
+
+// Forgets the learned schedule (LMS is reactive until it learns again).
+C10_CUDA_API void resetSchedule();
+
 // Applies one PYTORCH_CUDA_ALLOC_CONF option. Returns false when `key` is not
 // an LMS option; throws c10::Error for a bad value. Keys:
 //   lms:True|False            enable
@@ -113,6 +139,9 @@ C10_CUDA_API size_t getSpeculativeMargin();
 //   lms_size_mb:<MiB>         size threshold (fractions allowed, e.g. 0.5)
 //   lms_prefetch:<count>      prefetch depth
 //   lms_speculative_mb:<MiB>  speculative page-out margin
+//   lms_schedule:True|False   learned swap schedule
+//   lms_lookahead:<count>     schedule lookahead in operators (0: derived)
+//   lms_prefetch_budget_mb:<MiB>  schedule prefetch budget (0: derived)
 C10_CUDA_API bool parseConfigOption(
     std::string_view key,
     std::string_view value);
@@ -177,6 +206,15 @@ C10_CUDA_API bool hasPendingError();
 C10_CUDA_API void beginHostUse(c10::StorageImpl& storage);
 C10_CUDA_API void endHostUse(c10::StorageImpl& storage);
 
+// An operator boundary, for the learned swap schedule: operator-boundary
+// pinning calls it when an outermost operator (or a compiled kernel launch)
+// starts, with the storages of its inputs, before pinning them. Storages LMS
+// does not manage are ignored. Pages out early and pages in ahead as the
+// schedule says.
+C10_CUDA_API void beginOperator(
+    std::string_view name,
+    c10::ArrayRef<c10::StorageImpl*> inputs);
+
 // Pages out every inactive storage of `device` now; returns the bytes freed.
 C10_CUDA_API size_t reclaimInactive(c10::DeviceIndex device);
 
@@ -224,6 +262,25 @@ struct LmsStats {
   // Prefetch.
   int64_t prefetch_count = 0;
   int64_t prefetch_hits = 0; // prefetched storages pinned while resident
+  // Prefetched storages an operator pinned while their copy was still
+  // running (the operator's stream waited for the rest of it).
+  int64_t prefetch_late = 0;
+  // Page-ins made on the consumer's stream when an operator needed them.
+  int64_t pagein_demand_count = 0;
+  // Learned swap schedule (process-wide, except where noted per device):
+  int64_t schedule_active = 0; // 1 while a learned schedule is in use
+  int64_t schedule_period = 0; // operators per iteration, 0 when inactive
+  int64_t schedule_detections = 0; // schedules adopted
+  int64_t schedule_fallbacks = 0; // schedules dropped: the pattern broke
+  // Per device: victims chosen by next use, page-outs made early (right
+  // after a last use before a long gap, without a hand-back), storages used
+  // again before their early page-out released the memory (no copy back),
+  // page-ins issued ahead of use on the H2D stream.
+  int64_t schedule_victims = 0;
+  int64_t early_pageout_count = 0;
+  int64_t early_pageout_bytes = 0;
+  int64_t schedule_rescues = 0;
+  int64_t schedule_prefetch_count = 0;
   // Time the compute streams waited on LMS copies (page-in copies on the
   // consumer stream, and waits for page-outs whose memory they reuse).
   double stall_ms = 0.0;

@@ -8,7 +8,17 @@ Every tensor an operator reads or writes is resident while the operator runs.
 
 Enable LMS before the tensors it should manage are created, with
 :func:`set_enabled_lms` or ``PYTORCH_CUDA_ALLOC_CONF=lms:True`` (further keys:
-``lms_limit_mb``, ``lms_size_mb``, ``lms_prefetch``, ``lms_speculative_mb``).
+``lms_limit_mb``, ``lms_size_mb``, ``lms_prefetch``, ``lms_speculative_mb``,
+``lms_schedule``, ``lms_lookahead``, ``lms_prefetch_budget_mb``).
+
+Learned swap schedule (on by default): LMS records the order in which
+operators use storages. Once a training iteration has repeated twice, it pages
+out the storages used furthest in the future, early and on a device-to-host
+stream, and pages them back in ahead of use on a host-to-device stream, so
+copies in both directions overlap with computation. When the order changes
+(other shapes, an evaluation step, another model) it falls back to
+least-recently-used reclaim and demand page-in until it has learned the new
+order; ``lms_stats()`` reports ``schedule_active`` and ``schedule_fallbacks``.
 
 The functions are available as ``torch.cuda.<name>`` in a PyTorch built with the
 Large Model Support patch series, and from the drop-in extension
@@ -44,17 +54,24 @@ from torch.types import Device
 __all__ = [
     "get_enabled_lms",
     "get_limit_lms",
+    "get_lookahead_lms",
+    "get_prefetch_budget_lms",
     "get_prefetch_lms",
+    "get_schedule_lms",
     "get_size_lms",
     "get_speculative_lms",
     "lms_stats",
     "lms_storage_state",
     "reclaim_inactive",
     "reset_accumulated_lms_stats",
+    "reset_lms_schedule",
     "reset_peak_lms_stats",
     "set_enabled_lms",
     "set_limit_lms",
+    "set_lookahead_lms",
+    "set_prefetch_budget_lms",
     "set_prefetch_lms",
+    "set_schedule_lms",
     "set_size_lms",
     "set_speculative_lms",
 ]
@@ -77,6 +94,17 @@ _COUNTER_KEYS = (
     "alloc_after_reclaim",
     "prefetch_count",
     "prefetch_hits",
+    "prefetch_late",
+    "pagein_demand_count",
+    "schedule_active",
+    "schedule_period",
+    "schedule_detections",
+    "schedule_fallbacks",
+    "schedule_victims",
+    "schedule_prefetch_count",
+    "schedule_rescues",
+    "early_pageout_count",
+    "early_pageout_bytes",
     "stall_ms",
     "oom_count",
     "pin_failures",
@@ -415,6 +443,88 @@ def get_speculative_lms() -> int:
     return int(_lms_bindings()._cuda_lms_getSpeculative())
 
 
+def set_schedule_lms(enable: bool) -> None:
+    r"""Enable or disable the learned swap schedule (enabled by default).
+
+    With it, LMS learns the repeating order in which operators use storages
+    and, once an iteration has repeated, chooses victims by next use (the one
+    used furthest in the future), pages storages out early on a device-to-host
+    stream and pages them in ahead of use on a host-to-device stream. Without
+    it, reclaim is least recently used and page-ins happen when an operator
+    needs them.
+
+    Args:
+        enable (bool): ``True`` to use the schedule, ``False`` to stay reactive.
+    """
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
+    _lms_bindings()._cuda_lms_setSchedule(enable)
+
+
+def get_schedule_lms() -> bool:
+    r"""Return whether the learned swap schedule is enabled (see :func:`set_schedule_lms`).
+
+    Returns:
+        bool: ``True`` if LMS learns and uses a swap schedule.
+    """
+    return bool(_lms_bindings()._cuda_lms_getSchedule())
+
+
+def set_lookahead_lms(operators: int) -> None:
+    r"""Set how many operators ahead the learned schedule pages storages in.
+
+    Storages used within this window are never chosen as victims while another
+    storage will do.
+
+    Args:
+        operators (int): the window in operators; ``0`` (default) derives it
+            from the learned iteration (an eighth of its operators, 4 to 512).
+    """
+    operators = _check_int("operators", operators, maximum=_INT_MAX)
+    _lms_bindings()._cuda_lms_setLookahead(operators)
+
+
+def get_lookahead_lms() -> int:
+    r"""Return the schedule's lookahead in operators (see :func:`set_lookahead_lms`).
+
+    Returns:
+        int: the window in operators; ``0`` when derived from the iteration.
+    """
+    return int(_lms_bindings()._cuda_lms_getLookahead())
+
+
+def set_prefetch_budget_lms(budget_bytes: int) -> None:
+    r"""Set the learned schedule's prefetch budget.
+
+    The schedule keeps at most this many bytes paged in ahead and not yet used,
+    and pages storages out early to keep as much free under the LMS limit.
+
+    Args:
+        budget_bytes (int): the budget in bytes; ``0`` (default) derives it from
+            the limit (one eighth of it).
+    """
+    budget_bytes = _check_int("budget_bytes", budget_bytes)
+    _lms_bindings()._cuda_lms_setPrefetchBudget(budget_bytes)
+
+
+def get_prefetch_budget_lms() -> int:
+    r"""Return the schedule's prefetch budget in bytes (see :func:`set_prefetch_budget_lms`).
+
+    Returns:
+        int: the budget in bytes; ``0`` when derived from the limit.
+    """
+    return int(_lms_bindings()._cuda_lms_getPrefetchBudget())
+
+
+def reset_lms_schedule() -> None:
+    r"""Forget the learned swap schedule.
+
+    LMS is reactive until it has learned the order of operators again; useful
+    after switching to another model when the switch is known.
+    """
+    _lms_bindings()._cuda_lms_resetSchedule()
+
+
 def reclaim_inactive(device: _DeviceArg = None) -> int:
     r"""Page out every inactive storage of a device now.
 
@@ -446,7 +556,20 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     - ``alloc_from_cache``, ``alloc_from_device``, ``alloc_after_reclaim``:
       where LMS allocations were satisfied from.
     - ``prefetch_count``, ``prefetch_hits``: storages prefetched, and those an
-      operator then found resident.
+      operator then found resident; ``prefetch_late``: those whose copy was
+      still running when the operator needed them (its stream waited for the
+      rest); ``pagein_demand_count``: page-ins made on the operator's stream
+      when it needed the storage.
+    - Learned swap schedule (see :func:`set_schedule_lms`): ``schedule_active``
+      (1 while a learned schedule is in use), ``schedule_period`` (operators
+      per iteration), ``schedule_detections`` and ``schedule_fallbacks``
+      (schedules adopted, and dropped because the pattern broke), and per
+      device ``schedule_victims`` (victims chosen by next use),
+      ``schedule_prefetch_count`` (page-ins issued ahead of use),
+      ``early_pageout_count`` and ``early_pageout_bytes`` (page-outs made
+      right after a last use, with no stream waiting for them) and
+      ``schedule_rescues`` (storages used again before an early page-out
+      released their memory: no copy back was needed).
     - ``stall_ms``: time compute streams waited for LMS copies.
     - ``oom_count``: LMS out-of-memory errors raised.
     - ``pin_failures``: operators whose inputs could not all be made resident
@@ -659,6 +782,16 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
     lines.append(
         f" Prefetched: {counters['prefetch_count']} ({counters['prefetch_hits']} hits) | "
         f"Stalled: {float(counters['stall_ms']):.1f} ms".ljust(_WIDTH)
+    )
+    period = int(counters["schedule_period"])
+    schedule = f"period {period} ops" if counters["schedule_active"] else "inactive"
+    lines.append(
+        f" Schedule: {schedule}, {counters['schedule_fallbacks']} fallbacks | "
+        f"Early page-outs: {counters['early_pageout_count']}".ljust(_WIDTH)
+    )
+    lines.append(
+        f" Ahead: {counters['schedule_prefetch_count']} ({counters['prefetch_late']} late) | "
+        f"On demand: {counters['pagein_demand_count']}".ljust(_WIDTH)
     )
     lines.append(
         f" LMS OOMs: {counters['oom_count']} | "

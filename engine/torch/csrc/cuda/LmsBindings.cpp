@@ -111,6 +111,40 @@ int64_t getSpeculative() {
   return asInt(engine::getSpeculativeMargin());
 }
 
+void setSchedule(bool enabled) {
+  engine::setScheduleEnabled(enabled);
+}
+
+bool getSchedule() {
+  return engine::isScheduleEnabled();
+}
+
+void setLookahead(int64_t operators) {
+  TORCH_CHECK_VALUE(
+      operators >= 0 && operators <= std::numeric_limits<int>::max(),
+      "Large Model Support: the lookahead must be between 0 and ",
+      std::to_string(std::numeric_limits<int>::max()),
+      " operators, got ",
+      std::to_string(operators));
+  engine::setLookahead(static_cast<int>(operators));
+}
+
+int64_t getLookahead() {
+  return engine::getLookahead();
+}
+
+void setPrefetchBudget(int64_t bytes) {
+  engine::setPrefetchBudget(checkedBytes(bytes, "the prefetch budget"));
+}
+
+int64_t getPrefetchBudget() {
+  return asInt(engine::getPrefetchBudget());
+}
+
+void resetSchedule() {
+  engine::resetSchedule();
+}
+
 int64_t reclaimInactive(int64_t device) {
   return asInt(engine::reclaimInactive(checkedDevice(device)));
 }
@@ -178,6 +212,17 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["alloc_after_reclaim"] = stats.alloc_after_reclaim;
   dict["prefetch_count"] = stats.prefetch_count;
   dict["prefetch_hits"] = stats.prefetch_hits;
+  dict["prefetch_late"] = stats.prefetch_late;
+  dict["pagein_demand_count"] = stats.pagein_demand_count;
+  dict["schedule_active"] = stats.schedule_active;
+  dict["schedule_period"] = stats.schedule_period;
+  dict["schedule_detections"] = stats.schedule_detections;
+  dict["schedule_fallbacks"] = stats.schedule_fallbacks;
+  dict["schedule_victims"] = stats.schedule_victims;
+  dict["schedule_prefetch_count"] = stats.schedule_prefetch_count;
+  dict["schedule_rescues"] = stats.schedule_rescues;
+  dict["early_pageout_count"] = stats.early_pageout_count;
+  dict["early_pageout_bytes"] = stats.early_pageout_bytes;
   dict["stall_ms"] = stats.stall_ms;
   dict["oom_count"] = stats.oom_count;
   dict["pin_failures"] = stats.pin_failures;
@@ -211,6 +256,17 @@ void initLmsBindings(PyObject* module) {
       "_cuda_lms_setSpeculative", torch::wrap_pybind_function(&setSpeculative));
   m.def(
       "_cuda_lms_getSpeculative", torch::wrap_pybind_function(&getSpeculative));
+  m.def("_cuda_lms_setSchedule", torch::wrap_pybind_function(&setSchedule));
+  m.def("_cuda_lms_getSchedule", torch::wrap_pybind_function(&getSchedule));
+  m.def("_cuda_lms_setLookahead", torch::wrap_pybind_function(&setLookahead));
+  m.def("_cuda_lms_getLookahead", torch::wrap_pybind_function(&getLookahead));
+  m.def(
+      "_cuda_lms_setPrefetchBudget",
+      torch::wrap_pybind_function(&setPrefetchBudget));
+  m.def(
+      "_cuda_lms_getPrefetchBudget",
+      torch::wrap_pybind_function(&getPrefetchBudget));
+  m.def("_cuda_lms_resetSchedule", torch::wrap_pybind_function(&resetSchedule));
   m.def(
       "_cuda_lms_reclaimInactive",
       torch::wrap_pybind_function_no_gil(&reclaimInactive));

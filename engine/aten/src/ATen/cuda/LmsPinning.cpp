@@ -201,6 +201,22 @@ c10::DeviceIndex deviceOf(const StorageList& storages) {
   return -1;
 }
 
+// Tells the engine's learned swap schedule that an operator starts. The
+// schedule only steers copies, so a failure here must not fail the operator.
+void noteOperator(const char* name, const StorageList& storages) {
+  try {
+    engine::beginOperator(
+        name,
+        c10::ArrayRef<c10::StorageImpl*>(storages.data(), storages.size()));
+  } catch (const std::exception& e) {
+    TORCH_WARN_ONCE(
+        "Large Model Support: the swap schedule could not act at ",
+        name,
+        "; storages are paged in on demand. ",
+        e.what());
+  }
+}
+
 // Pins the storages of every input of the outermost operator on this thread.
 //
 // When they cannot all be made resident, RecordFunction would only log an
@@ -224,13 +240,16 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   for (const c10::IValue& input : fn.inputs()) {
     collect(input, storages);
   }
-  if (storages.empty()) {
-    return nullptr;
-  }
   // Views, in-place arguments and repeated inputs share storages: pin each
   // storage once.
   std::sort(storages.begin(), storages.end());
   storages.erase(std::unique(storages.begin(), storages.end()), storages.end());
+  // Every outermost operator is a step of the schedule's clock, also one
+  // without managed inputs: the clock must not depend on what is managed.
+  noteOperator(fn.name(), storages);
+  if (storages.empty()) {
+    return nullptr;
+  }
 
   auto context = std::make_unique<PinnedStorages>();
   context->pinned.reserve(storages.size());
@@ -395,6 +414,9 @@ void LaunchPins::pin(c10::ArrayRef<at::Tensor> tensors, const char* what) {
   }
   std::sort(storages.begin(), storages.end());
   storages.erase(std::unique(storages.begin(), storages.end()), storages.end());
+  // A compiled kernel launch is an operator of the schedule: compiled code
+  // runs its kernels in the same order every iteration too.
+  noteOperator(what, storages);
   auto state = std::make_unique<PinnedStorages>();
   try {
     for (c10::StorageImpl* storage : storages) {

@@ -1,0 +1,186 @@
+#include <c10/cuda/LargeModelSupportSchedule.h>
+
+#include <algorithm>
+
+namespace c10::cuda::lms {
+
+namespace {
+
+// splitmix64's finalizer: every input bit affects every output bit, so
+// signatures that differ in one size or distance do not collide in practice.
+uint64_t mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+uint64_t combine(uint64_t seed, uint64_t value) {
+  return mix(seed ^ mix(value));
+}
+
+uint64_t hashName(std::string_view name) {
+  uint64_t h = 0xcbf29ce484222325ULL; // FNV-1a
+  for (const char c : name) {
+    h = (h ^ static_cast<unsigned char>(c)) * 0x100000001b3ULL;
+  }
+  return h;
+}
+
+// Candidates alive at once: each costs one comparison per operator.
+constexpr size_t kMaxCandidates = 64;
+
+} // namespace
+
+AccessSchedule::AccessSchedule(uint64_t max_period)
+    : max_period_(std::max(max_period, kMinPeriod)),
+      capacity_(max_period_ + 1) {}
+
+uint64_t AccessSchedule::key(uint64_t phase, uint64_t size, uint64_t gap) {
+  return combine(combine(mix(phase), size), gap);
+}
+
+uint64_t AccessSchedule::record(
+    std::string_view name,
+    const Use* uses,
+    size_t count) {
+  if (signatures_.empty()) {
+    // Allocated at the first operator, not at construction: an engine whose
+    // schedule is never used pays nothing.
+    signatures_.assign(capacity_, 0);
+    inputs_.resize(capacity_);
+  }
+  const uint64_t t = ++clock_;
+  Inputs& inputs = inputs_[t % capacity_];
+  inputs.clear();
+  for (size_t i = 0; i < count; ++i) {
+    // A touch in the future cannot happen; clamp rather than wrap.
+    const uint64_t distance = uses[i].touch < t ? t - uses[i].touch : 0;
+    inputs.push_back(Input{distance, uses[i].size, uses[i].gap});
+  }
+  // Inputs arrive in address order, which changes every iteration.
+  std::sort(inputs.begin(), inputs.end());
+  uint64_t signature = hashName(name);
+  for (const Input& in : inputs) {
+    signature =
+        combine(combine(combine(signature, in.distance), in.size), in.gap);
+  }
+  signatures_[t % capacity_] = signature;
+
+  if (active_ && (t <= period_ || signatureAt(t - period_) != signature)) {
+    drop();
+  }
+  // Advance the candidates; a mismatch ends one.
+  size_t kept = 0;
+  for (const Candidate& c : candidates_) {
+    if (t > c.period && signatureAt(t - c.period) == signature) {
+      candidates_[kept++] = Candidate{c.period, c.run + 1};
+    }
+  }
+  candidates_.resize(kept);
+  seedCandidates(signature);
+  if (!active_) {
+    uint64_t best = 0;
+    for (const Candidate& c : candidates_) {
+      if (c.run >= std::max(c.period, kMinConfirm) &&
+          (best == 0 || c.period < best)) {
+        best = c.period;
+      }
+    }
+    if (best != 0) {
+      adopt(best);
+    }
+  }
+  return t;
+}
+
+void AccessSchedule::seedCandidates(uint64_t signature) {
+  const uint64_t t = clock_;
+  Recent& recent = recent_[signature];
+  for (const uint64_t at : recent.at) {
+    if (at == 0 || t - at < kMinPeriod || t - at > max_period_) {
+      continue;
+    }
+    const uint64_t period = t - at;
+    const bool known = std::any_of(
+        candidates_.begin(), candidates_.end(), [&](const Candidate& c) {
+          return c.period == period;
+        });
+    if (!known && candidates_.size() < kMaxCandidates) {
+      candidates_.push_back(Candidate{period, 1});
+    }
+  }
+  std::copy_backward(recent.at, recent.at + 3, recent.at + 4);
+  recent.at[0] = t;
+  // Signatures that never recur (changing shapes) must not grow the map
+  // without bound: forget those not seen within the longest period.
+  if (recent_.size() > 4 * max_period_) {
+    for (auto it = recent_.begin(); it != recent_.end();) {
+      it = t - it->second.at[0] > max_period_ ? recent_.erase(it)
+                                              : std::next(it);
+    }
+  }
+}
+
+void AccessSchedule::adopt(uint64_t period) {
+  active_ = true;
+  period_ = period;
+  ++generation_;
+  ++detections_;
+  next_.clear();
+  const uint64_t t = clock_;
+  for (uint64_t u = t - period + 1; u <= t; ++u) {
+    for (const Input& in : inputs_[u % capacity_]) {
+      if (in.distance == 0 || in.distance > u) {
+        continue; // touched in this very operator, or before the first
+      }
+      const uint64_t k = key((u - in.distance) % period, in.size, in.gap);
+      auto [it, inserted] = next_.emplace(k, in.distance);
+      if (!inserted) {
+        // Storages alike in all the schedule sees, used again at different
+        // distances: assume the sooner, so that none is chosen as a victim
+        // too early nor prefetched too late.
+        it->second = std::min(it->second, in.distance);
+      }
+    }
+  }
+}
+
+void AccessSchedule::drop() {
+  active_ = false;
+  period_ = 0;
+  ++generation_;
+  ++fallbacks_;
+  next_.clear();
+  // Candidates are kept: the pattern may resume after a short detour (an
+  // evaluation step), and a candidate that still matches reconfirms.
+}
+
+uint64_t AccessSchedule::nextUse(uint64_t touch, uint64_t size, uint64_t gap)
+    const {
+  if (!active_) {
+    return kNever;
+  }
+  const auto it = next_.find(key(touch % period_, size, gap));
+  if (it == next_.end()) {
+    return kNever;
+  }
+  const uint64_t next = touch + it->second;
+  return next < clock_ ? kNever : next;
+}
+
+void AccessSchedule::reset() {
+  clock_ = 0;
+  signatures_.clear();
+  inputs_.clear();
+  recent_.clear();
+  candidates_.clear();
+  active_ = false;
+  period_ = 0;
+  ++generation_;
+  next_.clear();
+  detections_ = 0;
+  fallbacks_ = 0;
+}
+
+} // namespace c10::cuda::lms

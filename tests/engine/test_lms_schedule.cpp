@@ -1,0 +1,559 @@
+// The learned swap schedule: period detection and next-use prediction of
+// AccessSchedule on their own, then the engine driven by a synthetic training
+// loop (forward, loss, backward, optimizer) through beginOperator(), on the
+// simulated GPU in CI and on a real GPU alike.
+//
+// Each simulated operator pins its inputs, checks that every input holds the
+// bytes its last writer stored, writes its outputs, and ends with a device
+// synchronization: a page-in queued at an earlier operator boundary is then
+// complete when the next operator pins its storage, and one queued at the
+// operator's own boundary (not ahead) is still running (counted as
+// prefetch_late) or is a demand page-in (pagein_demand_count).
+
+#include "lms_test.h"
+
+#include <c10/core/StorageImpl.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/LargeModelSupport.h>
+#include <c10/cuda/LargeModelSupportSchedule.h>
+#include <c10/util/Exception.h>
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#include <c10/cuda/CUDACachingAllocator.h>
+#pragma GCC diagnostic pop
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+extern "C" {
+__attribute__((weak)) size_t simgpu_device_bytes_in_use(int device);
+__attribute__((weak)) size_t simgpu_host_bytes_in_use(void);
+}
+
+namespace {
+
+namespace lms = c10::cuda::lms;
+namespace cca = c10::cuda::CUDACachingAllocator;
+using StoragePtr = c10::intrusive_ptr<c10::StorageImpl>;
+using Schedule = lms::AccessSchedule;
+
+constexpr size_t kMiB = 1024 * 1024;
+
+// ---------------------------------------------------------------------------
+// AccessSchedule alone
+
+// Records one operator whose inputs are identified by (touch, size).
+uint64_t recordOp(
+    Schedule& s,
+    const std::string& name,
+    std::vector<Schedule::Use> uses) {
+  return s.record(name, uses.data(), uses.size());
+}
+
+// A toy iteration: four "storages" p, q, r (each touched by op a, then used
+// once more by b, c and d in that order) plus two filler operators.
+struct ToyLoop {
+  std::map<char, uint64_t> touch;
+  std::map<char, uint64_t> gap;
+  std::map<char, uint64_t> size{{'p', 100}, {'q', 200}, {'r', 300}};
+
+  uint64_t op(Schedule& s, const std::string& name, const std::string& ins) {
+    std::vector<Schedule::Use> uses;
+    for (const char c : ins) {
+      uses.push_back({touch[c], size[c], gap[c]});
+    }
+    const uint64_t t = recordOp(s, name, uses);
+    for (const char c : ins) {
+      gap[c] = t - touch[c];
+      touch[c] = t;
+    }
+    return t;
+  }
+
+  void iteration(Schedule& s) {
+    op(s, "a", "pqr");
+    op(s, "fill", "");
+    op(s, "b", "p");
+    op(s, "c", "q");
+    op(s, "fill", "");
+    op(s, "d", "r");
+  }
+};
+
+TEST_CASE(schedule_detects_the_period_and_predicts_next_uses) {
+  Schedule s;
+  ToyLoop loop;
+  // A prefix that is not part of the loop.
+  recordOp(s, "setup", {});
+  recordOp(s, "init", {{0, 7, 0}});
+  int iterations = 0;
+  while (!s.active() && iterations < 20) {
+    loop.iteration(s);
+    ++iterations;
+  }
+  REQUIRE(s.active());
+  CHECK_EQ(s.period(), uint64_t(6));
+  // 16 matching operators at least: the loop repeats four times at most.
+  CHECK(iterations <= 5);
+  CHECK_EQ(s.detections(), int64_t(1));
+  CHECK_EQ(s.fallbacks(), int64_t(0));
+  // At an iteration boundary: check the predictions after op a.
+  const uint64_t t = loop.op(s, "a", "pqr");
+  REQUIRE(s.active());
+  CHECK_EQ(s.nextUse(t, 100, loop.gap['p']), t + 2); // b
+  CHECK_EQ(s.nextUse(t, 200, loop.gap['q']), t + 3); // c
+  CHECK_EQ(s.nextUse(t, 300, loop.gap['r']), t + 5); // d
+  // A size the period never uses: no prediction.
+  CHECK_EQ(s.nextUse(t, 12345, 1), Schedule::kNever);
+}
+
+TEST_CASE(schedule_falls_back_when_the_pattern_breaks_and_relearns) {
+  Schedule s;
+  ToyLoop loop;
+  for (int i = 0; i < 6; ++i) {
+    loop.iteration(s);
+  }
+  REQUIRE(s.active());
+  const uint64_t generation = s.generation();
+  // An evaluation step: other operators.
+  loop.op(s, "eval", "p");
+  CHECK(!s.active());
+  CHECK_EQ(s.fallbacks(), int64_t(1));
+  CHECK(s.generation() != generation);
+  CHECK_EQ(s.nextUse(loop.touch['p'], 100, loop.gap['p']), Schedule::kNever);
+  // Other shapes: q and r grow. The new loop is learned.
+  loop.size['q'] = 400;
+  loop.size['r'] = 600;
+  for (int i = 0; i < 8 && !s.active(); ++i) {
+    loop.iteration(s);
+  }
+  CHECK(s.active());
+  CHECK_EQ(s.period(), uint64_t(6));
+  CHECK_EQ(s.detections(), int64_t(2));
+}
+
+TEST_CASE(schedule_does_not_take_repeated_layers_for_an_iteration) {
+  // Forty identical layers, then a different tail: a period of one layer
+  // must not be adopted while the stack repeats fewer than kMinConfirm ops.
+  Schedule s;
+  for (int iteration = 0; iteration < 6; ++iteration) {
+    for (int layer = 0; layer < 4; ++layer) {
+      recordOp(s, "layer", {});
+      recordOp(s, "act", {});
+    }
+    recordOp(s, "loss", {});
+    recordOp(s, "step", {});
+  }
+  REQUIRE(s.active());
+  CHECK_EQ(s.period(), uint64_t(10));
+}
+
+// ---------------------------------------------------------------------------
+// The engine, driven by operators
+
+uint64_t splitmix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+std::vector<uint64_t> pattern(size_t bytes, uint64_t seed) {
+  std::vector<uint64_t> words((bytes + 7) / 8);
+  for (size_t i = 0; i < words.size(); ++i) {
+    words[i] = splitmix(seed * 0x100000001b3ULL + i);
+  }
+  return words;
+}
+
+int deviceCount() {
+  int n = 0;
+  C10_CUDA_CHECK(cudaGetDeviceCount(&n));
+  return n;
+}
+
+size_t allocatedBytes() {
+  return cca::getDeviceStats(0)
+      .allocated_bytes[static_cast<size_t>(
+          c10::CachingDeviceAllocator::StatType::AGGREGATE)]
+      .current;
+}
+
+cudaStream_t stream() {
+  return c10::cuda::getCurrentCUDAStream().stream();
+}
+
+// A storage and the seed of the pattern its last writer stored.
+struct Tensor {
+  StoragePtr storage;
+  uint64_t seed = 0;
+};
+
+class Runner {
+ public:
+  explicit Runner(size_t limit) {
+    static bool initialized = [] {
+      cca::init(deviceCount());
+      return true;
+    }();
+    (void)initialized;
+    c10::cuda::set_device(0);
+    lms::setEnabled(true);
+    lms::setSizeThreshold(1 * kMiB);
+    lms::setPrefetchDepth(0);
+    lms::setSpeculativeMargin(0);
+    lms::setScheduleEnabled(true);
+    lms::setLookahead(0);
+    lms::setPrefetchBudget(0);
+    lms::resetSchedule();
+    lms::setLimit(0, limit);
+    lms::resetAccumulatedStats(0);
+    lms::resetPeakStats(0);
+  }
+  Runner(const Runner&) = delete;
+  Runner& operator=(const Runner&) = delete;
+
+  ~Runner() {
+    lms::setLookahead(0);
+    lms::setPrefetchBudget(0);
+    lms::resetSchedule();
+  }
+
+  Tensor make(size_t bytes, uint64_t seed) {
+    Tensor t{newStorage(bytes), seed};
+    fill(t);
+    return t;
+  }
+
+  // One operator: reads `inputs` (each must hold its pattern), then lets
+  // `body` allocate and write outputs, as a kernel would.
+  void op(
+      const char* name,
+      const std::vector<Tensor*>& inputs,
+      const std::function<void()>& body = [] {}) {
+    std::vector<c10::StorageImpl*> storages;
+    for (Tensor* t : inputs) {
+      storages.push_back(t->storage.get());
+    }
+    lms::beginOperator(
+        name,
+        c10::ArrayRef<c10::StorageImpl*>(storages.data(), storages.size()));
+    for (c10::StorageImpl* s : storages) {
+      lms::pin(*s);
+    }
+    for (Tensor* t : inputs) {
+      if (!holds(*t)) {
+        ++mismatches;
+      }
+    }
+    body();
+    // The "kernel" is done before the next operator starts, and so is every
+    // copy queued so far, on any stream.
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    for (c10::StorageImpl* s : storages) {
+      lms::unpin(*s);
+    }
+  }
+
+  // An output of the running operator: allocated, written, reclaimable when
+  // the operator ends (as operator-boundary pinning releases outputs).
+  Tensor output(size_t bytes, uint64_t seed) {
+    Tensor t{newStorage(bytes), seed};
+    write(t);
+    outputs_.push_back(t.storage);
+    return t;
+  }
+
+  void endOutputs() {
+    for (const StoragePtr& s : outputs_) {
+      lms::releaseOutput(*s);
+    }
+    outputs_.clear();
+  }
+
+  // In-place update of an input of the running operator.
+  void update(Tensor& t, uint64_t seed) {
+    t.seed = seed;
+    write(t);
+  }
+
+  int mismatches = 0;
+
+ private:
+  static StoragePtr newStorage(size_t bytes) {
+    return c10::make_intrusive<c10::StorageImpl>(
+        c10::StorageImpl::use_byte_size_t(),
+        static_cast<int64_t>(bytes),
+        cca::get(),
+        /*resizable=*/false);
+  }
+
+  void fill(Tensor& t) {
+    lms::pin(*t.storage);
+    write(t);
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    lms::unpin(*t.storage);
+  }
+
+  static void write(const Tensor& t) {
+    const auto words = pattern(t.storage->nbytes(), t.seed);
+    C10_CUDA_CHECK(cudaMemcpyAsync(
+        t.storage->mutable_data(),
+        words.data(),
+        t.storage->nbytes(),
+        cudaMemcpyHostToDevice,
+        stream()));
+  }
+
+  static bool holds(const Tensor& t) {
+    const auto expected = pattern(t.storage->nbytes(), t.seed);
+    std::vector<uint64_t> got(expected.size());
+    C10_CUDA_CHECK(cudaMemcpyAsync(
+        got.data(),
+        t.storage->data(),
+        t.storage->nbytes(),
+        cudaMemcpyDeviceToHost,
+        stream()));
+    C10_CUDA_CHECK(cudaStreamSynchronize(stream()));
+    return std::memcmp(got.data(), expected.data(), t.storage->nbytes()) == 0;
+  }
+
+  std::vector<StoragePtr> outputs_;
+};
+
+constexpr int kLayers = 6;
+constexpr size_t kWeight = 2 * kMiB;
+constexpr size_t kActivation = 4 * kMiB;
+// Operators per training iteration: input, forward layers, loss, backward
+// layers, optimizer steps.
+constexpr uint64_t kOpsPerIteration = 1 + kLayers + 1 + kLayers + kLayers;
+
+struct Model {
+  std::vector<Tensor> weights;
+};
+
+// One training iteration (or, with `train` false, an evaluation step: the
+// forward pass alone).
+void iterate(Runner& run, Model& m, int iteration, bool train = true) {
+  const uint64_t base = static_cast<uint64_t>(iteration) * 1000;
+  Tensor x;
+  run.op("input", {}, [&] { x = run.output(kActivation, base + 999); });
+  run.endOutputs();
+  std::vector<Tensor> acts;
+  acts.reserve(kLayers); // `prev` points into it
+  Tensor* prev = &x;
+  for (int i = 0; i < kLayers; ++i) {
+    Tensor a;
+    run.op("forward", {&m.weights[i], prev}, [&] {
+      a = run.output(kActivation, base + i);
+    });
+    run.endOutputs();
+    acts.push_back(a);
+    prev = &acts.back();
+  }
+  if (!train) {
+    return;
+  }
+  Tensor grad;
+  run.op("loss", {&acts.back()}, [&] {
+    grad = run.output(kActivation, base + 100);
+  });
+  run.endOutputs();
+  for (int i = kLayers - 1; i >= 0; --i) {
+    Tensor next;
+    run.op("backward", {&m.weights[i], &acts[i], &grad}, [&] {
+      next = run.output(kActivation, base + 200 + i);
+    });
+    run.endOutputs();
+    grad = next;
+    acts[i] = Tensor{}; // freed after its last use, as autograd does
+  }
+  for (int i = 0; i < kLayers; ++i) {
+    run.op("step", {&m.weights[i]}, [&] {
+      run.update(m.weights[i], base + 300 + i);
+    });
+  }
+}
+
+Model makeModel(Runner& run) {
+  Model m;
+  for (int i = 0; i < kLayers; ++i) {
+    m.weights.push_back(run.make(kWeight, 50 + i));
+  }
+  return m;
+}
+
+void checkBaseline() {
+  C10_CUDA_CHECK(cudaDeviceSynchronize());
+  const auto st = lms::getStats(0);
+  CHECK_EQ(st.managed_bytes.current, 0);
+  CHECK_EQ(st.pagedout_bytes.current, 0);
+  CHECK_EQ(allocatedBytes(), size_t(0));
+  cca::emptyCache();
+  if (simgpu_device_bytes_in_use != nullptr) {
+    CHECK_EQ(simgpu_device_bytes_in_use(0), size_t(0));
+    CHECK_EQ(simgpu_host_bytes_in_use(), size_t(0));
+  }
+}
+
+TEST_CASE(training_loop_runs_on_the_learned_schedule) {
+  {
+    // Peak demand: weights 12 MiB, activations 24 MiB, two gradients and an
+    // input: about 48 MiB, under a 36 MiB limit.
+    Runner run(36 * kMiB);
+    lms::setPrefetchBudget(12 * kMiB);
+    lms::setLookahead(6);
+    Model m = makeModel(run);
+    int iteration = 0;
+    for (; iteration < 4; ++iteration) {
+      iterate(run, m, iteration);
+    }
+    auto st = lms::getStats(0);
+    REQUIRE(st.schedule_active == 1);
+    CHECK_EQ(st.schedule_period, int64_t(kOpsPerIteration));
+    CHECK_EQ(st.schedule_fallbacks, int64_t(0));
+    CHECK(st.pageout_count > 0); // the loop does not fit: it must swap
+    lms::resetAccumulatedStats(0);
+    for (; iteration < 8; ++iteration) {
+      iterate(run, m, iteration);
+    }
+    st = lms::getStats(0);
+    std::printf(
+        "  steady state, 4 iterations: %lld page-outs (%lld early), %lld "
+        "page-ins (%lld ahead, %lld on demand, %lld late), %lld rescued, "
+        "%lld victims by next use, %.1f MiB out, %.1f MiB in\n",
+        static_cast<long long>(st.pageout_count),
+        static_cast<long long>(st.early_pageout_count),
+        static_cast<long long>(st.pagein_count),
+        static_cast<long long>(st.schedule_prefetch_count),
+        static_cast<long long>(st.pagein_demand_count),
+        static_cast<long long>(st.prefetch_late),
+        static_cast<long long>(st.schedule_rescues),
+        static_cast<long long>(st.schedule_victims),
+        static_cast<double>(st.pageout_bytes) / kMiB,
+        static_cast<double>(st.pagein_bytes) / kMiB);
+    CHECK_EQ(st.schedule_active, int64_t(1));
+    CHECK_EQ(st.schedule_fallbacks, int64_t(0));
+    // Page-outs are made early, after a last use, not when an allocation
+    // needs the memory.
+    CHECK(st.early_pageout_count > 0);
+    CHECK(st.early_pageout_count * 2 >= st.pageout_count);
+    // Every page-in is issued ahead of use on the H2D stream and complete
+    // when its operator pins the storage: no compute stream waits.
+    CHECK(st.schedule_prefetch_count > 0);
+    CHECK_EQ(st.pagein_demand_count, int64_t(0));
+    CHECK_EQ(st.prefetch_late, int64_t(0));
+    CHECK_EQ(run.mismatches, 0);
+  }
+  checkBaseline();
+}
+
+TEST_CASE(a_changed_pattern_falls_back_and_is_learned_again) {
+  {
+    Runner run(36 * kMiB);
+    lms::setPrefetchBudget(12 * kMiB);
+    lms::setLookahead(6);
+    Model m = makeModel(run);
+    int iteration = 0;
+    for (; iteration < 4; ++iteration) {
+      iterate(run, m, iteration);
+    }
+    REQUIRE(lms::getStats(0).schedule_active == 1);
+    // An evaluation step (the forward pass alone) breaks the pattern where
+    // training would go on with the loss: LMS is reactive again, says so,
+    // and the data survives.
+    iterate(run, m, iteration++, /*train=*/false);
+    iterate(run, m, iteration++);
+    auto st = lms::getStats(0);
+    CHECK_EQ(st.schedule_active, int64_t(0));
+    CHECK_EQ(st.schedule_fallbacks, int64_t(1));
+    CHECK_EQ(st.schedule_period, int64_t(0));
+    // Training resumes: learned again within a few iterations, and the data
+    // survived every mode.
+    for (int i = 0; i < 4; ++i) {
+      iterate(run, m, iteration++);
+    }
+    st = lms::getStats(0);
+    CHECK_EQ(st.schedule_active, int64_t(1));
+    CHECK_EQ(st.schedule_detections, int64_t(2));
+    CHECK_EQ(run.mismatches, 0);
+  }
+  checkBaseline();
+}
+
+TEST_CASE(victims_are_chosen_by_next_use_not_recency) {
+  {
+    Runner run(256 * kMiB);
+    // p, q and r are used by op a, then p by b, q by c, r by d.
+    Tensor p = run.make(2 * kMiB, 1);
+    Tensor q = run.make(2 * kMiB, 2);
+    Tensor r = run.make(2 * kMiB, 3);
+    auto loop = [&] {
+      run.op("a", {&p, &q, &r});
+      run.op("b", {&p});
+      run.op("c", {&q});
+      run.op("d", {&r});
+    };
+    for (int i = 0; i < 8; ++i) {
+      loop();
+    }
+    REQUIRE(lms::getStats(0).schedule_active == 1);
+    CHECK_EQ(lms::getStats(0).schedule_period, int64_t(4));
+    run.op("a", {&p, &q, &r});
+    // Least recently used is p (unpinned first); furthest next use is r.
+    CHECK(lms::getState(*r.storage) == lms::StorageState::Inactive);
+    CHECK_EQ(lms::reclaimBytes(0, 2 * kMiB), 2 * kMiB);
+    CHECK(lms::getState(*r.storage) == lms::StorageState::PagedOut);
+    CHECK(lms::getState(*p.storage) == lms::StorageState::Inactive);
+    CHECK(lms::getState(*q.storage) == lms::StorageState::Inactive);
+    CHECK(lms::getStats(0).schedule_victims >= 1);
+    // The next: q (used at c, after p at b).
+    CHECK_EQ(lms::reclaimBytes(0, 2 * kMiB), 2 * kMiB);
+    CHECK(lms::getState(*q.storage) == lms::StorageState::PagedOut);
+    CHECK(lms::getState(*p.storage) == lms::StorageState::Inactive);
+    // Without the schedule: least recently used.
+    run.op("b", {&p});
+    run.op("c", {&q});
+    run.op("d", {&r});
+    lms::setScheduleEnabled(false);
+    run.op("a", {&p, &q, &r});
+    CHECK_EQ(lms::reclaimBytes(0, 2 * kMiB), 2 * kMiB);
+    CHECK(lms::getState(*p.storage) == lms::StorageState::PagedOut);
+    CHECK(lms::getState(*r.storage) == lms::StorageState::Inactive);
+    run.op("b", {&p});
+    CHECK_EQ(run.mismatches, 0);
+  }
+  checkBaseline();
+}
+
+TEST_CASE(schedule_settings_parse) {
+  lms::parseConfig(
+      "lms_schedule:False,lms_lookahead:12,lms_prefetch_budget_mb:64");
+  CHECK(!lms::isScheduleEnabled());
+  CHECK_EQ(lms::getLookahead(), 12);
+  CHECK_EQ(lms::getPrefetchBudget(), size_t(64 * kMiB));
+  CHECK_THROWS_AS(
+      lms::parseConfigOption("lms_schedule", "yes"), c10::Error, "True");
+  CHECK_THROWS_AS(
+      lms::parseConfigOption("lms_lookahead", "2.5"),
+      c10::Error,
+      "whole number");
+  CHECK_THROWS_AS(lms::setLookahead(-1), c10::Error, ">= 0");
+  lms::parseConfig(
+      "lms_schedule:True,lms_lookahead:0,lms_prefetch_budget_mb:0");
+  CHECK(lms::isScheduleEnabled());
+  CHECK_EQ(lms::getLookahead(), 0);
+  CHECK_EQ(lms::getPrefetchBudget(), size_t(0));
+}
+
+} // namespace
+
+LMS_TEST_MAIN()
