@@ -141,6 +141,11 @@ def test_reduce_overhead_under_a_cap_that_leaves_room_for_the_graph_pool(
     settle()
     losses, params, peak = _train_reduce_overhead(steps=5)
     settle()
+    # Does the uncapped run repeat itself bit for bit? Only then is bit-identity the bar.
+    losses_2, params_2, _ = _train_reduce_overhead(steps=5)
+    settle()
+    repeats = all(torch.equal(a, b) for a, b in zip(losses + params, losses_2 + params_2))
+    record("reference_repeats", repeats)
     adam_state = 2 * sum(p.numel() * p.element_size() for p in params)
     cap = peak - adam_state // 2
     record("peak_mib", round(peak / 2**20, 1))
@@ -153,10 +158,17 @@ def test_reduce_overhead_under_a_cap_that_leaves_room_for_the_graph_pool(
     record("private_pool_mib", round(stats["private_pool_bytes"]["peak"] / 2**20, 1))
     assert stats["private_pool_bytes"]["peak"] > 0, "no private pool was reported"
     assert stats["pageout_count"] > 0, "LMS made no room outside the graph pool"
-    for step, (a, b) in enumerate(zip(losses, capped_losses)):
-        assert torch.equal(a, b), f"loss of step {step} differs"
-    for i, (a, b) in enumerate(zip(params, capped_params)):
-        assert torch.equal(a, b), f"parameter {i} differs"
+    if repeats:
+        for step, (a, b) in enumerate(zip(losses, capped_losses)):
+            assert torch.equal(a, b), f"loss of step {step} differs"
+        for i, (a, b) in enumerate(zip(params, capped_params)):
+            assert torch.equal(a, b), f"parameter {i} differs"
+        return
+    # The reference itself does not repeat: the capped run must stay within twice the
+    # spread of the two references.
+    for i, (a, b, c) in enumerate(zip(params, params_2, capped_params)):
+        spread = (a - b).abs().max().item()
+        assert (a - c).abs().max().item() <= 2 * spread + 1e-6, f"parameter {i} is off"
 
 
 def test_graph_pool_that_cannot_fit_raises_the_lms_message() -> None:
