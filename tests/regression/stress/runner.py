@@ -847,7 +847,13 @@ def _run_suite_parallel(
         try:
             while pending or running:
                 elapsed = time.perf_counter() - start
-                per_case = elapsed * jobs / len(records) if records else 0.0
+                # A case started now ends about one case's own wall time from now (cases
+                # run side by side, so the suite's elapsed time per case is no estimate).
+                per_case = (
+                    sum(float(r.get("case_wall_s") or 0.0) for r in records) / len(records)
+                    if records
+                    else 0.0
+                )
                 while pending and len(running) < jobs:
                     if time_budget_s is not None and elapsed + 1.2 * per_case > time_budget_s:
                         log(f"time budget: no new case after {elapsed:.0f} s")
