@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import stat
 import sys
 from pathlib import Path
@@ -15,7 +16,9 @@ from lmstool import naming, plan, preflight
 from lmstool import steps as runner
 from lmstool.cli import main
 from lmstool.errors import LmsToolError
-from lmstool.matrix import Matrix
+from lmstool.matrix import Matrix, load_matrix
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -380,18 +383,34 @@ def test_step_keys_follow_series_content(matrix: Matrix, tmp_path: Path) -> None
     assert os.environ.get("LMS_X") is None
 
 
+def _project_with_one_series(root: Path) -> tuple[Path, str, list[str]]:
+    """A project checkout (config/ of this one) where only the default tag has a series."""
+    real = load_matrix(REPO_ROOT)
+    shutil.copytree(REPO_ROOT / "config", root / "config")
+    series = real.get_tag(real.default_tag).series_file(root)
+    series.parent.mkdir(parents=True)
+    series.write_text("0001-engine.engine c10/cuda\n")
+    others = [name for name in real.tags if name != real.default_tag]
+    assert others, "the matrix lists more than one tag"
+    return root, real.default_tag, others
+
+
 def test_tag_without_series_is_refused_at_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    project, with_series, source_only = _project_with_one_series(tmp_path / "project")
     work = tmp_path / "work"
-    code, out, err = run_cli(capsys, "build", "v1.13.1", "--work", str(work), "--preflight")
-    assert code == 2 and out == ""
-    assert "v1.13.1 has no LMS series" in err and "integration/v1.13.1/series" in err
-    assert "Use v2.6.0" in err
-    assert not work.exists(), "nothing may run for a tag without a series"
-    monkeypatch.setenv("LMSTOOL_FRONTEND", "make")
-    code, _, err = run_cli(capsys, "build", "v1.13.1", "--work", str(work), "--dry-run")
-    assert code == 2 and "Use TAG=v2.6.0" in err
+    for tag in source_only:
+        args = ("--repo", str(project), "build", tag, "--work", str(work))
+        code, out, err = run_cli(capsys, *args, "--preflight")
+        assert code == 2 and out == ""
+        assert f"{tag} has no LMS series" in err and f"integration/{tag}/series" in err
+        assert f"Use {with_series}, or port" in err
+        assert not work.exists(), "nothing may run for a tag without a series"
+        monkeypatch.setenv("LMSTOOL_FRONTEND", "make")
+        code, _, err = run_cli(capsys, *args, "--dry-run")
+        assert code == 2 and f"Use TAG={with_series}, or port" in err
+        monkeypatch.delenv("LMSTOOL_FRONTEND")
 
 
 def test_submodule_fix_names_make_variables(
