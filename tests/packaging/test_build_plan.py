@@ -85,6 +85,42 @@ def test_dry_run_prints_every_step_and_runs_nothing(
     assert not work.exists(), "a dry run must not create anything"
 
 
+@pytest.mark.parametrize("tag", [t.name for t in load_matrix(REPO_ROOT).tags_with_series()])
+def test_dry_run_of_every_tag_uses_its_own_toolchain(
+    tag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plan of each tag with a series, on each architecture: by default its newest CUDA
+    and the running Python if the tag supports it (else its newest), its CUDA's arch list, its
+    version in the wheel and the conda package; a Python outside its range is refused."""
+    matrix = load_matrix(REPO_ROOT)
+    config = matrix.get_tag(tag)
+    work = tmp_path / "work"
+    for arch in naming.ARCHES:
+        running = f"{sys.version_info.major}.{sys.version_info.minor}"
+        python = running if running in config.python else config.python[-1]
+        cuda = config.cudas(arch)[-1]
+        code, out, err = run_cli(
+            capsys, "build", tag, "--arch", arch, "--work", str(work), "--dry-run"
+        )
+        assert code == 0, err
+        assert (
+            f"Build plan for {tag} ({config.version}) on {arch}, CUDA {cuda}, Python {python}"
+            in out
+        )
+        cu, py = cuda.replace(".", ""), python.replace(".", "")
+        assert f"env: PYTORCH_BUILD_VERSION={config.version}+lms.cu{cu}" in out
+        assert f"env: TORCH_CUDA_ARCH_LIST={matrix.cuda_info(cuda).arch_list[arch]}" in out
+        assert f"apply {tag} --tree" in out and f"python{python} -m venv" in out
+        assert f"pytorch-{config.version}-py{py}_cu{cu}_lms_0.conda" in out
+        outside = [p for p in ("3.6", "3.14") if p not in config.python]
+        code, _, err = run_cli(
+            capsys, "build", tag, "--arch", arch, "--python", outside[0], "--work", str(work),
+            "--dry-run",
+        )  # fmt: skip
+        assert code == 2 and f"Python {outside[0]} is not supported by {tag}" in err
+    assert not work.exists(), "a dry run must not create anything"
+
+
 def test_dry_run_ppc64le(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(
         capsys,
