@@ -9,7 +9,7 @@ platform, then the text is parsed as YAML.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -238,8 +238,7 @@ def variant_config_text(matrix: Matrix) -> str:
 
 def _meta_blocks(matrix: Matrix, recipe_dir: Path) -> dict[str, list[str]]:
     versions = ", ".join(f'"{t.name}": "{t.version}"' for t in matrix.tags.values())
-    ppc = _cudas_by_arch(matrix)["ppc64le"]
-    ppc_list = ", ".join(f'"{c}"' for c in ppc)
+    ppc = _quoted(_cudas_by_arch(matrix)["ppc64le"])
     series: list[str] = []
     for tag in recipe_tags(matrix):
         series.append(f'  {{% if lms_tag == "{tag.name}" %}}')
@@ -247,16 +246,38 @@ def _meta_blocks(matrix: Matrix, recipe_dir: Path) -> dict[str, list[str]]:
         for patch in series_patches(matrix, tag.name):
             series.append(f"    - {Path(_relpath(patch, recipe_dir)).as_posix()}")
         series.append("  {% endif %}")
+    per_tag = " or ".join(_tag_skip(tag) for tag in recipe_tags(matrix))
     return {
         "versions": [f"{{% set versions = {{{versions}}} %}}"],
         "skip": [
             "  # CUDA has no ppc64le toolkit after "
-            f"{matrix.toolchain.ppc64le_max_cuda}; the tags' ppc64le CUDA versions:",
+            f"{matrix.toolchain.ppc64le_max_cuda}; the tags' ppc64le CUDA versions. The variants",
+            "  # are the product of every tag's Pythons and CUDA versions; each tag builds only",
+            "  # its own (config/tags.yaml).",
             f"  skip: true  # [not linux or (ppc64le and cuda_compiler_version not in "
-            f"({ppc_list}{',' if len(ppc) == 1 else ''}))]",
+            f"{_tuple(ppc)}){' or ' + per_tag if per_tag else ''}]",
         ],
         "series": series,
     }
+
+
+def _quoted(items: Sequence[str]) -> list[str]:
+    return [f'"{item}"' for item in items]
+
+
+def _tuple(items: Sequence[str]) -> str:
+    """A Python tuple literal for a selector."""
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
+
+
+def _tag_skip(tag: TagConfig) -> str:
+    """The selector that holds for variants of ``tag`` outside its Pythons and CUDA versions."""
+    pys = _tuple([p.replace(".", "") for p in tag.python])
+    cuda = " or ".join(
+        f"({arch} and cuda_compiler_version not in {_tuple(_quoted(tag.cudas(arch)))})"
+        for arch in ARCHES
+    )
+    return f'(lms_tag == "{tag.name}" and (py not in {pys} or {cuda}))'
 
 
 def _build_sh_block(matrix: Matrix) -> list[str]:

@@ -77,6 +77,11 @@ class Pristine:
     ref: str  # what to clone: the tag in ``path``
     origin: str  # human-readable description recorded as lms.source
     submodules: bool
+    # The files are a tarball's bytes, committed as they are. A tarball made by `git archive`
+    # holds the working-tree form of files that .gitattributes converts (v1.13.1: `*.bat text
+    # eol=crlf`), so checkouts must not convert them again: with the conversion, git sees such
+    # files as modified whenever it re-reads them, and `git am` refuses the tree.
+    verbatim: bool = False
 
 
 class SourceUnavailable(LmsToolError):
@@ -376,7 +381,14 @@ def pristine_repo(matrix: Matrix, tag: TagConfig, spec: SourceSpec, repo_root: P
             import_tarball(path, tb, tag, dest)
         else:
             log.info("using cached import %s", dest)
-        return Pristine(dest, tag.name, tag.name, f"{source} ({path})", submodules=tb.submodules)
+        return Pristine(
+            dest,
+            tag.name,
+            tag.name,
+            f"{source} ({path})",
+            submodules=tb.submodules,
+            verbatim=True,
+        )
     url = spec.remote or matrix.github_remote
     source = f"git {url} {tag.source.git_ref}"
     dest = cache / f"{tag.name}-git.git"
@@ -439,7 +451,16 @@ def clone_tree(pristine: Pristine, dest: Path, *, shared: bool = False) -> git.R
     args = ["--quiet", "--branch", pristine.ref]
     if shared:
         args.append("--shared")
+    if pristine.verbatim:
+        # No end-of-line conversion at all (the highest-precedence attributes file), set
+        # before the files are checked out.
+        args += ["--no-checkout"]
     repo = git.Repo.clone_from(str(pristine.path), dest, multi_options=args)
+    if pristine.verbatim:
+        info = Path(repo.git_dir) / "info"
+        info.mkdir(parents=True, exist_ok=True)
+        (info / "attributes").write_text("* -text\n", encoding="utf-8")
+        repo.git.reset("--quiet", "--hard")  # fills the index and the working tree
     if resolve_commit(repo, pristine.tag) is None:
         repo.create_tag(pristine.tag, ref=repo.head.commit)
     repo.git.switch("--quiet", "-c", branch_name(pristine.tag))

@@ -11,7 +11,7 @@ OUT ?= out
 .PHONY: engine ppc64le gpu-engine gpu-regression gpu-matrix gpu-stress gpu-benchmarks
 
 engine: patch ## build TAG's patched c10/c10_cuda (RUNTIME=sim|real) and run the engine suite
-	PYTHON=$(PY) standalone/build.sh --source $(TREE) --build $(WORK)/engine-$(RUNTIME) --runtime $(RUNTIME) --test
+	PYTHON=$(PY) standalone/build.sh --source $(TREE) --build $(WORK)/engine-$(TAG)-$(RUNTIME) --runtime $(RUNTIME) --test
 
 ppc64le: patch ## cross-build the patched c10/c10_cuda and engine suite for ppc64le, run under qemu
 	scripts/install-deps.sh scripts/apt-packages-ppc64le.txt

@@ -24,9 +24,13 @@ else
   export USE_FBGEMM=1
 fi
 case "${target_platform}/${cuda_compiler_version}" in
+  linux-64/11.6) arch_list="3.7;5.0;6.0;7.0;7.5;8.0;8.6" ;;
+  linux-64/11.7) arch_list="3.7;5.0;6.0;7.0;7.5;8.0;8.6" ;;
   linux-64/11.8) arch_list="3.7;5.0;6.0;7.0;7.5;8.0;8.6;9.0" ;;
   linux-64/12.4) arch_list="5.0;6.0;7.0;7.5;8.0;8.6;9.0" ;;
   linux-64/12.6) arch_list="5.0;6.0;7.0;7.5;8.0;8.6;9.0" ;;
+  linux-ppc64le/11.6) arch_list="6.0;7.0;8.0" ;;
+  linux-ppc64le/11.7) arch_list="6.0;7.0;8.0" ;;
   linux-ppc64le/11.8) arch_list="6.0;7.0;8.0" ;;
   linux-ppc64le/12.4) arch_list="6.0;7.0;8.0" ;;
   *)

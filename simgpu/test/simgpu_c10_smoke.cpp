@@ -14,6 +14,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 
+#include <c10_compat.h>
+
 #include <cstring>
 #include <string>
 #include <vector>
@@ -23,10 +25,9 @@ namespace alloc = c10::cuda::CUDACachingAllocator;
 namespace {
 
 constexpr size_t kMiB = size_t(1) << 20;
-constexpr auto kAgg =
-    static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE);
+constexpr auto kAgg = static_cast<size_t>(lms_compat::StatType::AGGREGATE);
 
-c10::CachingDeviceAllocator::DeviceStats stats(c10::DeviceIndex d = 0) {
+lms_compat::DeviceStats stats(c10::DeviceIndex d = 0) {
   return alloc::getDeviceStats(d);
 }
 
@@ -55,7 +56,7 @@ struct Init {
 TEST_CASE(c10_sees_simulated_devices) {
   CHECK(c10::cuda::device_count() == simgpu_device_count());
   CHECK(c10::cuda::current_device() == 0);
-  CHECK(alloc::name() == "native");
+  CHECK(lms_compat::allocatorName() == "native");
 }
 
 TEST_CASE(raw_alloc_roundtrip_and_cache) {

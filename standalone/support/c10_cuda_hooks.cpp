@@ -5,9 +5,13 @@
 // c10's placeholder throws "Should never been called". Stream pools and
 // device guards ask (c10::cuda::MaybeSetDevice), so programs that use
 // c10_cuda without ATen install the same hook at start-up, as ATen would.
+// Releases whose c10_cuda has no such hook (standalone/CMakeLists.txt probes
+// for it: LMS_C10_HAS_PRIMARY_CONTEXT_HOOK) never ask, and get nothing here.
 
 #include <c10/core/Device.h>
 #include <c10/cuda/CUDAMacros.h>
+
+#if LMS_C10_HAS_PRIMARY_CONTEXT_HOOK
 
 #if !defined(LMS_CUDA_RUNTIME_SIM)
 #include <dlfcn.h>
@@ -68,3 +72,5 @@ struct InstallHooks {
 } install_hooks;
 
 } // namespace
+
+#endif // LMS_C10_HAS_PRIMARY_CONTEXT_HOOK

@@ -1,5 +1,8 @@
-"""Fixtures for the engine tier (T1): libc10 + libc10_cuda built from the patched v2.6.0 source
-against the simulated GPU, and the engine suite linked against them."""
+"""Fixtures for the engine tier (T1): libc10 + libc10_cuda built from each tag's patched source
+against the simulated GPU, and the engine suite linked against them.
+
+The tags are those of config/tags.yaml with a series (lmstool.matrix): every engine test runs
+once per tag, against one build of that tag's c10 shared by all of them."""
 
 from __future__ import annotations
 
@@ -12,16 +15,24 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TAG = "v2.6.0"
-TARBALL = "pytorch_2.6.0+dfsg.orig.tar.xz"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from lmstool.matrix import TagConfig, load_matrix  # noqa: E402
+
 # Kept between runs so ninja and ccache only redo what changed.
 WORK = REPO / "work" / "ci"
+TAGS = {tag.name: tag for tag in load_matrix(REPO).tags_with_series()}
 
 
-def sources_dir() -> Path | None:
-    """The folder of release tarballs: $LMS_SOURCES (`make test SOURCES=DIR` sets it)."""
+def tarball(tag: TagConfig) -> str:
+    return tag.source.tarballs[0].name
+
+
+def sources_dir(tag: TagConfig) -> Path | None:
+    """The folder of release tarballs ($LMS_SOURCES, `make test SOURCES=DIR` sets it), when it
+    holds the tag's tarball."""
     env = os.environ.get("LMS_SOURCES", "").strip()
-    return Path(env) if env and (Path(env) / TARBALL).is_file() else None
+    return Path(env) if env and (Path(env) / tarball(tag)).is_file() else None
 
 
 def missing_build_tools() -> list[str]:
@@ -54,29 +65,39 @@ def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+@pytest.fixture(scope="session", params=sorted(TAGS))
+def engine_tag(request: pytest.FixtureRequest) -> TagConfig:
+    """Each tag with a series, in turn."""
+    return TAGS[request.param]
+
+
 @pytest.fixture(scope="session")
-def patched_tree() -> Path:
-    """A checkout of v2.6.0 with the committed series applied."""
-    sources = sources_dir()
+def patched_tree(engine_tag: TagConfig) -> Path:
+    """A checkout of the tag with its committed series applied."""
+    tag = engine_tag.name
+    sources = sources_dir(engine_tag)
     if sources is None:
-        pytest.skip(f"needs {TARBALL}: `make test SOURCES=DIR` (or $LMS_SOURCES) with its folder")
-    tree = WORK / f"pytorch-{TAG}-engine"
+        pytest.skip(
+            f"needs {tarball(engine_tag)} for {tag}: `make test SOURCES=DIR` (or $LMS_SOURCES) "
+            "with its folder"
+        )
+    tree = WORK / f"pytorch-{tag}-engine"
     if tree.exists():
         shutil.rmtree(tree)
     tree.parent.mkdir(parents=True, exist_ok=True)
     lmstool = [sys.executable, "-m", "lmstool"]
-    run([*lmstool, "checkout", TAG, "--dest", str(tree), "--sources", str(sources)])
-    run([*lmstool, "apply", TAG, "--tree", str(tree)])
+    run([*lmstool, "checkout", tag, "--dest", str(tree), "--sources", str(sources)])
+    run([*lmstool, "apply", tag, "--tree", str(tree)])
     return tree
 
 
 @pytest.fixture(scope="session")
-def sim_build(patched_tree: Path) -> Path:
-    """The standalone build of the patched tree, linked to the simulated GPU."""
+def sim_build(engine_tag: TagConfig, patched_tree: Path) -> Path:
+    """The standalone build of the tag's patched tree, linked to the simulated GPU."""
     missing = missing_build_tools()
     if missing:
         pytest.skip("the C++ build needs: " + ", ".join(missing))
-    build = WORK / "engine-sim"
+    build = WORK / f"engine-sim-{engine_tag.name}"
     run(
         [
             "bash",

@@ -1,5 +1,6 @@
 """The LMS engine suite (tests/engine/test_lms_engine.cpp) on the simulated GPU, against
-libc10_cuda built from the patched v2.6.0 source; the same binary runs on a real GPU."""
+libc10_cuda built from each tag's patched source (once per tag with a series, see conftest.py);
+the same binary runs on a real GPU."""
 
 from __future__ import annotations
 

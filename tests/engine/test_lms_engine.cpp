@@ -13,6 +13,7 @@
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10_compat.h>
 #pragma GCC diagnostic pop
 
 #include <cuda_runtime_api.h>
@@ -72,10 +73,8 @@ int deviceCount() {
 }
 
 size_t allocatedBytes(c10::DeviceIndex device = 0) {
-  return cca::getDeviceStats(device)
-      .allocated_bytes[static_cast<size_t>(
-          c10::CachingDeviceAllocator::StatType::AGGREGATE)]
-      .current;
+  return static_cast<size_t>(
+      lms_compat::aggregate(cca::getDeviceStats(device).allocated_bytes));
 }
 
 // Each test starts from the same configuration and, on the way out, checks
@@ -166,7 +165,7 @@ void write(c10::StorageImpl& s, uint64_t seed) {
   const auto words = pattern(s.nbytes(), seed);
   lms::pin(s);
   C10_CUDA_CHECK(cudaMemcpyAsync(
-      s.mutable_data(),
+      lms_compat::mutableData(s),
       words.data(),
       s.nbytes(),
       cudaMemcpyHostToDevice,
@@ -490,7 +489,7 @@ void checkSideStreamOrdering(bool use_record_stream) {
       C10_CUDA_CHECK(cudaLaunchHostFunc(
           side.stream(), &sleepOnStream, reinterpret_cast<void*>(200)));
       C10_CUDA_CHECK(cudaMemcpyAsync(
-          s->mutable_data(),
+          lms_compat::mutableData(*s),
           src,
           4 * kMiB,
           cudaMemcpyDeviceToDevice,

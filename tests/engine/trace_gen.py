@@ -50,7 +50,8 @@ from pathlib import Path
 KIB = 1024
 MIB = 1024 * KIB
 
-# The caching allocator's size classes (c10/cuda/CUDACachingAllocator.cpp of v2.6.0).
+# The caching allocator's size classes (c10/cuda/CUDACachingAllocator.cpp; the same in every
+# tag with a series).
 MIN_BLOCK = 512  # every block is rounded up to this
 SMALL_SIZE = 1 * MIB  # largest request served from the small pool
 SMALL_SEGMENT = 2 * MIB  # segment size of the small pool

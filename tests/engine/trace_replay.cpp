@@ -37,6 +37,7 @@
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10_compat.h>
 #pragma GCC diagnostic pop
 
 #include <cuda_runtime_api.h>
@@ -305,11 +306,9 @@ void CUDART_CB runKernel(void* arg) {
 // ---------------------------------------------------------------------------
 // Replay
 
-size_t aggregate(const c10::CachingDeviceAllocator::StatArray& stat) {
-  return static_cast<size_t>(
-      stat[static_cast<size_t>(
-               c10::CachingDeviceAllocator::StatType::AGGREGATE)]
-          .current);
+template <typename StatArray>
+size_t aggregate(const StatArray& stat) {
+  return static_cast<size_t>(lms_compat::aggregate(stat));
 }
 
 // Where device memory was when an error ended the trace (for diagnosis).
@@ -759,7 +758,7 @@ class Replayer {
       if (written.insert(id).second) {
         l.seed = patternSeed(i, id);
         k->writes.push_back(Write{
-            static_cast<uint8_t*>(l.storage->mutable_data()),
+            static_cast<uint8_t*>(lms_compat::mutableData(*l.storage)),
             l.storage->nbytes(),
             l.seed});
       }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import stat
 import sys
 from pathlib import Path
@@ -15,7 +16,9 @@ from lmstool import naming, plan, preflight
 from lmstool import steps as runner
 from lmstool.cli import main
 from lmstool.errors import LmsToolError
-from lmstool.matrix import Matrix
+from lmstool.matrix import Matrix, load_matrix
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -79,6 +82,42 @@ def test_dry_run_prints_every_step_and_runs_nothing(
     assert "wheelhouse/torch-2.6.0+lms.cu126-cp311-cp311-manylinux_2_28_x86_64.whl" in out
     assert "channel/linux-64/pytorch-2.6.0-py311_cu126_lms_0.conda" in out
     assert "-m pytest tests/regression" in out
+    assert not work.exists(), "a dry run must not create anything"
+
+
+@pytest.mark.parametrize("tag", [t.name for t in load_matrix(REPO_ROOT).tags_with_series()])
+def test_dry_run_of_every_tag_uses_its_own_toolchain(
+    tag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plan of each tag with a series, on each architecture: by default its newest CUDA
+    and the running Python if the tag supports it (else its newest), its CUDA's arch list, its
+    version in the wheel and the conda package; a Python outside its range is refused."""
+    matrix = load_matrix(REPO_ROOT)
+    config = matrix.get_tag(tag)
+    work = tmp_path / "work"
+    for arch in naming.ARCHES:
+        running = f"{sys.version_info.major}.{sys.version_info.minor}"
+        python = running if running in config.python else config.python[-1]
+        cuda = config.cudas(arch)[-1]
+        code, out, err = run_cli(
+            capsys, "build", tag, "--arch", arch, "--work", str(work), "--dry-run"
+        )
+        assert code == 0, err
+        assert (
+            f"Build plan for {tag} ({config.version}) on {arch}, CUDA {cuda}, Python {python}"
+            in out
+        )
+        cu, py = cuda.replace(".", ""), python.replace(".", "")
+        assert f"env: PYTORCH_BUILD_VERSION={config.version}+lms.cu{cu}" in out
+        assert f"env: TORCH_CUDA_ARCH_LIST={matrix.cuda_info(cuda).arch_list[arch]}" in out
+        assert f"apply {tag} --tree" in out and f"python{python} -m venv" in out
+        assert f"pytorch-{config.version}-py{py}_cu{cu}_lms_0.conda" in out
+        outside = [p for p in ("3.6", "3.14") if p not in config.python]
+        code, _, err = run_cli(
+            capsys, "build", tag, "--arch", arch, "--python", outside[0], "--work", str(work),
+            "--dry-run",
+        )  # fmt: skip
+        assert code == 2 and f"Python {outside[0]} is not supported by {tag}" in err
     assert not work.exists(), "a dry run must not create anything"
 
 
@@ -380,18 +419,34 @@ def test_step_keys_follow_series_content(matrix: Matrix, tmp_path: Path) -> None
     assert os.environ.get("LMS_X") is None
 
 
+def _project_with_one_series(root: Path) -> tuple[Path, str, list[str]]:
+    """A project checkout (config/ of this one) where only the default tag has a series."""
+    real = load_matrix(REPO_ROOT)
+    shutil.copytree(REPO_ROOT / "config", root / "config")
+    series = real.get_tag(real.default_tag).series_file(root)
+    series.parent.mkdir(parents=True)
+    series.write_text("0001-engine.engine c10/cuda\n")
+    others = [name for name in real.tags if name != real.default_tag]
+    assert others, "the matrix lists more than one tag"
+    return root, real.default_tag, others
+
+
 def test_tag_without_series_is_refused_at_once(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    project, with_series, source_only = _project_with_one_series(tmp_path / "project")
     work = tmp_path / "work"
-    code, out, err = run_cli(capsys, "build", "v1.13.1", "--work", str(work), "--preflight")
-    assert code == 2 and out == ""
-    assert "v1.13.1 has no LMS series" in err and "integration/v1.13.1/series" in err
-    assert "Use v2.6.0" in err
-    assert not work.exists(), "nothing may run for a tag without a series"
-    monkeypatch.setenv("LMSTOOL_FRONTEND", "make")
-    code, _, err = run_cli(capsys, "build", "v1.13.1", "--work", str(work), "--dry-run")
-    assert code == 2 and "Use TAG=v2.6.0" in err
+    for tag in source_only:
+        args = ("--repo", str(project), "build", tag, "--work", str(work))
+        code, out, err = run_cli(capsys, *args, "--preflight")
+        assert code == 2 and out == ""
+        assert f"{tag} has no LMS series" in err and f"integration/{tag}/series" in err
+        assert f"Use {with_series}, or port" in err
+        assert not work.exists(), "nothing may run for a tag without a series"
+        monkeypatch.setenv("LMSTOOL_FRONTEND", "make")
+        code, _, err = run_cli(capsys, *args, "--dry-run")
+        assert code == 2 and f"Use TAG={with_series}, or port" in err
+        monkeypatch.delenv("LMSTOOL_FRONTEND")
 
 
 def test_submodule_fix_names_make_variables(

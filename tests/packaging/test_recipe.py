@@ -17,8 +17,9 @@ pytest.importorskip("jinja2", reason="rendering the recipe needs Jinja2 (pip ins
 
 
 def variants(matrix: Matrix) -> list[tuple[str, str, str, str]]:
+    """Every (tag, arch, python, cuda) the tag matrix supports, for the tags with a series."""
     out = []
-    for tag in ("v2.6.0",):
+    for tag in (t.name for t in recipe.recipe_tags(matrix)):
         for arch in naming.ARCHES:
             for cuda in matrix.get_tag(tag).cudas(arch):
                 for python in list(matrix.get_tag(tag).python):
@@ -30,7 +31,7 @@ def test_renders_for_every_variant(matrix: Matrix) -> None:
     rendered = 0
     for tag, arch, python, cuda in variants(matrix):
         meta = recipe.render_for(matrix, tag, arch, python, cuda)
-        assert meta["package"] == {"name": "pytorch", "version": "2.6.0"}
+        assert meta["package"] == {"name": "pytorch", "version": matrix.get_tag(tag).version}
         assert meta["build"]["string"] == naming.conda_build_string(python, cuda, 0)
         assert "skip" not in meta["build"], f"{arch} cu{cuda} must not be skipped"
         assert meta["source"]["git_rev"] == tag
@@ -50,8 +51,33 @@ def test_renders_for_every_variant(matrix: Matrix) -> None:
         assert "torch.cuda.set_enabled_lms" in commands
         assert "torch" in meta["test"]["imports"]
         assert meta["about"]["license"] == "BSD-3-Clause"
+        assert recipe.listed_patches(meta) == [
+            f"../../patches/{tag}/{p.name}" for p in recipe.series_patches(matrix, tag)
+        ]
         rendered += 1
-    assert rendered == 25  # 5 Pythons x (3 CUDA on x86_64 + 2 on ppc64le)
+    expected = sum(
+        len(t.python) * len(t.cudas(arch))
+        for t in recipe.recipe_tags(matrix)
+        for arch in naming.ARCHES
+    )
+    assert rendered == expected
+
+
+def test_each_tag_builds_only_its_own_variants(repo: Path, matrix: Matrix) -> None:
+    """conda-build builds the product of lms_tag, python and cuda_compiler_version: the
+    recipe skips every variant outside the tag's own Pythons and CUDA versions."""
+    supported = set(variants(matrix))
+    for arch in naming.ARCHES:
+        cfg = recipe.render_variant_config(
+            repo / recipe.RECIPE_DIR, recipe.Variant(matrix.default_tag, arch, "3.11", "12.4")
+        )
+        for tag in cfg["lms_tag"]:
+            for python in cfg["python"]:
+                for cuda in cfg["cuda_compiler_version"]:
+                    variant = recipe.Variant(tag, arch, python, cuda)
+                    meta = recipe.render(repo / recipe.RECIPE_DIR, variant)
+                    built = not meta["build"].get("skip", False)
+                    assert built == ((tag, arch, python, cuda) in supported), variant
 
 
 def test_ppc64le_cuda_12_6_is_skipped_by_the_recipe(repo: Path) -> None:
@@ -80,14 +106,16 @@ def test_selectors() -> None:
 
 
 def test_variant_config_matches_the_tag_matrix(repo: Path, matrix: Matrix) -> None:
-    tag = matrix.get_tag(matrix.default_tag)
+    tags = recipe.recipe_tags(matrix)
     for arch in naming.ARCHES:
         cfg = recipe.render_variant_config(
-            repo / recipe.RECIPE_DIR, recipe.Variant("v2.6.0", arch, "3.11", "12.4")
+            repo / recipe.RECIPE_DIR, recipe.Variant(matrix.default_tag, arch, "3.11", "12.4")
         )
-        assert cfg["lms_tag"] == [matrix.default_tag]
-        assert cfg["python"] == list(tag.python)
-        assert cfg["cuda_compiler_version"] == list(tag.cudas(arch))
+        assert cfg["lms_tag"] == [t.name for t in tags]
+        pythons = {p for t in tags for p in t.python}
+        assert cfg["python"] == sorted(pythons, key=naming.version_tuple)
+        cudas = {c for t in tags for c in t.cudas(arch)}
+        assert cfg["cuda_compiler_version"] == sorted(cudas, key=naming.version_tuple)
         assert ["cuda_compiler", "cuda_compiler_version"] in cfg["zip_keys"]
         compilers = dict(zip(cfg["cuda_compiler_version"], cfg["cuda_compiler"]))
         for cuda, name in compilers.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -115,9 +116,34 @@ def test_one_model_of_tags_and_toolchain() -> None:
     assert "pybind11" in tag.submodules_for("x86_64") and "fbgemm" in tag.submodules_for("x86_64")
     assert "fbgemm" not in tag.submodules_for("ppc64le")
     assert matrix.cuda_info("12.4").arch_list["ppc64le"] == "6.0;7.0;8.0"
-    assert tag.has_series(REPO_ROOT) and not matrix.get_tag("v1.13.1").has_series(REPO_ROOT)
-    with pytest.raises(LmsToolError, match=r"v1\.13\.1 has no LMS series"):
-        matrix.require_series("v1.13.1")
+    assert tag.has_series(REPO_ROOT)
+
+
+def test_every_tag_of_the_matrix_has_its_series() -> None:
+    """Every tag config/tags.yaml lists carries an integration series and its committed
+    patches in this checkout (a source-only tag would be refused by make patch/build)."""
+    matrix = load_matrix(REPO_ROOT)
+    assert [t.name for t in matrix.tags_with_series()] == list(matrix.tags)
+    for tag in matrix.tags.values():
+        assert sorted(tag.series_dir(REPO_ROOT).glob("*.patch")), tag.name
+
+
+def test_source_only_tag_is_refused_with_the_tags_that_have_a_series(tmp_path: Path) -> None:
+    """In a project where only the default tag has a series, every other tag is source only."""
+    real = load_matrix(REPO_ROOT)
+    shutil.copytree(REPO_ROOT / "config", tmp_path / "config")
+    series = tmp_path / real.get_tag(real.default_tag).series_file(tmp_path).relative_to(tmp_path)
+    series.parent.mkdir(parents=True)
+    series.write_text("0001-engine.engine c10/cuda\n")
+    matrix = load_matrix(tmp_path)
+    assert [t.name for t in matrix.tags_with_series()] == [real.default_tag]
+    others = [name for name in matrix.tags if name != real.default_tag]
+    assert others, "the matrix lists more than one tag"
+    for name in others:
+        with pytest.raises(LmsToolError) as exc:
+            matrix.require_series(name)
+        assert f"{name} has no LMS series" in str(exc.value)
+        assert f"Use {real.default_tag}, or port the series to {name}" in str(exc.value)
 
 
 def test_tags_only_matrix_serves_the_series_commands(tmp_path: Path) -> None:

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
 import re
 import shutil
+import tarfile
+import time
 from pathlib import Path
 
 import git
 import pytest
-from toolfakes import FAKE_TAG, FAKE_TARBALL, MTIME, Fake, make_tarball, run_cli, write_matrix
+from toolfakes import (
+    FAKE_TAG,
+    FAKE_TARBALL,
+    FAKE_TOP,
+    MTIME,
+    Fake,
+    make_tarball,
+    run_cli,
+    write_matrix,
+)
 
 from lmstool.errors import LmsToolError
 from lmstool.gitutil import pinned_env
@@ -256,3 +269,34 @@ def test_tarball_url_is_checked(fake: Fake) -> None:
     )  # fmt: skip
     with pytest.raises(LmsToolError, match="does not end in the file name"):
         load_matrix(fake.project)
+
+
+def test_tarball_files_converted_by_gitattributes_stay_clean(tmp_path: Path) -> None:
+    """A tarball made by `git archive` holds the working-tree form of files .gitattributes
+    converts (v1.13.1: `*.bat text eol=crlf`). A checkout keeps the tarball's bytes and git does
+    not see such files as modified, even when it re-reads them (a later `git am` refuses a dirty
+    tree)."""
+    sources = tmp_path / "sources"
+    sources.mkdir()
+    tarball = sources / FAKE_TARBALL
+    bat = b"@echo off\r\necho build\r\n"
+    with tarfile.open(tarball, "w:xz") as tar:
+        for name, data in (
+            (f"{FAKE_TOP}/.gitattributes", b"*.bat text eol=crlf\n"),
+            (f"{FAKE_TOP}/scripts/build.bat", bat),
+            (f"{FAKE_TOP}/README.md", b"fake upstream\n"),
+        ):
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    project = tmp_path / "project"
+    write_matrix(project, hashlib.sha256(tarball.read_bytes()).hexdigest())
+    matrix = load_matrix(project)
+    spec = SourceSpec(sources=sources, cache=tmp_path / "cache")
+    tree = checkout(matrix, matrix.get_tag(FAKE_TAG), tmp_path / "tree", spec, project)
+    assert (tree / "scripts/build.bat").read_bytes() == bat
+    repo = git.Repo(tree)
+    old = time.time() - 3600
+    os.utime(tree / "scripts/build.bat", (old, old))  # git must hash the file again
+    repo.git.update_index("--really-refresh")
+    assert repo.git.status("--porcelain") == ""

@@ -1,7 +1,8 @@
 """The T1 compile check of the LMS sources above c10 (lmstool torchcheck).
 
-The slow test applies the generated v2.6.0 series to a pristine checkout of the tarball, runs
-torchgen and compiles aten/src/ATen/cuda/LmsPinning.cpp, torch/csrc/cuda/LmsBindings.cpp and
+The slow test runs once per tag with a series (config/tags.yaml): it applies the generated
+series to a pristine checkout of the tag's tarball, runs torchgen and compiles
+aten/src/ATen/cuda/LmsPinning.cpp, torch/csrc/cuda/LmsBindings.cpp and
 torch/csrc/cuda/Module.cpp to object files (a few minutes on two cores; never a full build).
 """
 
@@ -17,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from lmstool import torchcheck
+from lmstool.matrix import load_matrix
 
 REPO = Path(__file__).resolve().parents[2]
-TAG = "v2.6.0"
-TARBALL = "pytorch_2.6.0+dfsg.orig.tar.xz"
+MATRIX = load_matrix(REPO)
 CUDA_HOME = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"))
 
 
@@ -32,10 +33,11 @@ def missing_headers() -> list[str]:
     return [pkg for header, pkg in wanted.items() if not any((d / header).is_file() for d in dirs)]
 
 
-def sources_dir() -> Path | None:
-    """The folder of release tarballs: $LMS_SOURCES (`make test SOURCES=DIR` sets it)."""
+def sources_dir(tarball: str) -> Path | None:
+    """The folder of release tarballs ($LMS_SOURCES, `make test SOURCES=DIR` sets it), when it
+    holds `tarball`."""
     env = os.environ.get("LMS_SOURCES", "").strip()
-    return Path(env) if env and (Path(env) / TARBALL).is_file() else None
+    return Path(env) if env and (Path(env) / tarball).is_file() else None
 
 
 def test_own_warnings_fail_the_check(tmp_path: Path) -> None:
@@ -93,10 +95,14 @@ def lmstool(*args: str) -> None:
 
 
 @pytest.mark.slow
-def test_patched_v260_compiles(tmp_path: Path) -> None:
-    sources = sources_dir()
+@pytest.mark.parametrize("tag", [t.name for t in MATRIX.tags_with_series()])
+def test_patched_tag_compiles(tag: str, tmp_path: Path) -> None:
+    tarball = MATRIX.get_tag(tag).source.tarballs[0].name
+    sources = sources_dir(tarball)
     if sources is None:
-        pytest.skip(f"needs {TARBALL}: `make test SOURCES=DIR` (or $LMS_SOURCES) with its folder")
+        pytest.skip(
+            f"needs {tarball} for {tag}: `make test SOURCES=DIR` (or $LMS_SOURCES) with its folder"
+        )
     if not (CUDA_HOME / "include/cuda_runtime_api.h").is_file():
         pytest.skip(f"needs the CUDA toolkit at {CUDA_HOME} (or $CUDA_HOME)")
     if shutil.which("g++") is None:
@@ -110,9 +116,9 @@ def test_patched_v260_compiles(tmp_path: Path) -> None:
 
     series = tmp_path / "series"
     tree = tmp_path / "pytorch"
-    lmstool("patches", TAG, "--to", str(series), "--sources", str(sources))
-    lmstool("checkout", TAG, "--dest", str(tree), "--sources", str(sources))
-    lmstool("apply", TAG, "--tree", str(tree), "--series", str(series))
+    lmstool("patches", tag, "--to", str(series), "--sources", str(sources))
+    lmstool("checkout", tag, "--dest", str(tree), "--sources", str(sources))
+    lmstool("apply", tag, "--tree", str(tree), "--series", str(series))
 
     results = torchcheck.check(tree, tmp_path / "build", cuda_home=CUDA_HOME, jobs=2)
     assert [r.source for r in results] == [s for s, _ in torchcheck.SOURCES]
