@@ -81,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--limit-mb",
         type=positive_int,
         default=None,
-        help="LMS limit in MiB (default: the build's, 95%% of free memory; the "
-        "extension also lowers it to the --memory-cap-gb cap)",
+        help="LMS limit in MiB (default: none, the process's share of the device applies: "
+        "the device less other processes' memory, less 5%% headroom; never above the "
+        "--memory-cap-gb cap)",
     )
     lms.add_argument(
         "--size-mb",

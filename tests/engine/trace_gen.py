@@ -180,7 +180,7 @@ class Trace:
 
     events: list[Event]
     capacity: int
-    limit: int = 0  # 0: the LMS default (95% of free + reserved memory at the first allocation)
+    limit: int = 0  # 0: none set; the process's share of the device applies
     threshold: int = 64 * KIB
     prefetch: int = 0
     speculative: int = 0
