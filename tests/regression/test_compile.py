@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("torch.nn", reason="PyTorch is not installed")
 import torch
+from lms_families import TransformerLM
 from lms_regression_harness import Batch, check_capped_training
 
 nn = torch.nn
@@ -196,54 +197,6 @@ def test_graph_pool_that_cannot_fit_raises_the_lms_message() -> None:
 RECLAIM_HEADROOM_BYTES = 256 * 2**20
 
 
-class DecoderAttention(nn.Module):
-    """Causal self-attention written out (deterministic forward and backward kernels, unlike
-    scaled_dot_product_attention's backward), so that runs compare bit for bit."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        scores = (q @ k.transpose(-2, -1)) * (d // self.heads) ** -0.5
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        y = scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class DecoderBlock(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = DecoderAttention(dim, heads)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class Decoder(nn.Module):
-    def __init__(self, vocab: int, context: int, dim: int, layers: int, heads: int) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, dim)
-        self.positions = nn.Embedding(context, dim)
-        self.blocks = nn.Sequential(*(DecoderBlock(dim, heads) for _ in range(layers)))
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tokens(idx) + self.positions(positions)
-        return self.head(self.ln(self.blocks(x)))
-
-
 # 96 x 256 tokens: the MLP's first output is 288 MiB and the logits 384 MiB, each allocated
 # inside one compiled graph and larger than the reclaim headroom; 49M parameters (0.7 GiB with
 # gradients and Adam's state) and the working set of the largest kernel (under 1 GiB) stay well
@@ -286,7 +239,12 @@ def _train_compiled_decoder() -> tuple[Any, float]:
         )
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
-    run = train(lambda: torch.compile(Decoder(**DECODER)), batches, _decoder_loss, DECODER_STEPS)
+    run = train(
+        lambda: torch.compile(TransformerLM(**DECODER, tied=False)),
+        batches,
+        _decoder_loss,
+        DECODER_STEPS,
+    )
     durations = [b - a for a, b in zip(starts[1:-1], starts[2:])]
     return run, statistics.median(durations)
 

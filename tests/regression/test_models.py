@@ -7,13 +7,13 @@ uncapped run without LMS. Sizes are kept small so the whole suite runs in minute
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import pytest
 
 pytest.importorskip("torch.nn", reason="PyTorch is not installed")
 import torch
+from lms_families import TransformerLM
 from lms_regression_harness import Batch, check_capped_training
 
 nn = torch.nn
@@ -77,53 +77,9 @@ def test_vision_transformer(record: Callable[[str, Any], None]) -> None:
     )
 
 
-# A GPT of its own rather than benchmarks/models.py's: that one uses scaled_dot_product_attention
-# for speed, whose backward is not deterministic, and this suite compares gradients bit for bit.
-class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        # Explicit attention: deterministic forward and backward kernels.
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-        y = scores.softmax(dim=-1) @ v
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim, heads)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, context: int, dim: int, layers: int, heads: int) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, dim)
-        self.positions = nn.Embedding(context, dim)
-        self.blocks = nn.Sequential(*(Block(dim, heads) for _ in range(layers)))
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tokens(idx) + self.positions(positions)
-        return self.head(self.ln(self.blocks(x)))
+# lms_families.TransformerLM rather than benchmarks/models.py's GPT: that one uses
+# scaled_dot_product_attention for speed, whose backward is not deterministic, and this suite
+# compares gradients bit for bit.
 
 
 def test_gpt(record: Callable[[str, Any], None]) -> None:
@@ -138,7 +94,7 @@ def test_gpt(record: Callable[[str, Any], None]) -> None:
         return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
 
     check_capped_training(
-        lambda: GPT(vocab, context, dim=512, layers=8, heads=8),
+        lambda: TransformerLM(vocab, context, dim=512, layers=8, heads=8, tied=False),
         batches,
         loss,
         steps=3,
