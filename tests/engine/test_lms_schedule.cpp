@@ -21,6 +21,7 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wunused-parameter"
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10_compat.h>
 #pragma GCC diagnostic pop
 
 #include <cuda_runtime_api.h>
@@ -181,10 +182,8 @@ int deviceCount() {
 }
 
 size_t allocatedBytes() {
-  return cca::getDeviceStats(0)
-      .allocated_bytes[static_cast<size_t>(
-          c10::CachingDeviceAllocator::StatType::AGGREGATE)]
-      .current;
+  return static_cast<size_t>(
+      lms_compat::aggregate(cca::getDeviceStats(0).allocated_bytes));
 }
 
 cudaStream_t stream() {
@@ -306,7 +305,7 @@ class Runner {
   static void write(const Tensor& t) {
     const auto words = pattern(t.storage->nbytes(), t.seed);
     C10_CUDA_CHECK(cudaMemcpyAsync(
-        t.storage->mutable_data(),
+        lms_compat::mutableData(*t.storage),
         words.data(),
         t.storage->nbytes(),
         cudaMemcpyHostToDevice,
