@@ -220,8 +220,7 @@ int main(int argc, char** argv) {
         "pageout_ratio,pinned_h2d_gbps,lms_pagein_gbps,pagein_ratio\n");
   }
   for (size_t size = o.min_size; size <= o.max_size; size *= 4) {
-    const size_t count =
-        std::clamp<size_t>(o.total / size, 2, 4096);
+    const size_t count = std::clamp<size_t>(o.total / size, 2, 4096);
     const Row r = measure(size, count, o.repeat);
     std::printf(
         "%10s %7zu | %8.2f GB/s %7.2f GB/s %6.1f%% | %7.2f GB/s %7.2f GB/s "
