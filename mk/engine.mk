@@ -2,13 +2,14 @@
 #   make engine                  T1: patched c10 + c10_cuda of TAG built on the simulated GPU,
 #                                engine suite and simgpu tests run (RUNTIME=real on a GPU host)
 #   make ppc64le                 the same cross-built for ppc64le and run under qemu-user
-#   make gpu-engine|gpu-regression|gpu-matrix|gpu-stress|gpu-benchmarks MODEL=...
+#   make gpu-engine|gpu-regression|gpu-matrix|gpu-stress|gpu-benchmarks MODEL=...|gpu-compile-peers
 #                                T2/T3 on a machine with a GPU (results under OUT)
 RUNTIME ?= sim
 MODEL ?= gpt
 OUT ?= out
 
-.PHONY: engine ppc64le gpu-engine gpu-regression gpu-matrix gpu-stress gpu-benchmarks
+.PHONY: engine ppc64le gpu-engine gpu-regression gpu-matrix gpu-stress gpu-benchmarks \
+	gpu-compile-peers
 
 engine: patch ## build TAG's patched c10/c10_cuda (RUNTIME=sim|real) and run the engine suite
 	PYTHON=$(PY) standalone/build.sh --source $(TREE) --build $(WORK)/engine-$(TAG)-$(RUNTIME) --runtime $(RUNTIME) --test
@@ -31,3 +32,6 @@ gpu-stress: ## on a GPU host: randomized stress suite (STRESS_START=, STRESS_ARG
 
 gpu-benchmarks: ## on a GPU host: compare LMS with the alternatives for MODEL=gpt|resnet152|vit_l
 	OUT=$(abspath $(OUT))/benchmarks scripts/gpu/run-benchmarks.sh $(MODEL)
+
+gpu-compile-peers: ## on a GPU host: LMS under torch.compile against PyTorch's compile-time savers
+	OUT=$(abspath $(OUT))/compile-peers scripts/gpu/run-compile-peers.sh
