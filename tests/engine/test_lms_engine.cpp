@@ -3,6 +3,7 @@
 // small device capacity skip with a reason on a real GPU.
 
 #include "lms_test.h"
+#include "lms_test_data.h"
 
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -141,20 +142,7 @@ StoragePtr newStorage(size_t bytes) {
       /*resizable=*/false);
 }
 
-uint64_t splitmix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-std::vector<uint64_t> pattern(size_t bytes, uint64_t seed) {
-  std::vector<uint64_t> words((bytes + 7) / 8);
-  for (size_t i = 0; i < words.size(); ++i) {
-    words[i] = splitmix(seed * 0x100000001b3ULL + i);
-  }
-  return words;
-}
+using lms_test::pattern;
 
 cudaStream_t stream() {
   return c10::cuda::getCurrentCUDAStream().stream();

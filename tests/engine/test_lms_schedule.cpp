@@ -11,6 +11,7 @@
 // prefetch_late) or is a demand page-in (pagein_demand_count).
 
 #include "lms_test.h"
+#include "lms_test_data.h"
 
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -160,20 +161,7 @@ TEST_CASE(schedule_does_not_take_repeated_layers_for_an_iteration) {
 // ---------------------------------------------------------------------------
 // The engine, driven by operators
 
-uint64_t splitmix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
-}
-
-std::vector<uint64_t> pattern(size_t bytes, uint64_t seed) {
-  std::vector<uint64_t> words((bytes + 7) / 8);
-  for (size_t i = 0; i < words.size(); ++i) {
-    words[i] = splitmix(seed * 0x100000001b3ULL + i);
-  }
-  return words;
-}
+using lms_test::pattern;
 
 int deviceCount() {
   int n = 0;
