@@ -60,6 +60,7 @@ class Replay:
     result: dict[str, Any]
     output: str
     problem: str | None = None
+    gen_args: str = ""  # more trace_gen arguments that regenerate the trace
 
     @property
     def outcome(self) -> str:
@@ -69,7 +70,7 @@ class Replay:
         """The commands that regenerate the trace and replay it."""
         gen = (
             f"{sys.executable} -m tests.engine.trace_gen --seed {self.seed} --plan {self.plan} "
-            f"--out {self.trace_file}"
+            f"{self.gen_args}--out {self.trace_file}"
         )
         return f"{gen}\nSIMGPU_SCRIBBLE=1 {' '.join(self.command)}"
 
@@ -329,3 +330,55 @@ def test_a_crashing_replay_is_reported_as_a_crash(tmp_path: Path) -> None:
         assert replay.outcome == "crash", replay.result
         assert how in replay.result["message"]
         assert judge(replay) is not None
+
+
+# Training runs whose iterations repeat (the same operators and sizes after the optimizer's
+# first step), so that the learned swap schedule becomes active: its early page-outs, Belady
+# victims and page-ins ahead then run under the same fault plans and the same judgement.
+SCHEDULE_SEEDS = range(int(os.environ.get("LMS_SCHEDULE_TRACE_SEEDS", "40")))
+SCHEDULE_ITERATIONS = 5
+
+
+@pytest.fixture(scope="module")
+def schedule_replays(sim_build: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Replay]:
+    binary = executable(sim_build, "trace_replay")
+    folder = tmp_path_factory.mktemp("schedule-traces")
+    jobs = []
+    for seed in SCHEDULE_SEEDS:
+        trace = generate(seed, iterations=SCHEDULE_ITERATIONS, repeat=True)
+        trace_file = folder / f"seed{seed}.trace"
+        trace_file.write_text(trace.text())
+        jobs += [(seed, plan, trace, trace_file) for plan in FAULT_PLANS]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        done = list(pool.map(lambda job: run_replay(binary, *job), jobs))
+    for replay in done:
+        replay.gen_args = f"--iterations {SCHEDULE_ITERATIONS} --repeat "
+        replay.problem = judge(replay)
+    return done
+
+
+def test_repeating_traces_with_the_learned_schedule_end_as_their_needs_say(
+    schedule_replays: list[Replay], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The learned schedule active, under every fault plan: no crash, hang, wrong data, stuck
+    pin or leak, out of memory only where it may be; and the schedule did act."""
+    with capsys.disabled():
+        print(f"\n{len(SCHEDULE_SEEDS)} repeating seeds:\n{summary(schedule_replays)}")
+    wrong = [r for r in schedule_replays if r.problem is not None]
+    report = "\n\n".join(
+        f"seed {r.seed}, plan {r.plan} ({r.trace.family}, {r.trace.optimizer}, "
+        f"{r.trace.regime}): {r.problem}\n{r.reproduce()}\n{r.output[-3000:]}"
+        for r in wrong[:5]
+    )
+    assert not wrong, f"{len(wrong)} of {len(schedule_replays)} replays went wrong:\n{report}"
+    done = [r for r in schedule_replays if r.plan == "none" and r.outcome == "ok"]
+    learned = [r for r in done if r.result.get("schedule_detections", 0) > 0]
+    acted = [
+        r
+        for r in learned
+        if r.result.get("schedule_victims", 0) + r.result.get("early_pageouts", 0) > 0
+    ]
+    assert len(learned) > 0.8 * len(done), (
+        f"the schedule was learned in {len(learned)} of {len(done)} completed traces"
+    )
+    assert acted, "the learned schedule chose no victim and paged nothing out early"

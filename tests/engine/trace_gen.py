@@ -580,8 +580,14 @@ def generate(
     optimizer: str | None = None,
     regime: str | None = None,
     iterations: int = 2,
+    repeat: bool = False,
 ) -> Trace:
-    """A random training run: parameters, then ``iterations`` of forward, backward, step."""
+    """A random training run: parameters, then ``iterations`` of forward, backward, step.
+
+    With ``repeat``, every iteration draws the same random choices (sizes, raw accesses), so
+    iterations after the optimizer's first step are the same sequence of operators, as in real
+    training: what LMS's learned swap schedule needs to become active.
+    """
     rng = random.Random(seed)
     family = family or FAMILIES[seed % len(FAMILIES)]
     optimizer = optimizer or rng.choice(OPTIMIZERS)
@@ -592,11 +598,15 @@ def generate(
     depth = rng.randint(2, 4) if family == "attention" else rng.randint(4, 8)
     params = b.parameters(_param_sizes(b, family, act, depth))
     states: list[list[int]] = []
+    iteration_seed = rng.getrandbits(64) if repeat else 0
     for _ in range(iterations):
+        if repeat:
+            b.rng = random.Random(iteration_seed)
         batch = b.load_batch(b.odd(act))
         nodes = _forward(b, family, batch, params, act, depth)
         grads = b.run_forward_backward(nodes, batch, params)
         b.optimizer_step(optimizer, params, grads, states)
+    b.rng = rng
     if rng.random() < 0.5:
         b.access(rng.choice(params))  # e.g. saving a checkpoint
     for sid in sorted(b.live):
@@ -686,11 +696,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--optimizer", choices=OPTIMIZERS)
     parser.add_argument("--regime", choices=REGIMES)
     parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument(
+        "--repeat", action="store_true", help="every iteration the same operators and sizes"
+    )
     parser.add_argument("--plan", choices=FAULT_PLANS, default="none")
     parser.add_argument("--out", type=Path, help="write the trace here (default: stdout)")
     parser.add_argument("--replayer", default="trace_replay", help="path shown in the command")
     args = parser.parse_args(argv)
-    trace = generate(args.seed, args.family, args.optimizer, args.regime, args.iterations)
+    trace = generate(
+        args.seed, args.family, args.optimizer, args.regime, args.iterations, args.repeat
+    )
     if args.out:
         args.out.write_text(trace.text())
     else:

@@ -693,6 +693,13 @@ class Replayer {
       join();
     }
     c10::cuda::CUDAStreamGuard guard(stream);
+    // An operator boundary for the learned swap schedule, as operator-boundary
+    // pinning reports it: it may page out early and page in ahead here.
+    std::vector<c10::StorageImpl*> touched;
+    for (int id : all) {
+      touched.push_back(storages_.at(id).storage.get());
+    }
+    lms::beginOperator(ev.name, touched);
     // Pin every input, then every output (a storage may appear more than
     // once: pins are counted). On failure, unpin what was pinned, as an
     // operator-boundary guard does, and let the error end the trace.
@@ -999,7 +1006,9 @@ int main(int argc, char** argv) {
       "\"reclaim_limit\": %lld, \"reclaim_alloc_failure\": %lld, "
       "\"reclaim_speculative\": %lld, \"prefetches\": %lld, "
       "\"oom_count\": %lld, \"faults_fired\": %zu, \"hogged\": %zu, "
-      "\"errors\": %zu}\n",
+      "\"errors\": %zu, \"schedule_detections\": %lld, "
+      "\"schedule_victims\": %lld, \"early_pageouts\": %lld, "
+      "\"schedule_prefetches\": %lld}\n",
       jsonString(outcome).c_str(),
       at,
       jsonString(error.substr(0, 2000)).c_str(),
@@ -1013,7 +1022,11 @@ int main(int argc, char** argv) {
       static_cast<long long>(stats.oom_count),
       faults_fired,
       hogged,
-      errors);
+      errors,
+      static_cast<long long>(stats.schedule_detections),
+      static_cast<long long>(stats.schedule_victims),
+      static_cast<long long>(stats.early_pageout_count),
+      static_cast<long long>(stats.schedule_prefetch_count));
   std::fflush(stdout);
   const bool clean = outcome == "ok" || outcome == "oom" || outcome == "error";
   return clean ? 0 : 1;
