@@ -249,6 +249,7 @@ struct DeviceEngine {
   // this process's CUDA context and library handles).
   size_t device_total = 0;
   size_t device_others = 0;
+  size_t device_reserved = 0; // by this process's allocator, at the sample
   std::chrono::steady_clock::time_point device_sampled;
   std::chrono::steady_clock::time_point cache_released;
   LmsStats stats;
@@ -418,15 +419,15 @@ void addStall(DeviceEngine& e, cudaEvent_t start, cudaEvent_t end) {
 // ---------------------------------------------------------------------------
 
 // Reads how much of the device anything but this process's caching allocator
-// holds. The figure does not move when this process allocates or frees through
+// holds, and what this process reserves, at most every kDeviceSampleInterval.
+// The first figure does not move when this process allocates or frees through
 // the allocator, so a reading stays good for a while; it moves when other
 // processes (or libraries, outside the allocator) take or return memory.
-void sampleDevice(DeviceEngine& e, bool force) {
+void sampleDevice(DeviceEngine& e) {
   const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(e.mutex);
-    if (!force && e.device_total != 0 &&
-        now - e.device_sampled < kDeviceSampleInterval) {
+    if (e.device_total != 0 && now - e.device_sampled < kDeviceSampleInterval) {
       return;
     }
   }
@@ -439,35 +440,23 @@ void sampleDevice(DeviceEngine& e, bool force) {
   std::lock_guard<std::mutex> lock(e.mutex);
   e.device_total = total_bytes;
   e.device_others = used > reserved ? used - reserved : 0;
+  e.device_reserved = reserved;
   e.device_sampled = now;
 }
 
-// What this process may hold for tensors without taking the device's last
-// free memory from others: the device, less what others hold, less the
-// headroom every LMS process leaves free. Processes sharing a device each
-// see the others' memory here, so their limits shrink as the others grow
-// and the device never fills up with tensors of any one of them.
-size_t deviceShare(DeviceEngine& e) {
-  sampleDevice(e, /*force=*/false);
+// The limit set by the user (API or PYTORCH_CUDA_ALLOC_CONF), capped at this
+// process's share of the device: the device, less what others hold, less the
+// headroom every LMS process leaves free. Processes sharing a device each see
+// the others' memory here, so their limits shrink as the others grow and the
+// device never fills up with tensors of any one of them.
+size_t limitOf(DeviceEngine& e) {
+  sampleDevice(e);
   std::lock_guard<std::mutex> lock(e.mutex);
   const auto headroom = static_cast<size_t>(
       kDeviceHeadroomFraction * static_cast<double>(e.device_total));
   const size_t taken = e.device_others + headroom;
-  return e.device_total > taken ? e.device_total - taken : 0;
-}
-
-// The limit set by the user (API or PYTORCH_CUDA_ALLOC_CONF), or 0.
-size_t userLimitOf(DeviceEngine& e) {
-  std::lock_guard<std::mutex> lock(e.mutex);
-  if (e.user_limit != 0) {
-    return e.user_limit;
-  }
-  return g_conf_limit.load();
-}
-
-size_t limitOf(DeviceEngine& e) {
-  const size_t user = userLimitOf(e);
-  const size_t share = deviceShare(e);
+  const size_t share = e.device_total > taken ? e.device_total - taken : 0;
+  const size_t user = e.user_limit != 0 ? e.user_limit : g_conf_limit.load();
   return user != 0 ? std::min(user, share) : share;
 }
 
@@ -479,22 +468,23 @@ size_t effectiveLimit(DeviceEngine& e) {
 // When this process reserves more than its limit, free blocks sit in its
 // cache that another process sharing the device (or a library allocating
 // outside the allocator) may be failing for: give them back to the device.
-// Rate-limited, because returning cached memory synchronizes the device.
+// Judged on the last device sample (sampleDevice), so the allocation path
+// asks the allocator for nothing more; rate-limited, because returning
+// cached memory synchronizes the device.
 void releaseCacheOverLimit(DeviceEngine& e, size_t limit) {
-  DeviceMemoryBackend& b = backend();
-  if (b.reservedBytes(e.device) <= limit) {
-    return;
-  }
   const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(e.mutex);
+    if (e.device_reserved <= limit) {
+      return;
+    }
     if (e.cache_released.time_since_epoch().count() != 0 &&
         now - e.cache_released < kCacheReleaseInterval) {
       return;
     }
     e.cache_released = now;
   }
-  if (b.releaseCachedMemory(e.device)) {
+  if (backend().releaseCachedMemory(e.device)) {
     std::lock_guard<std::mutex> lock(e.mutex);
     ++e.stats.cache_releases;
   }
@@ -637,6 +627,10 @@ void enqueuePageOut(
   r.users.clear();
 }
 
+// A victim whose page-out copy is queued (or done) becomes paged out, on
+// `list` (paged out, or draining for an early page-out). Engine lock held.
+void markPagedOut(DeviceEngine& e, Record& r, List& list);
+
 // Learned swap schedule (defined below).
 Record* pickVictim(DeviceEngine& e, size_t threshold, uint64_t protect_until);
 size_t drainPageOuts(DeviceEngine& e, size_t bytes);
@@ -703,18 +697,22 @@ size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
       e.settled.notify_all();
       break;
     }
-    victim->state = State::PagedOut;
-    clearPrefetched(e, *victim);
-    e.pagedout_list.push_back(victim);
-    addUpcoming(e, *victim);
-    ++e.stats.pageout_count;
-    e.stats.pageout_bytes += static_cast<int64_t>(victim->size);
-    add(e.stats.inactive_bytes, -static_cast<int64_t>(victim->size));
-    add(e.stats.pagedout_bytes, static_cast<int64_t>(victim->size));
+    markPagedOut(e, *victim, e.pagedout_list);
     e.settled.notify_all();
     freed += victim->size;
   }
   return freed;
+}
+
+void markPagedOut(DeviceEngine& e, Record& r, List& list) {
+  r.state = State::PagedOut;
+  clearPrefetched(e, r);
+  list.push_back(&r);
+  addUpcoming(e, r);
+  ++e.stats.pageout_count;
+  e.stats.pageout_bytes += static_cast<int64_t>(r.size);
+  add(e.stats.inactive_bytes, -static_cast<int64_t>(r.size));
+  add(e.stats.pagedout_bytes, static_cast<int64_t>(r.size));
 }
 
 // Makes room for an allocation of `size` bytes under the limit. Returns the
@@ -723,9 +721,9 @@ size_t enforceLimit(DeviceEngine& e, size_t size) {
   const size_t limit = effectiveLimit(e);
   const size_t allocated = backend().allocatedBytes(e.device);
   const size_t wanted = allocated + size;
+  size_t freed = 0;
   if (wanted > limit) {
-    const size_t freed = reclaim(e, wanted - limit, Trigger::Limit);
-    releaseCacheOverLimit(e, limit);
+    freed = reclaim(e, wanted - limit, Trigger::Limit);
     // What is left above the limit could not be paged out: it is pinned by
     // running operators, or not (yet) reclaimable.
     const size_t after = wanted > freed ? wanted - freed : 0;
@@ -735,13 +733,15 @@ size_t enforceLimit(DeviceEngine& e, size_t size) {
     e.stats.over_limit_bytes.current = over;
     e.stats.over_limit_bytes.peak =
         std::max(e.stats.over_limit_bytes.peak, over);
-    return freed;
-  }
-  if (e.stats.over_limit_bytes.current != 0) {
+  } else if (e.stats.over_limit_bytes.current != 0) {
     std::lock_guard<std::mutex> lock(e.mutex);
     e.stats.over_limit_bytes.current = 0;
   }
+  // After the reclaim, whose page-outs return their memory to the cache.
   releaseCacheOverLimit(e, limit);
+  if (wanted > limit) {
+    return freed;
+  }
   const size_t margin = g_speculative_margin.load();
   if (margin != 0 && limit > margin && wanted > limit - margin) {
     return reclaim(e, wanted - (limit - margin), Trigger::Speculative);
@@ -878,6 +878,21 @@ bool prefetchOne(DeviceEngine& e, Record& r, cudaStream_t stream) {
   return true;
 }
 
+// A storage whose page-in ahead of use is queued becomes inactive and
+// reclaimable, counted as prefetched until an operator uses it. Engine lock
+// held.
+void markPrefetched(DeviceEngine& e, Record& r) {
+  r.state = State::Inactive;
+  r.prefetched = true;
+  e.prefetched_bytes += r.size;
+  e.reclaim_list.push_back(&r);
+  ++e.stats.prefetch_count;
+  ++e.stats.pagein_count;
+  e.stats.pagein_bytes += static_cast<int64_t>(r.size);
+  add(e.stats.pagedout_bytes, -static_cast<int64_t>(r.size));
+  add(e.stats.inactive_bytes, static_cast<int64_t>(r.size));
+}
+
 // Prefetches up to the prefetch depth of storages paged out just before
 // `anchor` was (a backward pass needs activations in reverse order).
 void prefetchAfterPin(DeviceEngine& e, std::vector<Record*> candidates) {
@@ -900,15 +915,7 @@ void prefetchAfterPin(DeviceEngine& e, std::vector<Record*> candidates) {
     std::lock_guard<std::mutex> lock(e.mutex);
     r->busy = false;
     if (ok) {
-      r->state = State::Inactive;
-      r->prefetched = true;
-      e.prefetched_bytes += r->size;
-      e.reclaim_list.push_back(r);
-      ++e.stats.prefetch_count;
-      ++e.stats.pagein_count;
-      e.stats.pagein_bytes += static_cast<int64_t>(r->size);
-      add(e.stats.pagedout_bytes, -static_cast<int64_t>(r->size));
-      add(e.stats.inactive_bytes, static_cast<int64_t>(r->size));
+      markPrefetched(e, *r);
     } else {
       e.pagedout_list.push_back(r);
     }
@@ -1311,16 +1318,8 @@ void prefetchUpcoming(
       e.settled.notify_all();
       return;
     }
-    r->state = State::Inactive;
-    r->prefetched = true;
-    e.prefetched_bytes += r->size;
-    e.reclaim_list.push_back(r);
-    ++e.stats.prefetch_count;
     ++e.stats.schedule_prefetch_count;
-    ++e.stats.pagein_count;
-    e.stats.pagein_bytes += static_cast<int64_t>(r->size);
-    add(e.stats.pagedout_bytes, -static_cast<int64_t>(r->size));
-    add(e.stats.inactive_bytes, static_cast<int64_t>(r->size));
+    markPrefetched(e, *r);
     e.settled.notify_all();
   }
 }
@@ -1379,17 +1378,10 @@ void pageOutEarly(
       e.settled.notify_all();
       return;
     }
-    victim->state = State::PagedOut;
-    clearPrefetched(e, *victim);
-    e.draining_list.push_back(victim);
     e.draining_bytes += victim->size;
-    addUpcoming(e, *victim);
-    ++e.stats.pageout_count;
-    e.stats.pageout_bytes += static_cast<int64_t>(victim->size);
     ++e.stats.early_pageout_count;
     e.stats.early_pageout_bytes += static_cast<int64_t>(victim->size);
-    add(e.stats.inactive_bytes, -static_cast<int64_t>(victim->size));
-    add(e.stats.pagedout_bytes, static_cast<int64_t>(victim->size));
+    markPagedOut(e, *victim, e.draining_list);
     e.settled.notify_all();
     freed += victim->size;
   }
@@ -1805,45 +1797,46 @@ size_t mebibytes(std::string_view key, std::string_view value) {
   return static_cast<size_t>(parseNonNegative(key, value) * kMiB);
 }
 
+bool parseBool(std::string_view key, std::string_view value) {
+  TORCH_CHECK(
+      value == "True" || value == "False",
+      "PYTORCH_CUDA_ALLOC_CONF: ",
+      key,
+      " expects True or False, got '",
+      std::string(value),
+      "'");
+  return value == "True";
+}
+
+int parseCount(std::string_view key, std::string_view value) {
+  const double v = parseNonNegative(key, value);
+  TORCH_CHECK(
+      v == static_cast<int>(v),
+      "PYTORCH_CUDA_ALLOC_CONF: ",
+      key,
+      " expects a whole number, got '",
+      std::string(value),
+      "'");
+  return static_cast<int>(v);
+}
+
 } // namespace
 
 bool parseConfigOption(std::string_view key, std::string_view value) {
   if (key == "lms") {
-    TORCH_CHECK(
-        value == "True" || value == "False",
-        "PYTORCH_CUDA_ALLOC_CONF: lms expects True or False, got '",
-        std::string(value),
-        "'");
-    setEnabled(value == "True");
+    setEnabled(parseBool(key, value));
   } else if (key == "lms_limit_mb") {
     g_conf_limit.store(mebibytes(key, value));
   } else if (key == "lms_size_mb") {
     setSizeThreshold(mebibytes(key, value));
   } else if (key == "lms_prefetch") {
-    const double v = parseNonNegative(key, value);
-    TORCH_CHECK(
-        v == static_cast<int>(v),
-        "PYTORCH_CUDA_ALLOC_CONF: lms_prefetch expects a whole number, got '",
-        std::string(value),
-        "'");
-    setPrefetchDepth(static_cast<int>(v));
+    setPrefetchDepth(parseCount(key, value));
   } else if (key == "lms_speculative_mb") {
     setSpeculativeMargin(mebibytes(key, value));
   } else if (key == "lms_schedule") {
-    TORCH_CHECK(
-        value == "True" || value == "False",
-        "PYTORCH_CUDA_ALLOC_CONF: lms_schedule expects True or False, got '",
-        std::string(value),
-        "'");
-    setScheduleEnabled(value == "True");
+    setScheduleEnabled(parseBool(key, value));
   } else if (key == "lms_lookahead") {
-    const double v = parseNonNegative(key, value);
-    TORCH_CHECK(
-        v == static_cast<int>(v),
-        "PYTORCH_CUDA_ALLOC_CONF: lms_lookahead expects a whole number, got '",
-        std::string(value),
-        "'");
-    setLookahead(static_cast<int>(v));
+    setLookahead(parseCount(key, value));
   } else if (key == "lms_prefetch_budget_mb") {
     setPrefetchBudget(mebibytes(key, value));
   } else {
