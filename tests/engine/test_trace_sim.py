@@ -156,21 +156,39 @@ def judge(replay: Replay) -> str | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def replays(sim_build: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Replay]:
-    binary = executable(sim_build, "trace_replay")
-    folder = tmp_path_factory.mktemp("traces")
+def replay_seeds(
+    binary: Path, folder: Path, seeds: range, gen_args: str = "", **generate_args: Any
+) -> list[Replay]:
+    """Generates each seed's trace (``generate_args`` for ``generate``, ``gen_args`` the same
+    as trace_gen options for the reproduce command) and replays it under every fault plan,
+    judged."""
     jobs = []
-    for seed in SEEDS:
-        trace = generate(seed)
+    for seed in seeds:
+        trace = generate(seed, **generate_args)
         trace_file = folder / f"seed{seed}.trace"
         trace_file.write_text(trace.text())
         jobs += [(seed, plan, trace, trace_file) for plan in FAULT_PLANS]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         done = list(pool.map(lambda job: run_replay(binary, *job), jobs))
     for replay in done:
+        replay.gen_args = gen_args
         replay.problem = judge(replay)
     return done
+
+
+def wrong_report(wrong: list[Replay]) -> str:
+    """The first few wrongly ended replays, each with the commands that reproduce it."""
+    return "\n\n".join(
+        f"seed {r.seed}, plan {r.plan} ({r.trace.family}, {r.trace.optimizer}, "
+        f"{r.trace.regime}): {r.problem}\n{r.reproduce()}\n{r.output[-3000:]}"
+        for r in wrong[:5]
+    )
+
+
+@pytest.fixture(scope="module")
+def replays(sim_build: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Replay]:
+    binary = executable(sim_build, "trace_replay")
+    return replay_seeds(binary, tmp_path_factory.mktemp("traces"), SEEDS)
 
 
 def summary(replays: list[Replay]) -> str:
@@ -200,13 +218,9 @@ def test_every_trace_ends_as_its_needs_say(
         table = summary(mine).splitlines()
         print(f"\n{len(SEEDS)} seeds, fault plan {plan}:\n{table[0]}\n{table[1]}")
     wrong = [r for r in mine if r.problem is not None]
-    report = "\n\n".join(
-        f"seed {r.seed}, plan {r.plan} ({r.trace.family}, {r.trace.optimizer}, "
-        f"{r.trace.regime}): {r.problem}\n{r.reproduce()}\n{r.output[-3000:]}"
-        for r in wrong[:5]
-    )
     assert not wrong, (
-        f"{len(wrong)} of {len(mine)} replays went wrong:\n{summary(replays)}\n\n{report}"
+        f"{len(wrong)} of {len(mine)} replays went wrong:\n{summary(replays)}\n\n"
+        f"{wrong_report(wrong)}"
     )
 
 
@@ -341,20 +355,14 @@ SCHEDULE_ITERATIONS = 5
 
 @pytest.fixture(scope="module")
 def schedule_replays(sim_build: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Replay]:
-    binary = executable(sim_build, "trace_replay")
-    folder = tmp_path_factory.mktemp("schedule-traces")
-    jobs = []
-    for seed in SCHEDULE_SEEDS:
-        trace = generate(seed, iterations=SCHEDULE_ITERATIONS, repeat=True)
-        trace_file = folder / f"seed{seed}.trace"
-        trace_file.write_text(trace.text())
-        jobs += [(seed, plan, trace, trace_file) for plan in FAULT_PLANS]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        done = list(pool.map(lambda job: run_replay(binary, *job), jobs))
-    for replay in done:
-        replay.gen_args = f"--iterations {SCHEDULE_ITERATIONS} --repeat "
-        replay.problem = judge(replay)
-    return done
+    return replay_seeds(
+        executable(sim_build, "trace_replay"),
+        tmp_path_factory.mktemp("schedule-traces"),
+        SCHEDULE_SEEDS,
+        gen_args=f"--iterations {SCHEDULE_ITERATIONS} --repeat ",
+        iterations=SCHEDULE_ITERATIONS,
+        repeat=True,
+    )
 
 
 def test_repeating_traces_with_the_learned_schedule_end_as_their_needs_say(
@@ -365,12 +373,9 @@ def test_repeating_traces_with_the_learned_schedule_end_as_their_needs_say(
     with capsys.disabled():
         print(f"\n{len(SCHEDULE_SEEDS)} repeating seeds:\n{summary(schedule_replays)}")
     wrong = [r for r in schedule_replays if r.problem is not None]
-    report = "\n\n".join(
-        f"seed {r.seed}, plan {r.plan} ({r.trace.family}, {r.trace.optimizer}, "
-        f"{r.trace.regime}): {r.problem}\n{r.reproduce()}\n{r.output[-3000:]}"
-        for r in wrong[:5]
+    assert not wrong, (
+        f"{len(wrong)} of {len(schedule_replays)} replays went wrong:\n{wrong_report(wrong)}"
     )
-    assert not wrong, f"{len(wrong)} of {len(schedule_replays)} replays went wrong:\n{report}"
     done = [r for r in schedule_replays if r.plan == "none" and r.outcome == "ok"]
     learned = [r for r in done if r.result.get("schedule_detections", 0) > 0]
     acted = [
