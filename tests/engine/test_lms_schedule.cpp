@@ -119,16 +119,25 @@ TEST_CASE(schedule_detects_the_period_and_predicts_next_uses) {
 
 TEST_CASE(schedule_falls_back_when_the_pattern_breaks_and_relearns) {
   Schedule s;
+  s.setLogging(true);
   ToyLoop loop;
   for (int i = 0; i < 6; ++i) {
     loop.iteration(s);
   }
   REQUIRE(s.active());
+  CHECK_EQ(s.takeDropReport(), std::string());
   const uint64_t generation = s.generation();
   // An evaluation step: other operators.
   loop.op(s, "eval", "p");
   CHECK(!s.active());
   CHECK_EQ(s.fallbacks(), int64_t(1));
+  // The report names the operator that broke the pattern and the one it
+  // replaced, with their inputs; it is handed out once.
+  const std::string report = s.takeDropReport();
+  CHECK(
+      report.find("eval with inputs [size 100 last used") != std::string::npos);
+  CHECK(report.find("a period earlier: a with inputs [") != std::string::npos);
+  CHECK_EQ(s.takeDropReport(), std::string());
   CHECK(s.generation() != generation);
   CHECK_EQ(s.nextUse(loop.touch['p'], 100, loop.gap['p']), Schedule::kNever);
   // Other shapes: q and r grow. The new loop is learned.

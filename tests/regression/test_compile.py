@@ -83,7 +83,8 @@ def test_compiled_feed_forward_stack(record: Callable[[str, Any], None]) -> None
     )
 
 
-def test_compiled_resnet50(record: Callable[[str, Any], None]) -> None:
+@pytest.mark.parametrize("cap_share", [0.5, 0.25], ids=["half", "quarter"])
+def test_compiled_resnet50(cap_share: float, record: Callable[[str, Any], None]) -> None:
     models = pytest.importorskip("torchvision.models", reason="torchvision is not installed")
 
     def batches(step: int) -> Batch:
@@ -98,6 +99,7 @@ def test_compiled_resnet50(record: Callable[[str, Any], None]) -> None:
         F.cross_entropy,
         steps=3,
         record=record,
+        cap_share=cap_share,
     )
 
 

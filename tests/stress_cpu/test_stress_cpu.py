@@ -249,6 +249,40 @@ def test_triage_verdicts() -> None:
     assert "does not repeat" in runner.triage_verdict(racy)
 
 
+def _outcome(oom_count: int) -> runner.Outcome:
+    return runner.Outcome(
+        returncode=0,
+        timed_out=False,
+        wall_s=1.0,
+        result={"status": "ok", "lms": {"oom_count": oom_count}},
+        log_tail="",
+    )
+
+
+def test_a_mismatch_is_explained_only_with_evidence() -> None:
+    cudnn = {
+        "capped_repeat": {"status": "ok", "equals": True},
+        "no_lms": {"status": "oom", "equals": None},
+        "no_cudnn": {"status": "ok", "equals": True},
+    }
+    # cuDNN caught a failed workspace allocation, and without cuDNN LMS is exact.
+    assert "cuDNN" in (runner.explained_mismatch(cudnn, _outcome(2)) or "")
+    # No allocation failed in the capped run: cuDNN had no reason to change algorithm.
+    assert runner.explained_mismatch(cudnn, _outcome(0)) is None
+    # The capped run does not repeat itself: never explained.
+    racy = dict(cudnn, capped_repeat={"status": "ok", "equals": False})
+    assert runner.explained_mismatch(racy, _outcome(2)) is None
+    # Without cuDNN the capped LMS run still differs: LMS is suspect.
+    suspect = dict(cudnn, no_cudnn={"status": "ok", "equals": False})
+    assert runner.explained_mismatch(suspect, _outcome(2)) is None
+    # The cap alone (no LMS, it fits) gives a difference as well.
+    cap_alone = {
+        "capped_repeat": {"status": "ok", "equals": True},
+        "no_lms": {"status": "ok", "equals": False},
+    }
+    assert "without LMS" in (runner.explained_mismatch(cap_alone, _outcome(0)) or "")
+
+
 def test_summary_and_merge(tmp_path: Path) -> None:
     def record(seed: int, cls: str, family: str) -> dict[str, Any]:
         case = dataclasses.replace(generate(seed), family=family)

@@ -1046,7 +1046,14 @@ std::mutex g_schedule_mutex;
 // Process-wide: an operator's inputs may live on several devices, and the
 // operator clock must be one.
 AccessSchedule& theSchedule() {
-  static AccessSchedule* schedule = new AccessSchedule(); // never destroyed
+  static AccessSchedule* schedule = [] {
+    auto* made = new AccessSchedule(); // never destroyed
+    // PYTORCH_LMS_SCHEDULE_LOG=1 prints every operator that breaks the
+    // learned schedule to stderr (a diagnostic, not a setting).
+    const char* log = std::getenv("PYTORCH_LMS_SCHEDULE_LOG");
+    made->setLogging(log != nullptr && std::string_view(log) == "1");
+    return made;
+  }();
   return *schedule;
 }
 
@@ -1750,6 +1757,13 @@ void beginOperator(
     std::lock_guard<std::mutex> lock(g_schedule_mutex);
     g_op_clock.store(theSchedule().record(name, uses.data(), uses.size()));
     g_births_in_op.store(0);
+    if (const std::string report = theSchedule().takeDropReport();
+        !report.empty()) {
+      std::fprintf(
+          stderr,
+          "Large Model Support: the swap schedule falls back at %s\n",
+          report.c_str());
+    }
   }
   if (device_engine != nullptr) {
     scheduleTick(*device_engine);

@@ -66,8 +66,16 @@ uint64_t AccessSchedule::record(
         combine(combine(combine(signature, in.distance), in.size), in.gap);
   }
   signatures_[t % capacity_] = signature;
+  if (logging_) {
+    names_.resize(capacity_);
+    names_[t % capacity_] = std::string(name);
+  }
 
   if (active_ && (t <= period_ || signatureAt(t - period_) != signature)) {
+    if (logging_) {
+      drop_report_ +=
+          (drop_report_.empty() ? "" : "\n") + describeDrop(t, period_, 0);
+    }
     drop();
   }
   // Advance the candidates; a mismatch ends one.
@@ -75,6 +83,11 @@ uint64_t AccessSchedule::record(
   for (const Candidate& c : candidates_) {
     if (t > c.period && signatureAt(t - c.period) == signature) {
       candidates_[kept++] = Candidate{c.period, c.run + 1};
+    } else if (logging_ && c.run >= kLoggedRun && c.period >= kLoggedRun) {
+      // A long candidate that ends before it is confirmed: what keeps the
+      // iteration from being learned.
+      drop_report_ +=
+          (drop_report_.empty() ? "" : "\n") + describeDrop(t, c.period, c.run);
     }
   }
   candidates_.resize(kept);
@@ -144,6 +157,40 @@ void AccessSchedule::adopt(uint64_t period) {
       }
     }
   }
+}
+
+// Numbers are formatted with std::to_string, never streamed (see
+// LargeModelSupport.h: std::ostream's numeric insertion crashes the drop-in).
+std::string AccessSchedule::describeDrop(
+    uint64_t t,
+    uint64_t period,
+    uint64_t run) const {
+  const auto list = [](std::string& out, const Inputs& inputs) {
+    out += '[';
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const Input& in = inputs[i];
+      out += i == 0 ? "" : ", ";
+      out += "size " + std::to_string(in.size) + " last used " +
+          std::to_string(in.distance) + " ops ago, ";
+      out += in.gap >= kBirth ? "allocation #" + std::to_string(in.gap - kBirth)
+                              : "gap " + std::to_string(in.gap);
+    }
+    out += ']';
+  };
+  std::string out = "operator " + std::to_string(t) + " (phase " +
+      std::to_string(t % period) + " of " +
+      (run == 0 ? "the period of " : "a candidate period of ") +
+      std::to_string(period) +
+      (run == 0 ? "" : " after " + std::to_string(run) + " matches") +
+      "): " + names_[t % capacity_] + " with inputs ";
+  list(out, inputs_[t % capacity_]);
+  if (t > period) {
+    const uint64_t before = t - period;
+    out +=
+        "; a period earlier: " + names_[before % capacity_] + " with inputs ";
+    list(out, inputs_[before % capacity_]);
+  }
+  return out;
 }
 
 void AccessSchedule::drop() {

@@ -46,6 +46,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
@@ -63,6 +64,9 @@ class C10_CUDA_API AccessSchedule {
   static constexpr uint64_t kMinConfirm = 16;
   static constexpr uint64_t kMinPeriod = 2;
   static constexpr uint64_t kDefaultMaxPeriod = uint64_t{1} << 16;
+  // With logging on, candidates of at least this period that end after at
+  // least this many matches are reported as well.
+  static constexpr uint64_t kLoggedRun = 256;
 
   // Gaps of allocations: kBirth + the allocation's ordinal in its operator,
   // apart from any distance between operators.
@@ -114,6 +118,19 @@ class C10_CUDA_API AccessSchedule {
   // Forgets everything learned, and the statistics.
   void reset();
 
+  // With logging on, every operator that drops the active schedule (or ends
+  // a long candidate period before it is confirmed) leaves a one-line report
+  // (its name and inputs, and those of the operator a period earlier) for the
+  // engine to print: what breaks a steady state is then visible without a
+  // debugger. Off by default: it keeps operator names.
+  void setLogging(bool on) {
+    logging_ = on;
+  }
+  // The report of the last drop since the previous call ("" when none).
+  std::string takeDropReport() {
+    return std::move(drop_report_);
+  }
+
  private:
   struct Candidate {
     uint64_t period;
@@ -142,6 +159,9 @@ class C10_CUDA_API AccessSchedule {
   void adopt(uint64_t period);
   void drop();
   static uint64_t key(uint64_t phase, uint64_t size, uint64_t gap);
+  // The operator at `t` against the one `period` earlier; `run`: the matches
+  // of a candidate that ends there (0 for the active schedule).
+  std::string describeDrop(uint64_t t, uint64_t period, uint64_t run) const;
 
   uint64_t max_period_;
   uint64_t capacity_; // ring size: max_period_ + 1
@@ -157,6 +177,9 @@ class C10_CUDA_API AccessSchedule {
   std::unordered_map<uint64_t, uint64_t> next_;
   int64_t detections_ = 0;
   int64_t fallbacks_ = 0;
+  bool logging_ = false;
+  std::vector<std::string> names_; // ring of operator names, when logging
+  std::string drop_report_;
 };
 
 } // namespace c10::cuda::lms

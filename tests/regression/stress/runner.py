@@ -58,6 +58,7 @@ CLASSES = (
     "identical",
     "reference-not-repeatable",
     "mismatch",
+    "mismatch-explained",
     "oom-expected",
     "oom-unexpected",
     "crash",
@@ -533,6 +534,10 @@ def run_case(seed: int, launcher: Launcher, settings: Settings) -> dict[str, Any
     }
     if verdict["class"] == "mismatch" and settings.triage:
         record["triage"] = triage(case, ref1, capped, cap_bytes, launch)
+        explanation = explained_mismatch(record["triage"], capped)
+        if explanation is not None:
+            record["class"] = "mismatch-explained"
+            record["reason"] = f"{record['reason']}; {explanation}"
     record["case_wall_s"] = round(time.perf_counter() - started, 3)
     record["env"] = environment_of(
         [{"env": (run.result or {}).get("env")} for run in (capped, ref1) if run]
@@ -587,6 +592,31 @@ def triage(
             found["no_cudnn"] = summary(capped_nc, ref_nc_result.get("param_hash"))
     found["verdict"] = triage_verdict(found)
     return found
+
+
+def explained_mismatch(found: dict[str, Any], capped: Outcome | None) -> str | None:
+    """Why a mismatch is a property of training under the cap, not of LMS, or None.
+
+    Explained only when the capped LMS run repeats itself bit for bit and either the same
+    cap without LMS (where it fits) differs from the reference too, or the capped run had
+    an allocation fail and carried on (``oom_count`` > 0 in a run that trained: cuDNN
+    catches a failed workspace allocation and runs another algorithm) while with cuDNN
+    disabled the capped LMS run equals its own reference.
+    """
+    if found.get("capped_repeat", {}).get("equals") is not True:
+        return None
+    no_lms = found.get("no_lms", {})
+    if no_lms.get("status") == "ok" and no_lms.get("equals") is False:
+        return "explained: the same cap without LMS gives the same difference"
+    caught = int(((capped.result if capped else None) or {}).get("lms", {}).get("oom_count") or 0)
+    no_cudnn = found.get("no_cudnn") or {}
+    if caught > 0 and no_cudnn.get("status") == "ok" and no_cudnn.get("equals") is True:
+        return (
+            f"explained: {caught} allocation(s) failed inside the capped run and were caught "
+            "(cuDNN runs another algorithm when its workspace does not fit), and without "
+            "cuDNN the capped LMS run equals its reference"
+        )
+    return None
 
 
 def settings_device_is_cpu(result: dict[str, Any]) -> bool:

@@ -176,6 +176,9 @@ class WorkingSetMode(TorchDispatchMode):
         self.max_op = ""
         self.max_alloc_bytes = 0
         self.max_alloc_op = ""
+        self.max_inputs_bytes = 0
+        self.max_outputs_bytes = 0
+        self.max_transient_bytes = 0
         self.ops = 0
 
     def _storages(self, tree: Any) -> dict[int, int]:
@@ -201,12 +204,16 @@ class WorkingSetMode(TorchDispatchMode):
         everything = dict(inputs)
         everything.update(outputs)
         total = sum(everything.values())
+        transient = 0
         if cuda:
             transient = torch.cuda.max_memory_allocated() - before
             # Inputs (in-place ones too) were there before; new outputs are in the peak.
             total = max(total, sum(inputs.values()) + transient)
         if total > self.max_bytes:
             self.max_bytes, self.max_op = total, str(func)
+            self.max_inputs_bytes = sum(inputs.values())
+            self.max_outputs_bytes = sum(outputs.values())
+            self.max_transient_bytes = transient if cuda else 0
         if outputs:
             largest = max(outputs.values())
             if largest > self.max_alloc_bytes:
@@ -329,7 +336,44 @@ def train(case: Case, mode: str, device: torch.device, result: dict[str, Any], *
             "largest_alloc_bytes": mode_.max_alloc_bytes,
             "largest_alloc_op": mode_.max_alloc_op,
             "ops_per_iteration": mode_.ops,
+            "inputs_bytes": mode_.max_inputs_bytes,
+            "outputs_bytes": mode_.max_outputs_bytes,
+            "transient_bytes": mode_.max_transient_bytes,
         }
+
+
+def memory_picture(device: torch.device) -> dict[str, Any]:
+    """The caching allocator at an out-of-memory error: allocated and reserved bytes, and
+    its segments (stream, pool, mapped size, bytes allocated, the largest free block): what
+    tells a working set that does not fit from one that fits but not in one piece."""
+    try:
+        picture: dict[str, Any] = {
+            "allocated_bytes": torch.cuda.memory_allocated(device),
+            "reserved_bytes": torch.cuda.memory_reserved(device),
+        }
+        segments = []
+        for seg in torch.cuda.memory_snapshot():
+            if seg.get("device") not in (None, device.index or 0):
+                continue
+            blocks = seg.get("blocks", [])
+            free = [b["size"] for b in blocks if b.get("state") == "inactive"]
+            segments.append(
+                {
+                    "stream": seg.get("stream"),
+                    "pool": seg.get("segment_type"),
+                    "expandable": seg.get("is_expandable"),
+                    "total_bytes": seg.get("total_size"),
+                    "allocated_bytes": seg.get("allocated_size"),
+                    "blocks": len(blocks),
+                    "free_blocks": len(free),
+                    "largest_free_bytes": max(free, default=0),
+                }
+            )
+        picture["segments"] = segments[:40]
+        picture["segment_count"] = len(segments)
+        return picture
+    except Exception as exc:  # a broken CUDA context: say so, keep the result
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
 def environment(device: torch.device, lms_backend: str | None) -> dict[str, Any]:
@@ -423,6 +467,8 @@ def run(request: dict[str, Any]) -> int:
         }
         traceback.print_exc()
         status = EXIT_OOM if is_oom(exc) else EXIT_EXCEPTION
+        if status == EXIT_OOM and device.type == "cuda":
+            result["memory_at_oom"] = memory_picture(device)
     finally:
         warnings.showwarning = show
     if device.type == "cuda" and lms_backend is not None:
