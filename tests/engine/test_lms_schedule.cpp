@@ -167,6 +167,35 @@ TEST_CASE(schedule_does_not_take_repeated_layers_for_an_iteration) {
   CHECK_EQ(s.period(), uint64_t(10));
 }
 
+TEST_CASE(schedule_does_not_take_a_stack_of_identical_layers_for_an_iteration) {
+  // Thirty layers with a parameter each (all of one size), then a loss: the
+  // layers' operators look alike, and 30 of them in a row match one layer
+  // later (more than kMinConfirm). But each layer's parameter was last used
+  // an iteration ago, further back than a layer: that period is never
+  // adopted, and the iteration's (31 operators) is, without a fallback.
+  Schedule s;
+  s.setLogging(true);
+  std::vector<uint64_t> touch(30, 0);
+  std::vector<uint64_t> gap(30, 0);
+  const auto iteration = [&] {
+    for (size_t layer = 0; layer < touch.size(); ++layer) {
+      const uint64_t t =
+          recordOp(s, "layer", {{touch[layer], 4096, gap[layer]}});
+      gap[layer] = t - touch[layer];
+      touch[layer] = t;
+    }
+    recordOp(s, "loss", {});
+  };
+  for (int i = 0; i < 4; ++i) {
+    iteration();
+    CHECK(!s.active() || s.period() == 31);
+  }
+  REQUIRE(s.active());
+  CHECK_EQ(s.period(), uint64_t(31));
+  CHECK_EQ(s.fallbacks(), int64_t(0));
+  CHECK_EQ(s.takeDropReport(), std::string());
+}
+
 // ---------------------------------------------------------------------------
 // The engine, driven by operators
 

@@ -283,6 +283,42 @@ def test_a_mismatch_is_explained_only_with_evidence() -> None:
     assert "without LMS" in (runner.explained_mismatch(cap_alone, _outcome(0)) or "")
 
 
+# The message of a real LSTM case on an H100 (cap 383 MiB): everything LMS could page out
+# was paged out; the running cuDNN backward held 242 MiB and asked for 108 MiB more.
+LSTM_OOM = (
+    "CUDA out of memory with Large Model Support. Tried to allocate 107.75 MiB on device 0 "
+    "after paging out every reclaimable storage. 247.15 MiB is allocated to tensors: 129.00 "
+    "MiB pinned by the running operator(s), 113.00 MiB allocated by them and not released "
+    "yet, 0.00 MiB inactive (0 storages below the LMS size threshold of 1.00 MiB or without "
+    "pinned host memory to page to), the rest too small or not yet used by an operator."
+)
+
+
+def test_an_operator_that_fills_the_cap_as_mapped_is_expected_to_run_out() -> None:
+    mib = 1 << 20
+    cap = 383 * mib
+    at_failure = {
+        "request_bytes": int(107.75 * mib),
+        "reserved_bytes": 300 * mib,
+        "segments": [{"largest_free_bytes": 36 * mib}, {"largest_free_bytes": 21 * mib}],
+    }
+    found = runner.mapped_working_set(LSTM_OOM, {"memory_at_oom": at_failure}, cap)
+    assert found is not None
+    assert found["largest_free_bytes"] == 36 * mib
+    assert "holds 242 MiB" in found["why"] and "mapped 300 MiB" in found["why"]
+    # The allocator had room for the request under the cap: not the operator's doing.
+    roomy = dict(at_failure, reserved_bytes=200 * mib)
+    assert runner.mapped_working_set(LSTM_OOM, {"memory_at_oom": roomy}, cap) is None
+    # Something was left that LMS could have paged out.
+    inactive = LSTM_OOM.replace("0.00 MiB inactive", "64.00 MiB inactive")
+    assert runner.mapped_working_set(inactive, {"memory_at_oom": at_failure}, cap) is None
+    # Other storages (not the running operator's) held a page or more.
+    others = LSTM_OOM.replace("247.15 MiB is allocated", "290.00 MiB is allocated")
+    assert runner.mapped_working_set(others, {"memory_at_oom": at_failure}, cap) is None
+    # No picture of the allocator at the failure: no verdict.
+    assert runner.mapped_working_set(LSTM_OOM, {}, cap) is None
+
+
 def test_summary_and_merge(tmp_path: Path) -> None:
     def record(seed: int, cls: str, family: str) -> dict[str, Any]:
         case = dataclasses.replace(generate(seed), family=family)

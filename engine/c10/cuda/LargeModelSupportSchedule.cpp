@@ -78,10 +78,17 @@ uint64_t AccessSchedule::record(
     }
     drop();
   }
-  // Advance the candidates; a mismatch ends one.
+  // Advance the candidates; a mismatch ends one, and so does an input last
+  // used longer ago than the candidate's period: in a steady iteration every
+  // storage in use is touched at least once per iteration, so no reuse
+  // distance exceeds its length. This keeps a stack of identical layers
+  // (whose inputs include parameters last used an iteration ago) from being
+  // taken for an iteration.
+  const uint64_t farthest = inputs.empty() ? 0 : inputs.back().distance;
   size_t kept = 0;
   for (const Candidate& c : candidates_) {
-    if (t > c.period && signatureAt(t - c.period) == signature) {
+    if (t > c.period && farthest <= c.period &&
+        signatureAt(t - c.period) == signature) {
       candidates_[kept++] = Candidate{c.period, c.run + 1};
     } else if (logging_ && c.run >= kLoggedRun && c.period >= kLoggedRun) {
       // A long candidate that ends before it is confirmed: what keeps the

@@ -28,9 +28,12 @@
 //
 // Period detection: every recurrence of a signature proposes its distance as
 // a candidate period; a candidate survives while each new signature equals
-// the one a period earlier. A candidate P is confirmed once P operators in a
-// row (and at least kMinConfirm) matched: two whole iterations were
-// identical. Then the last period becomes the schedule: for the storage
+// the one a period earlier and no input was last used more than a period
+// ago (in a steady loop every storage is used once per iteration at least,
+// so a layer of a stack of identical layers, whose parameters were last used
+// an iteration ago, is not an iteration). A candidate P is confirmed once P
+// operators in a row (and at least kMinConfirm) matched: two whole iterations
+// were identical. Then the last period becomes the schedule: for the storage
 // touched at phase q (clock mod P) with size s after gap g, the next use is
 // the smallest distance d with which an operator of the period used a storage
 // of size s touched at phase q after gap g. While the schedule is active every

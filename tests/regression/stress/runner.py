@@ -39,6 +39,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -196,6 +197,54 @@ def oom_reason(message: str) -> str:
     return f"allocator: {first}"
 
 
+LMS_HELD = re.compile(
+    r"([\d.]+) MiB is allocated to tensors: ([\d.]+) MiB pinned by the running operator\(s\), "
+    r"([\d.]+) MiB allocated by them and not released yet, ([\d.]+) MiB inactive"
+)
+# The caching allocator maps its expandable segments' large pool in pages of this size.
+ALLOCATOR_PAGE_BYTES = 20 << 20
+MiB = float(1 << 20)
+
+
+def mapped_working_set(
+    message: str, result: dict[str, Any] | None, cap_bytes: int | None
+) -> dict[str, Any] | None:
+    """Whether the running operator alone filled the cap as the allocator maps memory.
+
+    True (a dict of the figures) when LMS's out-of-memory message says it had nothing left
+    to page out (nothing inactive; all but less than one allocator page of the allocated
+    bytes held by the running operator: its pinned inputs and what it allocated), and the
+    allocator, when the last allocation failed, had mapped so much that the request did not
+    fit under the cap: the operator's own tensors, in partly used pages that it holds, leave
+    no room. Otherwise None.
+    """
+    held = LMS_HELD.search(message)
+    picture = (result or {}).get("memory_at_oom") or {}
+    request = picture.get("request_bytes")
+    reserved = picture.get("reserved_bytes")
+    if not held or not cap_bytes or request is None or reserved is None:
+        return None
+    allocated, pinned, own, inactive = (float(g) * MiB for g in held.groups())
+    others = allocated - pinned - own
+    if inactive > 0 or others >= ALLOCATOR_PAGE_BYTES or reserved + request <= cap_bytes:
+        return None
+    free = [seg.get("largest_free_bytes") or 0 for seg in picture.get("segments", [])]
+    return {
+        "operator_bytes": int(pinned + own + request),
+        "reserved_bytes": int(reserved),
+        "request_bytes": int(request),
+        "largest_free_bytes": int(max(free, default=0)),
+        "why": (
+            f"the running operator holds {(pinned + own) / MiB:.0f} MiB (all LMS could not "
+            f"page out) and asks for {request / MiB:.0f} MiB more; the allocator had mapped "
+            f"{reserved / MiB:.0f} MiB (free pieces of at most "
+            f"{max(free, default=0) / MiB:.0f} MiB, in pages of "
+            f"{ALLOCATOR_PAGE_BYTES >> 20} MiB), so the operator's tensors as mapped pass the "
+            f"cap ({cap_bytes / MiB:.0f} MiB)"
+        ),
+    }
+
+
 def classify(
     ref1: Outcome | None,
     ref2: Outcome | None,
@@ -212,7 +261,12 @@ def classify(
     r1, r2 = ref1.result or {}, ref2.result or {}
     measured = r1.get("bound") or {}
     bound = measured.get("bytes")
+    library = measured.get("library_bytes") or 0
+    if bound is not None:
+        # Library workspaces kept from their first use occupy the cap as well.
+        bound += library
     info["bound_bytes"] = bound
+    info["library_bytes"] = library
     info["bound_op"] = measured.get("op")
     info["largest_alloc_bytes"] = measured.get("largest_alloc_bytes")
     info["bound_exceeds_cap"] = bool(bound and cap_bytes and bound > cap_bytes)
@@ -230,7 +284,9 @@ def classify(
             message = reason
         operator_over_limit = OPERATOR_OVER_LIMIT in message
         info["operator_over_limit"] = operator_over_limit
-        expected = info["bound_exceeds_cap"] or operator_over_limit
+        mapped = mapped_working_set(message, capped.result, cap_bytes)
+        info["mapped_working_set"] = mapped
+        expected = info["bound_exceeds_cap"] or operator_over_limit or mapped is not None
         why = (
             f"the largest operator working set ({_fmt_gib(bound) or '?'} GiB, "
             f"{info['bound_op']}) "
@@ -239,6 +295,8 @@ def classify(
         )
         if operator_over_limit and not info["bound_exceeds_cap"]:
             why += "; LMS: the running operator's own working set exceeds the limit"
+        elif mapped is not None and not info["bound_exceeds_cap"]:
+            why += f"; {mapped['why']}"
         return {
             "class": "oom-expected" if expected else "oom-unexpected",
             "reason": f"{oom_reason(message)}; {why}",

@@ -324,6 +324,21 @@ def train(case: Case, mode: str, device: torch.device, result: dict[str, Any], *
     if device.type == "cuda":
         result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
         result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    if device.type == "cuda":
+        # What the process keeps allocated besides the model and its optimizer: workspaces
+        # that libraries (cuBLAS, cuDNN) allocate through the caching allocator on first
+        # use, inside an operator, and keep. They occupy the cap in every run but are in
+        # no operator's working set once allocated, so the bound adds them.
+        state = [
+            t
+            for group in optimizer.state.values()
+            for t in group.values()
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda"
+        ]
+        model_bytes = sum(
+            t.untyped_storage().nbytes() for t in (*model.parameters(), *model.buffers(), *state)
+        )
+        result["library_bytes"] = max(0, torch.cuda.memory_allocated(device) - model_bytes)
     if measure_bound:
         # One more iteration, after the hash: the dispatch mode must not touch measured runs.
         mode_ = WorkingSetMode(device.type)
@@ -339,6 +354,7 @@ def train(case: Case, mode: str, device: torch.device, result: dict[str, Any], *
             "inputs_bytes": mode_.max_inputs_bytes,
             "outputs_bytes": mode_.max_outputs_bytes,
             "transient_bytes": mode_.max_transient_bytes,
+            "library_bytes": result.get("library_bytes", 0),
         }
 
 
@@ -429,6 +445,15 @@ def run(request: dict[str, Any]) -> int:
     warnings.showwarning = record_warning
     status = EXIT_OK
     lms_backend: str | None = None
+    last_failure: dict[str, Any] = {}
+
+    def observe_failure(device_index: int, request_bytes: int, *_: Any) -> None:
+        # Called by the caching allocator when an allocation fails, before it raises
+        # (LMS may still page out and retry): the last call describes the final failure.
+        last_failure.clear()
+        last_failure.update(memory_picture(device))
+        last_failure["request_bytes"] = int(request_bytes)
+
     try:
         _inject(request.get("fault"), "start")
         if device.type == "cuda":
@@ -442,6 +467,9 @@ def run(request: dict[str, Any]) -> int:
                 index = device.index if device.index is not None else torch.cuda.current_device()
                 torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), index)
                 result["cap_fraction_of_device"] = cap_bytes / total
+                attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+                if attach is not None:
+                    attach(observe_failure)
         elif uses_lms(mode) or is_capped(mode):
             result["note"] = "no memory cap and no LMS on the CPU: a test-only run"
         deterministic(cudnn_enabled="no-cudnn" not in mode)
@@ -468,7 +496,10 @@ def run(request: dict[str, Any]) -> int:
         traceback.print_exc()
         status = EXIT_OOM if is_oom(exc) else EXIT_EXCEPTION
         if status == EXIT_OOM and device.type == "cuda":
-            result["memory_at_oom"] = memory_picture(device)
+            # The allocator as it was when its last allocation failed (the observer), and
+            # after the exception freed what the failing operator held.
+            result["memory_at_oom"] = dict(last_failure) or memory_picture(device)
+            result["memory_after_oom"] = memory_picture(device)
     finally:
         warnings.showwarning = show
     if device.type == "cuda" and lms_backend is not None:
