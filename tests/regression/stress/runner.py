@@ -750,9 +750,10 @@ def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) 
         "",
         "## Cases",
         "",
-        "GiB: peak = uncapped peak reserved, bound = largest operator working set (inputs "
-        "and outputs), alloc = largest single operator output; out = LMS page-out per capped "
-        "run; s/iter reference / capped.",
+        "GiB: peak = uncapped peak reserved, bound = largest operator working set (its "
+        "inputs plus the most it had allocated at once, or its inputs and outputs) plus the "
+        "library workspaces kept from their first use, alloc = largest single operator "
+        "output; out = LMS page-out per capped run; s/iter reference / capped.",
         "",
         "| seed | case | class | peak | cap | bound | alloc | out | s/iter | reason |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -786,6 +787,9 @@ def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) 
             lines.append(f"- seed {r['seed']} ({r['class']}): `{replay_command(r['seed'])}`")
             if "triage" in r:
                 lines.append(f"  - triage: {r['triage'].get('verdict')}")
+            if str(r["class"]).startswith("oom"):
+                why = str(r.get("reason", "")).split("; ", 1)[-1]
+                lines.append(f"  - why: {why}")
     return "\n".join(lines) + "\n"
 
 
