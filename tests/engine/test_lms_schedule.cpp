@@ -138,6 +138,18 @@ TEST_CASE(schedule_falls_back_when_the_pattern_breaks_and_relearns) {
       report.find("eval with inputs [size 100 last used") != std::string::npos);
   CHECK(report.find("a period earlier: a with inputs [") != std::string::npos);
   CHECK_EQ(s.takeDropReport(), std::string());
+  // Traced operators are reported with their inputs, whether or not they
+  // break anything.
+  s.setTracedOperators(s.now() + 2, s.now() + 2);
+  loop.op(s, "a", "pqr");
+  CHECK_EQ(s.takeDropReport(), std::string());
+  const uint64_t gap = loop.gap['p'];
+  const uint64_t traced = loop.op(s, "fill", "p");
+  CHECK_EQ(
+      s.takeDropReport(),
+      "operator " + std::to_string(traced) +
+          ": fill with inputs [size 100 last used 1 ops ago, gap " +
+          std::to_string(gap) + "]");
   CHECK(s.generation() != generation);
   CHECK_EQ(s.nextUse(loop.touch['p'], 100, loop.gap['p']), Schedule::kNever);
   // Other shapes: q and r grow. The new loop is learned.

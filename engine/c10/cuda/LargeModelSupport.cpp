@@ -1049,9 +1049,19 @@ AccessSchedule& theSchedule() {
   static AccessSchedule* schedule = [] {
     auto* made = new AccessSchedule(); // never destroyed
     // PYTORCH_LMS_SCHEDULE_LOG=1 prints every operator that breaks the
-    // learned schedule to stderr (a diagnostic, not a setting).
+    // learned schedule to stderr (a diagnostic, not a setting);
+    // PYTORCH_LMS_SCHEDULE_LOG=FIRST-LAST also prints the operators with
+    // clocks FIRST to LAST, each with its inputs.
     const char* log = std::getenv("PYTORCH_LMS_SCHEDULE_LOG");
-    made->setLogging(log != nullptr && std::string_view(log) == "1");
+    const std::string_view text = log != nullptr ? log : "";
+    made->setLogging(!text.empty() && text != "0");
+    if (const size_t dash = text.find('-'); dash != std::string_view::npos) {
+      const std::string first(text.substr(0, dash));
+      const std::string last(text.substr(dash + 1));
+      made->setTracedOperators(
+          std::strtoull(first.c_str(), nullptr, 10),
+          std::strtoull(last.c_str(), nullptr, 10));
+    }
     return made;
   }();
   return *schedule;
@@ -1761,7 +1771,7 @@ void beginOperator(
         !report.empty()) {
       std::fprintf(
           stderr,
-          "Large Model Support: the swap schedule falls back at %s\n",
+          "Large Model Support: the swap schedule: %s\n",
           report.c_str());
     }
   }

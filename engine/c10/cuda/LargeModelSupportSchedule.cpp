@@ -70,6 +70,9 @@ uint64_t AccessSchedule::record(
     names_.resize(capacity_);
     names_[t % capacity_] = std::string(name);
   }
+  if (logging_ && t >= traced_first_ && t <= traced_last_) {
+    drop_report_ = "operator " + std::to_string(t) + ": " + describeOperator(t);
+  }
 
   if (active_ && (t <= period_ || signatureAt(t - period_) != signature)) {
     if (logging_) {
@@ -168,34 +171,32 @@ void AccessSchedule::adopt(uint64_t period) {
 
 // Numbers are formatted with std::to_string, never streamed (see
 // LargeModelSupport.h: std::ostream's numeric insertion crashes the drop-in).
+std::string AccessSchedule::describeOperator(uint64_t t) const {
+  std::string out = names_[t % capacity_] + " with inputs [";
+  const Inputs& inputs = inputs_[t % capacity_];
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const Input& in = inputs[i];
+    out += i == 0 ? "" : ", ";
+    out += "size " + std::to_string(in.size) + " last used " +
+        std::to_string(in.distance) + " ops ago, ";
+    out += in.gap >= kBirth ? "allocation #" + std::to_string(in.gap - kBirth)
+                            : "gap " + std::to_string(in.gap);
+  }
+  return out + ']';
+}
+
 std::string AccessSchedule::describeDrop(
     uint64_t t,
     uint64_t period,
     uint64_t run) const {
-  const auto list = [](std::string& out, const Inputs& inputs) {
-    out += '[';
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      const Input& in = inputs[i];
-      out += i == 0 ? "" : ", ";
-      out += "size " + std::to_string(in.size) + " last used " +
-          std::to_string(in.distance) + " ops ago, ";
-      out += in.gap >= kBirth ? "allocation #" + std::to_string(in.gap - kBirth)
-                              : "gap " + std::to_string(in.gap);
-    }
-    out += ']';
-  };
-  std::string out = "operator " + std::to_string(t) + " (phase " +
+  std::string out = "falls back at operator " + std::to_string(t) + " (phase " +
       std::to_string(t % period) + " of " +
       (run == 0 ? "the period of " : "a candidate period of ") +
       std::to_string(period) +
       (run == 0 ? "" : " after " + std::to_string(run) + " matches") +
-      "): " + names_[t % capacity_] + " with inputs ";
-  list(out, inputs_[t % capacity_]);
+      "): " + describeOperator(t);
   if (t > period) {
-    const uint64_t before = t - period;
-    out +=
-        "; a period earlier: " + names_[before % capacity_] + " with inputs ";
-    list(out, inputs_[before % capacity_]);
+    out += "; a period earlier: " + describeOperator(t - period);
   }
   return out;
 }

@@ -129,6 +129,12 @@ class C10_CUDA_API AccessSchedule {
   void setLogging(bool on) {
     logging_ = on;
   }
+  // With logging on, operators with clocks in [first, last] are reported as
+  // well, each with its inputs (to see what a period is made of).
+  void setTracedOperators(uint64_t first, uint64_t last) {
+    traced_first_ = first;
+    traced_last_ = last;
+  }
   // The report of the last drop since the previous call ("" when none).
   std::string takeDropReport() {
     return std::move(drop_report_);
@@ -165,6 +171,8 @@ class C10_CUDA_API AccessSchedule {
   // The operator at `t` against the one `period` earlier; `run`: the matches
   // of a candidate that ends there (0 for the active schedule).
   std::string describeDrop(uint64_t t, uint64_t period, uint64_t run) const;
+  // The name and inputs of the operator at `t`.
+  std::string describeOperator(uint64_t t) const;
 
   uint64_t max_period_;
   uint64_t capacity_; // ring size: max_period_ + 1
@@ -181,6 +189,8 @@ class C10_CUDA_API AccessSchedule {
   int64_t detections_ = 0;
   int64_t fallbacks_ = 0;
   bool logging_ = false;
+  uint64_t traced_first_ = 1;
+  uint64_t traced_last_ = 0;
   std::vector<std::string> names_; // ring of operator names, when logging
   std::string drop_report_;
 };
