@@ -7,6 +7,10 @@ is skipped with the reason.
 
 ``LMS_RESULTS_DIR``: when set, the suite writes ``regression-results.json`` and
 ``regression-results.csv`` there (device, versions, date, per-test outcome, time, LMS stats).
+
+``LMS_REGRESSION_CUDNN=0`` disables cuDNN for the whole run (a triage switch: when a capped
+run differs from its reference only with cuDNN on, cuDNN chose another algorithm under the
+cap); the results record it.
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ if torch is not None:
                 "this PyTorch has no Large Model Support and the torch_lms extension is not "
                 f"importable ({exc}); build it with `pip install --no-build-isolation -e extension`"
             )
+
+
+CUDNN_ENABLED = os.environ.get("LMS_REGRESSION_CUDNN", "1") != "0"
+if torch is not None and not CUDNN_ENABLED:
+    torch.backends.cudnn.enabled = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -94,6 +103,7 @@ def _environment() -> dict[str, Any]:
         env["torch"] = torch.__version__
         env["cuda"] = torch.version.cuda
         env["cudnn"] = torch.backends.cudnn.version() if torch.cuda.is_available() else None
+        env["cudnn_enabled"] = CUDNN_ENABLED
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
             env["device"] = props.name
