@@ -7,12 +7,18 @@ process of its own, so a crash ends one run only. Outcomes:
 
 - ``identical``: the capped run's parameters equal the references', which agree;
 - ``reference-not-repeatable``: the two references differ (nothing to compare against);
-- ``mismatch``: the references agree and the capped run differs;
+- ``mismatch``: the references agree and the capped run differs, and the triage below does
+  not explain it;
+- ``mismatch-explained``: a mismatch that repeats bit for bit under the cap and that the cap
+  alone (without LMS) reproduces, or that a caught allocation failure (cuDNN falling back to
+  a smaller workspace) explains while LMS without cuDNN is exact;
 - ``oom-expected``: out of memory, and one operator's own working set exceeds the cap: the
   bound does, or LMS's error says that the running operator's pinned inputs, what it
   allocated so far and its request pass the limit (the bound is measured per ATen kernel
   below autograd; LMS pins at the outermost operator, so a composite operator such as
-  ``aten::lstm`` on its native path holds every step's tensors at once);
+  ``aten::lstm`` on its native path holds every step's tensors at once), or LMS had nothing
+  left to page out and the allocator, at the failing allocation, had mapped so much for the
+  running operator's tensors (20 MiB pages) that the request did not fit under the cap;
 - ``oom-unexpected``: out of memory although one operator's working set fits the cap;
 - ``crash``: killed by a signal, a CUDA error, no result, or hung;
 - ``error``: another Python exception in the capped run;
