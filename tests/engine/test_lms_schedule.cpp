@@ -179,6 +179,55 @@ TEST_CASE(schedule_does_not_take_repeated_layers_for_an_iteration) {
   CHECK_EQ(s.period(), uint64_t(10));
 }
 
+TEST_CASE(schedule_predicts_alike_storages_used_at_different_distances) {
+  // p and q have one size and are touched together by "a" after being
+  // touched together by "z": the schedule cannot tell them apart. p is used
+  // again one operator after "a", q four. Once p's use has passed, the
+  // prediction for a storage like them is q's use, not "never" (which would
+  // make q the first victim although it is needed three operators later).
+  Schedule s;
+  std::map<char, uint64_t> touch;
+  std::map<char, uint64_t> gap;
+  const auto op = [&](const std::string& name, const std::string& ins) {
+    std::vector<Schedule::Use> uses;
+    for (const char c : ins) {
+      uses.push_back({touch[c], 100, gap[c]});
+    }
+    const uint64_t t = recordOp(s, name, uses);
+    for (const char c : ins) {
+      gap[c] = t - touch[c];
+      touch[c] = t;
+    }
+    return t;
+  };
+  uint64_t a = 0;
+  const auto iteration = [&] {
+    a = op("a", "pq");
+    op("b", "p");
+    op("fill", "");
+    op("fill", "");
+    op("c", "q");
+    op("z", "pq");
+  };
+  for (int i = 0; i < 8; ++i) {
+    iteration();
+  }
+  REQUIRE(s.active());
+  CHECK_EQ(s.period(), uint64_t(6));
+  a = op("a", "pq");
+  // Right after "a": the sooner of the two uses.
+  CHECK_EQ(s.nextUse(a, 100, 1), a + 1);
+  op("b", "p");
+  op("fill", "");
+  // p's use has passed: q's is still ahead.
+  CHECK_EQ(s.nextUse(a, 100, 1), a + 4);
+  op("fill", "");
+  op("c", "q");
+  op("z", "pq");
+  // Both uses have passed unseen by this storage: never.
+  CHECK_EQ(s.nextUse(a, 100, 1), Schedule::kNever);
+}
+
 TEST_CASE(schedule_does_not_take_a_stack_of_identical_layers_for_an_iteration) {
   // Thirty layers with a parameter each (all of one size), then a loss: the
   // layers' operators look alike, and 30 of them in a row match one layer

@@ -158,14 +158,14 @@ void AccessSchedule::adopt(uint64_t period) {
         continue; // touched in this very operator, or before the first
       }
       const uint64_t k = key((u - in.distance) % period, in.size, in.gap);
-      auto [it, inserted] = next_.emplace(k, in.distance);
-      if (!inserted) {
-        // Storages alike in all the schedule sees, used again at different
-        // distances: assume the sooner, so that none is chosen as a victim
-        // too early nor prefetched too late.
-        it->second = std::min(it->second, in.distance);
-      }
+      next_[k].push_back(in.distance);
     }
+  }
+  for (auto& [k, distances] : next_) {
+    (void)k;
+    std::sort(distances.begin(), distances.end());
+    distances.erase(
+        std::unique(distances.begin(), distances.end()), distances.end());
   }
 }
 
@@ -220,8 +220,15 @@ uint64_t AccessSchedule::nextUse(uint64_t touch, uint64_t size, uint64_t gap)
   if (it == next_.end()) {
     return kNever;
   }
-  const uint64_t next = touch + it->second;
-  return next < clock_ ? kNever : next;
+  // Storages alike in all the schedule sees may be used again at different
+  // distances: the soonest use not yet past is this storage's next one (the
+  // sooner ones were the others', which have happened).
+  const std::vector<uint64_t>& distances = it->second;
+  const auto due = std::lower_bound(
+      distances.begin(),
+      distances.end(),
+      clock_ > touch ? clock_ - touch : uint64_t{0});
+  return due == distances.end() ? kNever : touch + *due;
 }
 
 void AccessSchedule::reset() {

@@ -35,8 +35,12 @@
 // operators in a row (and at least kMinConfirm) matched: two whole iterations
 // were identical. Then the last period becomes the schedule: for the storage
 // touched at phase q (clock mod P) with size s after gap g, the next use is
-// the smallest distance d with which an operator of the period used a storage
-// of size s touched at phase q after gap g. While the schedule is active every
+// the soonest of the distances d with which operators of the period used a
+// storage of size s touched at phase q after gap g that is not yet past
+// (storages alike in all the schedule sees can be used again at different
+// distances: once the sooner use has passed, the later one is still
+// predicted, so such a storage is never taken for one never used again).
+// While the schedule is active every
 // operator is checked against the one a period earlier; the first mismatch
 // (other shapes, an eval step, a changed model) drops the schedule, counts a
 // fallback, and LMS is reactive (least recently used) until a period is
@@ -113,9 +117,9 @@ class C10_CUDA_API AccessSchedule {
   }
 
   // Clock of the next use of a storage of `size` bytes last touched at clock
-  // `touch` after `gap`: kNever when no schedule is active, when the period
-  // uses no such storage again, or when the predicted use has already passed
-  // unseen.
+  // `touch` after `gap`: the soonest use of such a storage in the period that
+  // is not yet past; kNever when no schedule is active, when the period uses
+  // no such storage again, or when every such use has passed unseen.
   uint64_t nextUse(uint64_t touch, uint64_t size, uint64_t gap) const;
 
   // Forgets everything learned, and the statistics.
@@ -184,8 +188,9 @@ class C10_CUDA_API AccessSchedule {
   bool active_ = false;
   uint64_t period_ = 0;
   uint64_t generation_ = 0;
-  // key(phase of the touch, size) -> smallest distance to the next use.
-  std::unordered_map<uint64_t, uint64_t> next_;
+  // key(phase of the touch, size, gap) -> the distances to the next uses of
+  // such storages in the period, ascending, without repeats.
+  std::unordered_map<uint64_t, std::vector<uint64_t>> next_;
   int64_t detections_ = 0;
   int64_t fallbacks_ = 0;
   bool logging_ = false;
