@@ -387,3 +387,24 @@ def test_repeating_traces_with_the_learned_schedule_end_as_their_needs_say(
         f"the schedule was learned in {len(learned)} of {len(done)} completed traces"
     )
     assert acted, "the learned schedule chose no victim and paged nothing out early"
+
+
+def test_schedule_replay_benchmark_counts_demand_page_ins(
+    sim_build: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """benchmarks/engine/schedule_replay.py replays repeating traces with a replayer given
+    twice and prints one row per replayer, the second's ratio to the first."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "engine"))
+    import schedule_replay
+
+    binary = executable(sim_build, "trace_replay")
+    argv = ["--replayer", str(binary), "--replayer", str(binary), "--seeds", "4"]
+    status = schedule_replay.main([*argv, "--iterations", "6"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    rows = [line for line in out.splitlines() if line.startswith(f"| {binary} |")]
+    assert len(rows) == 2, out
+    cells = [int(c) for c in rows[0].strip("|").split("|")[1:5]]
+    pageouts, pageins, ahead, demand = cells
+    assert pageouts > 0 and pageins > 0, "the traces did not page anything out"
+    assert demand == pageins - ahead >= 0
