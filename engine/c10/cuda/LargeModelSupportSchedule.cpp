@@ -62,8 +62,13 @@ uint64_t AccessSchedule::record(
   std::sort(inputs.begin(), inputs.end());
   uint64_t signature = hashName(name);
   for (const Input& in : inputs) {
-    signature =
-        combine(combine(combine(signature, in.distance), in.size), in.gap);
+    // Gaps between earlier touches are left out: they differ in the first
+    // iterations (an optimizer creating its state one parameter at a time)
+    // while the operators and their inputs' sizes and distances already
+    // repeat. Allocation ordinals, which are structural, stay in.
+    signature = combine(
+        combine(combine(signature, in.distance), in.size),
+        in.gap >= kBirth ? in.gap : 0);
   }
   signatures_[t % capacity_] = signature;
   if (logging_) {

@@ -16,7 +16,11 @@
 // or its last pin) and the gap before that touch (the distance from the touch
 // before it, or, for an allocation, its ordinal among the allocations of its
 // operator). An operator's signature hashes its name and, for each managed
-// input, the input's size, its distance from the last touch and that gap.
+// input, the input's size, its distance from the last touch and, for an
+// allocation, its ordinal (not the gap between two earlier touches: it
+// differs in the first iterations, while an optimizer creates its state one
+// parameter at a time, although the loop already repeats; the gap still
+// identifies storages in the predictions below).
 // These are the same in every iteration of a steady training loop, also for
 // parameters (touched once per iteration by the forward, backward and
 // optimizer operators) and activations (allocated by one operator and read by
