@@ -705,7 +705,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--amp", action="store_true", help="bf16 autocast (default fp32 with TF32 matmuls)"
     )
     parser.add_argument(
-        "--warmup", type=nonneg_int, default=3, help="untimed iterations per measurement"
+        "--warmup",
+        type=nonneg_int,
+        default=6,
+        help="untimed iterations per measurement (LMS's learned schedule takes a few "
+        "iterations to recognize the loop: fewer warm-up iterations time the learning)",
     )
     parser.add_argument(
         "--iterations", type=positive_int, default=5, help="timed iterations per measurement"

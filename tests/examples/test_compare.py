@@ -250,7 +250,7 @@ def test_parser_and_checks() -> None:
     parser = compare.build_parser()
     args = parser.parse_args(["--model", "gpt", "--factors", "4,1.5,2,2"])
     assert args.factors == [1.5, 2.0, 4.0]
-    assert args.warmup == 3 and args.iterations == 5 and args.search
+    assert args.warmup == 6 and args.iterations == 5 and args.search
     compare.check_args(args)
     for bad in (
         ["--factors", "1"],
