@@ -80,6 +80,7 @@ from _lms_setup import (  # noqa: E402
     nonneg_int,
     positive_float,
     positive_int,
+    versions,
 )
 
 # Configurations, in the order they run at each cap (the reference runs first, uncapped).
@@ -829,28 +830,13 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _worker_environment(cuda: bool) -> dict[str, Any]:
-    import datetime
-    import platform
-
-    import torch
-
-    env: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-    }
+    env = versions(device=cuda)
     try:
         import triton
 
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    if cuda and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.cuda.current_device())
-        env["device"] = props.name
-        env["device_memory_bytes"] = props.total_memory
     return env
 
 

@@ -189,8 +189,9 @@ def is_oom(error: BaseException) -> bool:
     )
 
 
-def environment() -> dict[str, Any]:
-    """Device, versions and LMS backend, for result files."""
+def versions(device: bool = True) -> dict[str, Any]:
+    """Date, host, Python, torch and CUDA versions and, with ``device`` and a GPU, the
+    device's name and memory: what every result file records."""
     import datetime
     import platform
 
@@ -202,12 +203,21 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "pytorch_lms_conf": os.environ.get("PYTORCH_LMS_CONF"),
     }
-    if torch.cuda.is_available():
+    if device and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         env["device"] = props.name
         env["device_memory_bytes"] = props.total_memory
+    return env
+
+
+def environment() -> dict[str, Any]:
+    """Device, versions and LMS backend, for result files."""
+    import torch
+
+    env = versions()
+    env["pytorch_lms_conf"] = os.environ.get("PYTORCH_LMS_CONF")
+    if torch.cuda.is_available():
         env["cudnn"] = torch.backends.cudnn.version()
     try:
         import torchvision
