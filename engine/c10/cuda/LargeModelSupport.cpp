@@ -1767,12 +1767,14 @@ void beginOperator(
     std::lock_guard<std::mutex> lock(g_schedule_mutex);
     g_op_clock.store(theSchedule().record(name, uses.data(), uses.size()));
     g_births_in_op.store(0);
-    if (const std::string report = theSchedule().takeDropReport();
-        !report.empty()) {
-      std::fprintf(
-          stderr,
-          "Large Model Support: the swap schedule: %s\n",
-          report.c_str());
+    if (theSchedule().logging()) {
+      if (const std::string report = theSchedule().takeDropReport();
+          !report.empty()) {
+        std::fprintf(
+            stderr,
+            "Large Model Support: the swap schedule: %s\n",
+            report.c_str());
+      }
     }
   }
   if (device_engine != nullptr) {

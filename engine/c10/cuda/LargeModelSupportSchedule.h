@@ -137,6 +137,9 @@ class C10_CUDA_API AccessSchedule {
   void setLogging(bool on) {
     logging_ = on;
   }
+  bool logging() const {
+    return logging_;
+  }
   // With logging on, operators with clocks in [first, last] are reported as
   // well, each with its inputs (to see what a period is made of).
   void setTracedOperators(uint64_t first, uint64_t last) {
