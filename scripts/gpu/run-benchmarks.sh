@@ -36,18 +36,8 @@ began=$(date +%s)
 mkdir -p "$OUT"
 exec > >(tee "$OUT/run-benchmarks-$MODEL.log") 2>&1
 
-echo "== environment"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PY" - <<'PY'
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())
-for name in ("torchvision", "matplotlib"):
-    try:
-        module = __import__(name)
-        print(name, module.__version__)
-    except ImportError:
-        print(name, "missing")
-PY
+"$ROOT/scripts/gpu/environment.sh" "$PY" torchvision "the resnet152 and vit_l groups cannot run" \
+  matplotlib "no plot is drawn"
 
 if [ "${REBUILD:-0}" = 1 ]; then
   PYTHON="$PY" "$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log"

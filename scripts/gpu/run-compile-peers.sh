@@ -27,17 +27,7 @@ began=$(date +%s)
 mkdir -p "$OUT"
 exec > >(tee "$OUT/run-compile-peers.log") 2>&1
 
-echo "== environment"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PY" - <<'PY'
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())
-try:
-    import triton
-    print("triton", triton.__version__)
-except ImportError:
-    print("triton missing: torch.compile cannot generate GPU kernels")
-PY
+"$ROOT/scripts/gpu/environment.sh" "$PY" triton "torch.compile cannot generate GPU kernels"
 
 PYTHON="$PY" "$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log" --if-missing
 

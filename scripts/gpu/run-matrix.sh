@@ -25,18 +25,8 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 exec > >(tee "$OUT/run-matrix.log") 2>&1
 
-echo "== environment"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-grep MemTotal /proc/meminfo || true
-"$PY" - <<'PY'
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())
-try:
-    import torchvision
-    print("torchvision", torchvision.__version__)
-except ImportError:
-    print("torchvision missing: the DDP row uses a CNN of its own instead of ResNet-50")
-PY
+"$ROOT/scripts/gpu/environment.sh" "$PY" torchvision \
+  "the DDP row uses a CNN of its own instead of ResNet-50"
 
 PYTHON="$PY" "$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log" --if-missing
 

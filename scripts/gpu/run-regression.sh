@@ -22,17 +22,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/run-regression.log") 2>&1
 
-echo "== environment"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PY" - <<'PY'
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())
-try:
-    import torchvision
-    print("torchvision", torchvision.__version__)
-except ImportError:
-    print("torchvision missing: the torchvision model tests will be skipped")
-PY
+"$ROOT/scripts/gpu/environment.sh" "$PY" torchvision "the torchvision model tests will be skipped"
 
 PYTHON="$PY" "$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log"
 

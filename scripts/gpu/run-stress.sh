@@ -27,10 +27,7 @@ SEEDS=${STRESS_SEEDS:-1000}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run-stress.log") 2>&1
 
-echo "== environment"
-date -u +%Y-%m-%dT%H:%M:%SZ
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())'
+"$ROOT/scripts/gpu/environment.sh" "$PY"
 
 if "$PY" -c 'import sys, torch; sys.exit(0 if hasattr(torch.cuda, "set_enabled_lms") else 1)'; then
   echo "== PyTorch has LMS built in: no extension needed"
