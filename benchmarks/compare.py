@@ -77,6 +77,8 @@ MODELS = ("resnet152", "vit_l", "gpt")
 CAPPED_METHODS = ("lms", "lms_reactive", "offload", "save_on_cpu", "checkpoint", "no_lms")
 # Methods measured at batch B under every cap (no_lms is measured at its own largest batch).
 PEER_METHODS = ("lms", "lms_reactive", "offload", "save_on_cpu", "checkpoint")
+# Rows --profile-iterations profiles: the ones that move memory.
+PROFILED_METHODS = ("lms", "lms_reactive", "offload", "save_on_cpu")
 EFFICIENCY_GOAL = 0.90
 BATCH_RATIO_GOAL = 10.0
 OVERHEAD_GOAL = 0.02
@@ -183,6 +185,9 @@ class Measurement:
     largest_batch: int | None = None
     largest_batch_note: str = ""
     oom_retries: int = 0
+    # --profile-iterations: stream_profile.StreamBreakdown.record() of iterations run after
+    # the timed ones under torch.profiler (not part of the timing).
+    profile: dict[str, Any] | None = None
 
     def finish_timing(self) -> None:
         if self.iteration_times:
@@ -752,6 +757,16 @@ def build_parser() -> argparse.ArgumentParser:
         "extension cannot retry inside an operator; counted in the results)",
     )
     parser.add_argument(
+        "--profile-iterations",
+        type=nonneg_int,
+        default=0,
+        help="after the timed iterations of each row of "
+        + ", ".join(PROFILED_METHODS)
+        + ", run this many more under torch.profiler and report where the time goes: "
+        "compute stream busy and idle, copy time and rate each way, host time in CUDA "
+        "runtime calls (stream_profile.py; in the JSON as each row's 'profile')",
+    )
+    parser.add_argument(
         "--bandwidth-mib",
         type=positive_int,
         default=1024,
@@ -1003,6 +1018,23 @@ def train_measure(
             model.train()
             optimizer = workload.make_optimizer(model, args.optimizer)
             before: dict[str, Any] | None = None
+
+            def one_step(step: int) -> None:
+                inputs, targets = workload.make_batch(m.batch, device, step)
+                if counter is not None:
+                    ctx = counter.context()
+                elif offload is not None:
+                    ctx = offload()
+                else:
+                    ctx = contextlib.nullcontext()
+                with ctx, amp:
+                    loss = workload.loss(model(inputs), targets)
+                loss.backward()
+                del inputs, targets, loss
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+
             step = 0
             while step < warmup + iterations:
                 if step == warmup:
@@ -1015,20 +1047,7 @@ def train_measure(
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 try:
-                    inputs, targets = workload.make_batch(m.batch, device, step)
-                    if counter is not None:
-                        ctx = counter.context()
-                    elif offload is not None:
-                        ctx = offload()
-                    else:
-                        ctx = contextlib.nullcontext()
-                    with ctx, amp:
-                        loss = workload.loss(model(inputs), targets)
-                    loss.backward()
-                    del inputs, targets, loss
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                    torch.cuda.synchronize()
+                    one_step(step)
                 except Exception as exc:
                     if retries_left > 0 and is_oom(exc):
                         retries_left -= 1
@@ -1044,6 +1063,11 @@ def train_measure(
                 step += 1
             after = lms_stats()
             m.peak_allocated_bytes = torch.cuda.max_memory_allocated() - base
+            if args.profile_iterations and m.method in PROFILED_METHODS:
+                try:
+                    m.profile = profile_steps(one_step, step, args.profile_iterations, log)
+                except Exception as exc:  # the row's figures stand without a profile
+                    log(f"      profile failed: {type(exc).__name__}: {exc}")
         if lms is not None and before is not None and after is not None:
             m.out_bytes_per_iter = (after["pageout_bytes"] - before["pageout_bytes"]) / iterations
             m.in_bytes_per_iter = (after["pagein_bytes"] - before["pagein_bytes"]) / iterations
@@ -1086,6 +1110,30 @@ def train_measure(
             apply_lms(LmsSettings(enabled=False))
             settle()
     return m
+
+
+def profile_steps(
+    one_step: Callable[[int], None], first: int, iterations: int, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """Runs ``iterations`` more training steps under ``torch.profiler`` (CPU and CUDA
+    activity) and returns their stream breakdown (see stream_profile.py)."""
+    import tempfile
+
+    import torch
+    from stream_profile import analyze
+
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        for step in range(first, first + iterations):
+            one_step(step)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        breakdown = analyze(json.loads(path.read_text()), iterations)
+    for line in breakdown.summary().splitlines():
+        log(f"      profile: {line}")
+    return breakdown.record()
 
 
 def describe(m: Measurement) -> str:

@@ -1,0 +1,263 @@
+"""Where the time of a training iteration goes, read from a PyTorch profiler trace.
+
+A method that moves tensors between device and host is fast when the copies overlap compute
+and each other. This module reads the Chrome trace that ``torch.profiler`` exports (Kineto's
+format: ``traceEvents`` with ``kernel``, ``gpu_memcpy``, ``gpu_memset`` and ``cuda_runtime``
+events) and answers, per iteration:
+
+- how long the compute stream (the stream with the most kernel time) ran kernels, and how
+  long it sat idle;
+- of that idle time, how much passed while a copy ran on another stream (the compute stream
+  most likely waited for it: a page-in or a page-out it depends on) and how much with the
+  whole GPU idle (nothing was queued: the host was late, or blocked in a synchronizing call);
+- how long each copy direction ran, how many bytes it moved and at what rate, and how long
+  both directions ran at once;
+- copies queued on the compute stream itself (they stall compute by construction);
+- the host's time in the CUDA runtime calls that took longest in total (a
+  ``cudaEventSynchronize`` or ``cudaStreamSynchronize`` there blocks the host, and with it
+  the launch of everything after it).
+
+No torch is needed: ``benchmarks/compare.py --profile-iterations N`` runs the profiler and
+calls :func:`analyze`; it can also be run on a saved trace (``python stream_profile.py
+TRACE.json --iterations N``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+Interval = tuple[float, float]  # start, end in microseconds
+
+
+def merge(intervals: Iterable[Interval]) -> list[Interval]:
+    """The union of ``intervals`` as sorted, disjoint intervals."""
+    out: list[Interval] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if out and start <= out[-1][1]:
+            if end > out[-1][1]:
+                out[-1] = (out[-1][0], end)
+        else:
+            out.append((start, end))
+    return out
+
+
+def length(intervals: Sequence[Interval]) -> float:
+    """Total length of disjoint ``intervals``."""
+    return sum(end - start for start, end in intervals)
+
+
+def intersect(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
+    """The intersection of two sorted, disjoint interval lists."""
+    out: list[Interval] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        start = max(a[i][0], b[j][0])
+        end = min(a[i][1], b[j][1])
+        if end > start:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def subtract(a: Sequence[Interval], b: Sequence[Interval]) -> list[Interval]:
+    """``a`` minus ``b``, both sorted and disjoint."""
+    out: list[Interval] = []
+    j = 0
+    for start, end in a:
+        cur = start
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cur:
+                out.append((cur, b[k][0]))
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < end:
+            out.append((cur, end))
+    return out
+
+
+@dataclass
+class CopyDirection:
+    busy_ms: float = 0.0
+    gib: float = 0.0
+    gb_per_s: float = 0.0  # while copying
+    count: int = 0
+
+
+@dataclass
+class StreamBreakdown:
+    """Per-iteration figures (milliseconds, GiB) of one profiled stretch of training."""
+
+    iterations: int
+    span_ms: float  # first to last GPU activity
+    compute_stream: int
+    compute_busy_ms: float  # kernels, memsets and copies on the compute stream
+    compute_idle_ms: float
+    idle_while_copying_ms: float  # compute idle while a copy ran on another stream
+    idle_gpu_idle_ms: float  # compute idle with nothing running on the GPU
+    idle_other_ms: float  # compute idle while only other streams' kernels ran
+    d2h: CopyDirection = field(default_factory=CopyDirection)
+    h2d: CopyDirection = field(default_factory=CopyDirection)
+    both_directions_ms: float = 0.0  # D2H and H2D copies running at once
+    copies_on_compute_ms: float = 0.0  # copies queued on the compute stream itself
+    copies_on_compute_gib: float = 0.0
+    runtime_calls_ms: dict[str, float] = field(default_factory=dict)  # host time, top calls
+
+    def summary(self) -> str:
+        """A few lines for a log."""
+        lines = [
+            f"per iteration over {self.iterations}: span {self.span_ms:.1f} ms, compute stream "
+            f"{self.compute_stream} busy {self.compute_busy_ms:.1f} ms, idle "
+            f"{self.compute_idle_ms:.1f} ms (copy running elsewhere "
+            f"{self.idle_while_copying_ms:.1f}, "
+            f"GPU idle {self.idle_gpu_idle_ms:.1f}, other kernels {self.idle_other_ms:.1f})",
+            f"D2H {self.d2h.busy_ms:.1f} ms, {self.d2h.gib:.2f} GiB at "
+            f"{self.d2h.gb_per_s:.1f} GB/s; H2D {self.h2d.busy_ms:.1f} ms, {self.h2d.gib:.2f} GiB "
+            f"at {self.h2d.gb_per_s:.1f} GB/s; both at once {self.both_directions_ms:.1f} ms; "
+            f"copies on the compute stream {self.copies_on_compute_ms:.1f} ms "
+            f"({self.copies_on_compute_gib:.2f} GiB)",
+        ]
+        if self.runtime_calls_ms:
+            calls = ", ".join(f"{k} {v:.1f}" for k, v in self.runtime_calls_ms.items())
+            lines.append(f"host in CUDA runtime calls (ms): {calls}")
+        return "\n".join(lines)
+
+    def record(self) -> dict[str, object]:
+        return asdict(self)
+
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")
+GiB = 1024**3
+
+
+def _direction(name: str) -> str:
+    """'d2h', 'h2d' or '' for a Kineto memcpy event name such as 'Memcpy DtoH (Device ->
+    Pinned)'."""
+    if "DtoH" in name:
+        return "d2h"
+    if "HtoD" in name:
+        return "h2d"
+    return ""
+
+
+def analyze(trace: dict[str, object], iterations: int, top_calls: int = 6) -> StreamBreakdown:
+    """The breakdown of a Chrome trace (``torch.profiler`` export) covering ``iterations``
+    training iterations. Raises ValueError when the trace holds no GPU activity."""
+    if iterations < 1:
+        raise ValueError(f"iterations must be >= 1, got {iterations}")
+    events = trace.get("traceEvents")
+    if not isinstance(events, list):
+        raise ValueError("not a Chrome trace: no 'traceEvents' list")
+    kernel_time: dict[int, float] = defaultdict(float)
+    by_stream: dict[int, list[Interval]] = defaultdict(list)
+    copies: dict[str, list[tuple[int, Interval, float]]] = {"d2h": [], "h2d": []}
+    calls: dict[str, float] = defaultdict(float)
+    for ev in events:
+        if not isinstance(ev, dict) or ev.get("ph") != "X":
+            continue
+        cat = ev.get("cat")
+        try:
+            start = float(ev["ts"])
+            end = start + float(ev.get("dur", 0.0))
+        except (KeyError, TypeError, ValueError):
+            continue
+        if cat in RUNTIME_CATEGORIES:
+            calls[str(ev.get("name", "?"))] += end - start
+            continue
+        if cat not in GPU_CATEGORIES:
+            continue
+        args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
+        assert isinstance(args, dict)
+        try:
+            stream = int(args.get("stream", -1))
+        except (TypeError, ValueError):
+            stream = -1
+        by_stream[stream].append((start, end))
+        if cat == "kernel":
+            kernel_time[stream] += end - start
+        elif cat == "gpu_memcpy":
+            direction = _direction(str(ev.get("name", "")))
+            if direction:
+                copies[direction].append((stream, (start, end), float(args.get("bytes", 0))))
+    if not by_stream:
+        raise ValueError("the trace holds no GPU activity (was CUDA profiled?)")
+    compute = max(kernel_time, key=lambda s: kernel_time[s]) if kernel_time else -1
+    all_gpu = merge(i for spans in by_stream.values() for i in spans)
+    span = (all_gpu[0][0], all_gpu[-1][1])
+    compute_busy = merge(by_stream.get(compute, []))
+    idle = subtract([span], compute_busy)
+    copy_elsewhere = merge(iv for d in copies.values() for stream, iv, _ in d if stream != compute)
+    other = merge(iv for stream, spans in by_stream.items() if stream != compute for iv in spans)
+    idle_copying = intersect(idle, copy_elsewhere)
+    idle_rest = subtract(idle, copy_elsewhere)
+    idle_other = intersect(idle_rest, other)
+    n = float(iterations)
+
+    def direction(name: str) -> CopyDirection:
+        spans = merge(iv for _, iv, _ in copies[name])
+        busy_us = length(spans)
+        nbytes = sum(b for _, _, b in copies[name])
+        return CopyDirection(
+            busy_ms=busy_us / 1000 / n,
+            gib=nbytes / GiB / n,
+            gb_per_s=nbytes / (busy_us * 1e-6) / 1e9 if busy_us > 0 else 0.0,
+            count=round(len(copies[name]) / n),
+        )
+
+    d2h_spans = merge(iv for _, iv, _ in copies["d2h"])
+    h2d_spans = merge(iv for _, iv, _ in copies["h2d"])
+    on_compute = [(iv, b) for d in copies.values() for stream, iv, b in d if stream == compute]
+    top = sorted(calls.items(), key=lambda kv: -kv[1])[:top_calls]
+    return StreamBreakdown(
+        iterations=iterations,
+        span_ms=(span[1] - span[0]) / 1000 / n,
+        compute_stream=compute,
+        compute_busy_ms=length(compute_busy) / 1000 / n,
+        compute_idle_ms=length(idle) / 1000 / n,
+        idle_while_copying_ms=length(idle_copying) / 1000 / n,
+        idle_gpu_idle_ms=(length(idle_rest) - length(idle_other)) / 1000 / n,
+        idle_other_ms=length(idle_other) / 1000 / n,
+        d2h=direction("d2h"),
+        h2d=direction("h2d"),
+        both_directions_ms=length(intersect(d2h_spans, h2d_spans)) / 1000 / n,
+        copies_on_compute_ms=length(merge(iv for iv, _ in on_compute)) / 1000 / n,
+        copies_on_compute_gib=sum(b for _, b in on_compute) / GiB / n,
+        runtime_calls_ms={k: v / 1000 / n for k, v in top},
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="Per-iteration stream breakdown of a torch.profiler Chrome trace: compute "
+        "busy and idle time, copy time and rate each way, host time in CUDA runtime calls."
+    )
+    parser.add_argument("trace", type=Path, help="Chrome trace (prof.export_chrome_trace)")
+    parser.add_argument(
+        "--iterations", type=int, default=1, help="training iterations the trace covers"
+    )
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    args = parser.parse_args(argv)
+    try:
+        trace = json.loads(args.trace.read_text())
+        result = analyze(trace, args.iterations)
+    except (OSError, json.JSONDecodeError, ValueError) as exc:
+        print(f"stream_profile.py: {args.trace}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(result.record(), indent=1) if args.json else result.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

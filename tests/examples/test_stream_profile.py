@@ -1,0 +1,119 @@
+"""benchmarks/stream_profile.py: the stream breakdown of a profiler trace, from synthetic
+Chrome traces, no GPU."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import stream_profile
+from stream_profile import analyze, intersect, merge, subtract
+
+GiB = 1 << 30
+
+
+def kernel(stream: int, ts: float, dur: float) -> dict[str, object]:
+    return {
+        "ph": "X",
+        "cat": "kernel",
+        "name": "k",
+        "ts": ts,
+        "dur": dur,
+        "args": {"stream": stream},
+    }
+
+
+def memcpy(stream: int, ts: float, dur: float, nbytes: int, kind: str) -> dict[str, object]:
+    return {
+        "ph": "X",
+        "cat": "gpu_memcpy",
+        "name": f"Memcpy {kind} (Device -> Pinned)",
+        "ts": ts,
+        "dur": dur,
+        "args": {"stream": stream, "bytes": nbytes},
+    }
+
+
+def call(name: str, ts: float, dur: float) -> dict[str, object]:
+    return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur, "args": {}}
+
+
+def test_interval_arithmetic() -> None:
+    assert merge([(5, 7), (0, 2), (1, 3), (7, 8), (4, 4)]) == [(0, 3), (5, 8)]
+    assert intersect([(0, 3), (5, 8)], [(2, 6)]) == [(2, 3), (5, 6)]
+    assert subtract([(0, 10)], [(2, 3), (5, 6), (9, 12)]) == [(0, 2), (3, 5), (6, 9)]
+    assert subtract([(0, 2), (4, 6)], []) == [(0, 2), (4, 6)]
+    assert subtract([(0, 2)], [(0, 2)]) == []
+
+
+def test_idle_time_is_split_by_what_the_rest_of_the_gpu_did() -> None:
+    # Two iterations of 1000 us each. Compute stream 7: kernels 0-400 and 1000-1400
+    # (busy 800 us in all). Stream 20 copies D2H 400-700 (2 GiB), stream 30 copies H2D
+    # 600-900 (1 GiB) and 1400-1500 (1 GiB); another kernel on stream 9 at 1600-1700;
+    # nothing on the GPU from 1700 to 1900, when a last kernel runs on stream 7 till 2000.
+    events = [
+        kernel(7, 0, 400),
+        kernel(7, 1000, 400),
+        kernel(7, 1900, 100),
+        memcpy(20, 400, 300, 2 * GiB, "DtoH"),
+        memcpy(30, 600, 300, GiB, "HtoD"),
+        memcpy(30, 1400, 100, GiB, "HtoD"),
+        kernel(9, 1600, 100),
+        call("cudaEventSynchronize", 0, 150),
+        call("cudaLaunchKernel", 0, 10),
+        call("cudaEventSynchronize", 500, 50),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},
+    ]
+    b = analyze({"traceEvents": events}, iterations=2)
+    assert b.compute_stream == 7
+    assert b.span_ms == pytest.approx(1.0)  # 2000 us over 2 iterations
+    assert b.compute_busy_ms == pytest.approx(0.45)
+    assert b.compute_idle_ms == pytest.approx(0.55)
+    # idle while a copy ran elsewhere: 400-900 and 1400-1500 = 600 us
+    assert b.idle_while_copying_ms == pytest.approx(0.3)
+    # idle with stream 9's kernel only: 1600-1700
+    assert b.idle_other_ms == pytest.approx(0.05)
+    # idle with nothing on the GPU: 900-1000, 1500-1600, 1700-1900 = 400 us
+    assert b.idle_gpu_idle_ms == pytest.approx(0.2)
+    assert b.idle_while_copying_ms + b.idle_other_ms + b.idle_gpu_idle_ms == pytest.approx(
+        b.compute_idle_ms
+    )
+    assert b.d2h.busy_ms == pytest.approx(0.15)
+    assert b.d2h.gib == pytest.approx(1.0)
+    assert b.d2h.gb_per_s == pytest.approx(2 * GiB / 300e-6 / 1e9)
+    assert b.h2d.busy_ms == pytest.approx(0.2)
+    assert b.both_directions_ms == pytest.approx(0.05)  # 600-700
+    assert b.copies_on_compute_ms == 0
+    assert list(b.runtime_calls_ms) == ["cudaEventSynchronize", "cudaLaunchKernel"]
+    assert b.runtime_calls_ms["cudaEventSynchronize"] == pytest.approx(0.1)
+
+
+def test_copies_on_the_compute_stream_count_as_its_busy_time() -> None:
+    events = [kernel(7, 0, 100), memcpy(7, 100, 50, GiB, "HtoD"), kernel(7, 150, 100)]
+    b = analyze({"traceEvents": events}, iterations=1)
+    assert b.compute_idle_ms == 0
+    assert b.copies_on_compute_ms == pytest.approx(0.05)
+    assert b.copies_on_compute_gib == pytest.approx(1.0)
+    assert b.h2d.count == 1
+
+
+def test_a_trace_without_gpu_activity_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no GPU activity"):
+        analyze({"traceEvents": [call("cudaMalloc", 0, 5)]}, iterations=1)
+    with pytest.raises(ValueError, match="traceEvents"):
+        analyze({}, iterations=1)
+    with pytest.raises(ValueError, match="iterations"):
+        analyze({"traceEvents": [kernel(7, 0, 1)]}, iterations=0)
+
+
+def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": [kernel(7, 0, 100), kernel(7, 300, 100)]}))
+    assert stream_profile.main([str(trace), "--iterations", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU idle 100.0" in out or "GPU idle 0.1" in out
+    assert stream_profile.main([str(trace), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["compute_idle_ms"] == pytest.approx(0.2)
+    assert stream_profile.main([str(tmp_path / "missing.json")]) == 1
+    assert "missing.json" in capsys.readouterr().err
