@@ -640,6 +640,45 @@ TEST_CASE(cached_blocks_go_back_when_another_process_needs_the_device) {
 
 // An operator whose own inputs, outputs so far and next allocation pass the
 // limit: the error says that no page-out could help, with the figures.
+TEST_CASE(cached_blocks_stay_under_a_limit_below_the_share) {
+  requireSimulated("a device whose size the test knows");
+  Env env(0);
+  {
+    // Start from an empty cache: earlier tests' blocks would fill the share.
+    CHECK(lms::getBackend()->releaseCachedMemory(0));
+    {
+      std::vector<StoragePtr> s;
+      for (int i = 0; i < 30; ++i) {
+        s.push_back(newStorage(4 * kMiB));
+        write(*s.back(), i);
+      }
+    }
+    const size_t cached = lms::getBackend()->reservedBytes(0);
+    CHECK(cached >= 120 * kMiB);
+    // A limit the user set below what the cache holds, with the device free
+    // otherwise: the cached blocks stand in nobody's way. Returning them
+    // synchronizes the device, which in training would happen every
+    // interval and stall it.
+    lms::setLimit(0, allocatedBytes() + 16 * kMiB);
+    size_t headroom = 0;
+    waitForDeviceSample();
+    CHECK(cached + 64 * kMiB < deviceShareNow(&headroom));
+    const auto releases = lms::getStats(0).cache_releases;
+    std::vector<StoragePtr> more;
+    for (int i = 0; i < 3; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(110));
+      more.push_back(newStorage(8 * kMiB));
+      write(*more.back(), i);
+    }
+    CHECK_EQ(lms::getStats(0).cache_releases, releases);
+    CHECK(lms::getBackend()->reservedBytes(0) >= cached);
+    for (int i = 0; i < 3; ++i) {
+      CHECK(matches(*more[i], i));
+    }
+  }
+  env.checkBaseline();
+}
+
 TEST_CASE(oom_names_the_running_operators_working_set) {
   Env env(16 * kMiB);
   {

@@ -444,18 +444,23 @@ void sampleDevice(DeviceEngine& e) {
   e.device_sampled = now;
 }
 
-// The limit set by the user (API or PYTORCH_CUDA_ALLOC_CONF), capped at this
-// process's share of the device: the device, less what others hold, less the
-// headroom every LMS process leaves free. Processes sharing a device each see
-// the others' memory here, so their limits shrink as the others grow and the
-// device never fills up with tensors of any one of them.
-size_t limitOf(DeviceEngine& e) {
-  sampleDevice(e);
-  std::lock_guard<std::mutex> lock(e.mutex);
+// This process's share of the device: the device, less what others hold, less
+// the headroom every LMS process leaves free. Processes sharing a device each
+// see the others' memory here, so their shares shrink as the others grow and
+// the device never fills up with tensors of any one of them. Engine lock held.
+size_t shareOf(const DeviceEngine& e) {
   const auto headroom = static_cast<size_t>(
       kDeviceHeadroomFraction * static_cast<double>(e.device_total));
   const size_t taken = e.device_others + headroom;
-  const size_t share = e.device_total > taken ? e.device_total - taken : 0;
+  return e.device_total > taken ? e.device_total - taken : 0;
+}
+
+// The limit set by the user (API or PYTORCH_CUDA_ALLOC_CONF), capped at this
+// process's share of the device.
+size_t limitOf(DeviceEngine& e) {
+  sampleDevice(e);
+  std::lock_guard<std::mutex> lock(e.mutex);
+  const size_t share = shareOf(e);
   const size_t user = e.user_limit != 0 ? e.user_limit : g_conf_limit.load();
   return user != 0 ? std::min(user, share) : share;
 }
@@ -465,17 +470,20 @@ size_t effectiveLimit(DeviceEngine& e) {
   return std::min(limitOf(e), backend().capacityBytes(e.device));
 }
 
-// When this process reserves more than its limit, free blocks sit in its
-// cache that another process sharing the device (or a library allocating
-// outside the allocator) may be failing for: give them back to the device.
-// Judged on the last device sample (sampleDevice), so the allocation path
-// asks the allocator for nothing more; rate-limited, because returning
-// cached memory synchronizes the device.
-void releaseCacheOverLimit(DeviceEngine& e, size_t limit) {
+// When this process reserves more than its share of the device, free blocks
+// sit in its cache that another process sharing the device (or a library
+// allocating outside the allocator) may be failing for: give them back to the
+// device. Judged on the last device sample (sampleDevice), so the allocation
+// path asks the allocator for nothing more; rate-limited, because returning
+// cached memory synchronizes the device. Not against a limit the user set
+// below the share: blocks cached above it stand in nobody's way, and
+// returning them every interval would stall training (and make the allocator
+// map the same memory again) for nothing.
+void releaseCacheOverShare(DeviceEngine& e) {
   const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(e.mutex);
-    if (e.device_reserved <= limit) {
+    if (e.device_reserved <= shareOf(e)) {
       return;
     }
     if (e.cache_released.time_since_epoch().count() != 0 &&
@@ -738,7 +746,7 @@ size_t enforceLimit(DeviceEngine& e, size_t size) {
     e.stats.over_limit_bytes.current = 0;
   }
   // After the reclaim, whose page-outs return their memory to the cache.
-  releaseCacheOverLimit(e, limit);
+  releaseCacheOverShare(e);
   if (wanted > limit) {
     return freed;
   }
