@@ -23,7 +23,12 @@ saved tensors' bytes through pack/unpack hooks for save_on_cpu, 0 for checkpoint
 its efficiency against the roofline ``max(B x uncapped time per sample, copy time)``, where
 the copy time of ``out`` bytes to and ``in`` bytes from the host is
 ``max(out / D2H, in / H2D, (out + in) / bidirectional)`` at the bandwidths measured in this
-run. The output states the gap to each goal (LMS at >= 90% of the roofline; faster than
+run. Capped rows also get two bounds from the deficit D (uncapped peak minus cap) instead
+of their own traffic: ``max(B x uncapped time per sample, copy time of D out and D in)``
+(both directions at once) and ``max(..., D / D2H + D / H2D)`` (one direction at a time, as
+in training, where the forward pass pages out and the backward pass pages back in;
+``--profile-iterations`` measures how much the two directions overlap). The output states
+the gap to each goal (LMS at >= 90% of the roofline; faster than
 save_on_cpu and checkpointing at the same cap; largest batch >= 10x the no-LMS batch; LMS on
 with everything fitting <= 2% slower than off).
 
@@ -121,6 +126,15 @@ def roofline_seconds(
     return max(compute_s_per_sample * batch, copy_seconds(out_bytes, in_bytes, bw))
 
 
+def serial_copy_seconds(out_bytes: float, in_bytes: float, bw: Bandwidth) -> float:
+    """The least time to move ``out_bytes`` to the host and then ``in_bytes`` back, one
+    direction at a time."""
+    bw.validate()
+    if out_bytes < 0 or in_bytes < 0:
+        raise ValueError("bytes moved cannot be negative")
+    return out_bytes / bw.d2h + in_bytes / bw.h2d
+
+
 def efficiency(roofline_s: float, measured_s: float) -> float:
     """Roofline time over measured time (1.0: at the roofline)."""
     if measured_s <= 0:
@@ -182,6 +196,14 @@ class Measurement:
     static_bytes: int | None = None
     roofline_s: float | None = None
     efficiency: float | None = None
+    # Against the deficit rather than the row's own traffic (capped rows at batch B): the
+    # deficit out and back in with both directions at once, and with one direction at a
+    # time (a forward pass pages out, its backward pages back in: the two directions of
+    # activation traffic hardly overlap, which --profile-iterations measures).
+    deficit_roofline_s: float | None = None
+    deficit_efficiency: float | None = None
+    serial_roofline_s: float | None = None
+    serial_efficiency: float | None = None
     largest_batch: int | None = None
     largest_batch_note: str = ""
     oom_retries: int = 0
@@ -196,10 +218,18 @@ class Measurement:
 
 
 def fill_roofline(rows: Sequence[Measurement], compute_s_per_sample: float, bw: Bandwidth) -> None:
-    """Sets ``roofline_s`` and ``efficiency`` of every measured row."""
+    """Sets ``roofline_s`` and ``efficiency`` of every measured row, and the deficit
+    rooflines of every measured row with a deficit."""
     for m in rows:
         if m.status != "ok" or m.iteration_s is None:
             continue
+        if m.deficit_bytes is not None:
+            compute = compute_s_per_sample * m.batch
+            d = float(m.deficit_bytes)
+            m.deficit_roofline_s = max(compute, copy_seconds(d, d, bw))
+            m.deficit_efficiency = efficiency(m.deficit_roofline_s, m.iteration_s)
+            m.serial_roofline_s = max(compute, serial_copy_seconds(d, d, bw))
+            m.serial_efficiency = efficiency(m.serial_roofline_s, m.iteration_s)
         m.roofline_s = roofline_seconds(
             compute_s_per_sample,
             m.batch,
@@ -425,6 +455,10 @@ MEASUREMENT_COLUMNS = (
     "peak_allocated_gib",
     "roofline_ms",
     "efficiency",
+    "deficit_roofline_ms",
+    "deficit_efficiency",
+    "serial_roofline_ms",
+    "serial_efficiency",
     "largest_batch",
     "largest_batch_note",
     "oom_retries",
@@ -468,6 +502,14 @@ def measurement_record(m: Measurement) -> dict[str, str]:
         ),
         "roofline_ms": _num(None if m.roofline_s is None else m.roofline_s * 1000, ".2f"),
         "efficiency": _num(m.efficiency, ".3f"),
+        "deficit_roofline_ms": _num(
+            None if m.deficit_roofline_s is None else m.deficit_roofline_s * 1000, ".2f"
+        ),
+        "deficit_efficiency": _num(m.deficit_efficiency, ".3f"),
+        "serial_roofline_ms": _num(
+            None if m.serial_roofline_s is None else m.serial_roofline_s * 1000, ".2f"
+        ),
+        "serial_efficiency": _num(m.serial_efficiency, ".3f"),
         "largest_batch": "" if m.largest_batch is None else str(m.largest_batch),
         "largest_batch_note": m.largest_batch_note,
         "oom_retries": str(m.oom_retries),
@@ -518,6 +560,7 @@ def measurements_markdown(records: Sequence[dict[str, str]]) -> str:
         "deficit GiB",
         "stall ms/iter",
         "efficiency",
+        "vs deficit: both ways / one at a time",
         "largest batch",
         "status",
     )
@@ -527,6 +570,8 @@ def measurements_markdown(records: Sequence[dict[str, str]]) -> str:
         if r["out_gib_per_iter"] or r["in_gib_per_iter"]:
             moved = f"{r['out_gib_per_iter'] or '0'} / {r['in_gib_per_iter'] or '0'}"
         eff = f"{float(r['efficiency']):.0%}" if r["efficiency"] else ""
+        both, serial = r.get("deficit_efficiency", ""), r.get("serial_efficiency", "")
+        vs_deficit = f"{float(both):.0%} / {float(serial):.0%}" if both and serial else ""
         largest = r["largest_batch"]
         if largest and r.get("largest_batch_note"):
             largest = f"{largest} ({r['largest_batch_note']})"
@@ -543,6 +588,7 @@ def measurements_markdown(records: Sequence[dict[str, str]]) -> str:
                 r["deficit_gib"],
                 r["stall_ms_per_iter"],
                 eff,
+                vs_deficit,
                 largest,
                 status,
             )

@@ -35,7 +35,15 @@ END = "<!-- benchmark-summary:end -->"
 DEFAULT_RESULTS = HERE / "results" / "compare"
 MODEL_ORDER = ("resnet152", "vit_l", "gpt")
 # Columns compare.py gained after results were committed: optional when reading.
-LATER_COLUMNS = ("deficit_gib", "out_vs_deficit", "lms_schedule")
+LATER_COLUMNS = (
+    "deficit_gib",
+    "out_vs_deficit",
+    "lms_schedule",
+    "deficit_roofline_ms",
+    "deficit_efficiency",
+    "serial_roofline_ms",
+    "serial_efficiency",
+)
 
 
 def _read(path: Path, columns: Sequence[str]) -> list[dict[str, str]]:

@@ -349,3 +349,29 @@ def test_methods_option_and_deficit_columns() -> None:
     assert record["lms_schedule"].startswith("period 812")
     table = compare.measurements_markdown([record])
     assert "deficit GiB" in table and "stall ms/iter" in table and "| 12.50 |" in table
+
+
+def test_deficit_rooflines_bound_both_ways_and_one_way_at_a_time() -> None:
+    # 100 ms of compute (10 ms per sample, batch 10); deficit 4 GB: out at 50 GB/s takes
+    # 80 ms, in at 40 GB/s 100 ms, both at once 8 GB / 80 GB/s = 100 ms, one after the other
+    # 180 ms.
+    m = Measurement("gpt", "lms", 2.0, 10 * GiB, 10)
+    m.iteration_s = 0.36
+    m.deficit_bytes = int(4 * GB)
+    uncapped = Measurement("gpt", "baseline", None, None, 10)
+    uncapped.iteration_s = 0.1
+    fill_roofline([m, uncapped], 0.01, BW)
+    assert m.deficit_roofline_s == pytest.approx(0.1)
+    assert m.deficit_efficiency == pytest.approx(0.1 / 0.36)
+    assert m.serial_roofline_s == pytest.approx(0.18)
+    assert m.serial_efficiency == pytest.approx(0.5)
+    assert uncapped.deficit_roofline_s is None and uncapped.serial_efficiency is None
+    record = compare.measurement_record(m)
+    assert record["serial_efficiency"] == "0.500"
+    assert "28% / 50%" in compare.measurements_markdown([record])
+    # A record written before these columns existed still renders.
+    new = ("deficit_roofline_ms", "deficit_efficiency", "serial_roofline_ms", "serial_efficiency")
+    old = {k: v for k, v in record.items() if k not in new}
+    assert "| lms |" in compare.measurements_markdown([old])
+    with pytest.raises(ValueError):
+        compare.serial_copy_seconds(-1, 0, BW)
