@@ -766,7 +766,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--iterations", type=positive_int, default=5, help="timed iterations per measurement"
     )
     parser.add_argument(
-        "--lms-limit-frac", type=fraction, default=0.8, help="LMS limit as a share of the cap"
+        "--lms-limit-frac",
+        type=fraction,
+        default=None,
+        help="LMS limit as a share of the cap (default: none set, as a user would run: LMS "
+        "keeps 5%% of the cap free for the allocator's fragmentation)",
     )
     parser.add_argument(
         "--size-mb",
@@ -904,8 +908,6 @@ def model_argv(args: argparse.Namespace) -> list[str]:
         str(args.gpt_seq),
         "--gpt-vocab",
         str(args.gpt_vocab),
-        "--lms-limit-frac",
-        str(args.lms_limit_frac),
         "--prefetch",
         str(args.prefetch),
         "--speculative-mb",
@@ -915,6 +917,8 @@ def model_argv(args: argparse.Namespace) -> list[str]:
         "--probe-iterations",
         str(args.probe_iterations),
     ]
+    if args.lms_limit_frac is not None:
+        argv += ["--lms-limit-frac", str(args.lms_limit_frac)]
     if args.image_size is not None:
         argv += ["--image-size", str(args.image_size)]
     if args.optimizer is not None:
@@ -944,7 +948,9 @@ def make_workload(args: argparse.Namespace) -> Any:
 
 
 def lms_settings(args: argparse.Namespace, cap: int | None, schedule: bool = True) -> LmsSettings:
-    limit = None if cap is None else max(1, int(cap * args.lms_limit_frac / MiB))
+    limit = None
+    if cap is not None and args.lms_limit_frac is not None:
+        limit = max(1, int(cap * args.lms_limit_frac / MiB))
     return LmsSettings(
         enabled=True,
         limit_mb=limit,

@@ -83,8 +83,9 @@ C10_CUDA_API void setEnabledObserver(EnabledObserver observer);
 // from the driver at most every few milliseconds, so processes that share a
 // device shrink their limits as the others grow; a process that holds more
 // than its share also returns its cached free blocks to the device. The
-// limit never exceeds what the allocator may hold either
-// (DeviceMemoryBackend::capacityBytes, e.g. a per-process memory fraction).
+// limit never exceeds 95% of what the allocator may hold either
+// (DeviceMemoryBackend::capacityBytes, e.g. a per-process memory fraction):
+// the rest is room for the allocator's fragmentation.
 C10_CUDA_API void setLimit(c10::DeviceIndex device, size_t bytes);
 C10_CUDA_API size_t getLimit(c10::DeviceIndex device);
 

@@ -346,7 +346,12 @@ def set_limit_lms(limit_bytes: int, device: _DeviceArg = None) -> None:
     process leaves free for memory taken outside the allocator (cuBLAS, cuDNN,
     NCCL). The share follows other processes as they grow and shrink; a
     process that holds more than its share returns its cached free blocks to
-    the device. Until a limit is set, the share alone is the limit.
+    the device. Until a limit is set, the share alone is the limit. Where the
+    allocator itself is capped (the drop-in extension under
+    :func:`torch.cuda.set_per_process_memory_fraction`), the limit in force is
+    also at most 95% of that cap: the rest is room for the allocator's
+    fragmentation, since allocating right up to the cap makes allocations fail
+    and recovering from that synchronizes the device.
 
     Args:
         limit_bytes (int): the limit in bytes; ``0`` removes it (the share
