@@ -1161,6 +1161,13 @@ def train_measure(
         if lms is not None:
             apply_lms(LmsSettings(enabled=False))
             settle()
+        # Rows share a process: memory a row leaves allocated (seen after a failed row)
+        # shrinks every later row's room under its cap. Say so where it happens.
+        left = torch.cuda.memory_allocated() - base
+        if left > MiB:
+            note = f"left {left / MiB:.0f} MiB allocated after the row (later rows have less room)"
+            m.detail = f"{m.detail}; {note}" if m.detail else note
+            log(f"    {note}")
     return m
 
 
