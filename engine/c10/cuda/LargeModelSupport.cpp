@@ -1154,10 +1154,13 @@ void refileUpcoming(DeviceEngine& e, uint64_t generation) {
 
 // The inactive storage to page out next, or null. With an active schedule:
 // the one whose next use is furthest (storages the schedule never sees again
-// first, least recently used first among equals); with `protect_until` set,
-// only one whose next use comes after that clock. Without a schedule: the
-// least recently used, and none when `protect_until` is set. Engine lock
-// held.
+// first, least recently used first among equals); with `protect_until` set
+// (an early page-out, which makes room ahead of need), only one whose next
+// use comes after that clock, and none that the schedule expects to be freed
+// unused by then: its memory comes back without a copy. (When memory is
+// needed now, such a storage is the cheapest victim: one copy out, none
+// back.) Without a schedule: the least recently used, and none when
+// `protect_until` is set. Engine lock held.
 Record* pickVictim(DeviceEngine& e, size_t threshold, uint64_t protect_until) {
   if (g_schedule_enabled.load()) {
     std::lock_guard<std::mutex> lock(g_schedule_mutex);
@@ -1169,8 +1172,13 @@ Record* pickVictim(DeviceEngine& e, size_t threshold, uint64_t protect_until) {
         if (r->size < threshold) {
           continue;
         }
-        const uint64_t next =
-            schedule.nextUse(r->touch.load(), r->size, r->gap.load());
+        const uint64_t touch = r->touch.load();
+        const uint64_t gap = r->gap.load();
+        const uint64_t next = schedule.nextUse(touch, r->size, gap);
+        if (protect_until != 0 &&
+            schedule.deathBeforeUse(touch, r->size, gap) <= protect_until) {
+          continue;
+        }
         if (best == nullptr || next > best_next) {
           best = r;
           best_next = next;
@@ -1571,6 +1579,14 @@ void makeResident(
 void deleteRecord(void* ctx) {
   auto* r = static_cast<Record*>(ctx);
   DeviceEngine& e = *r->engine;
+  if (g_schedule_enabled.load()) {
+    // Taken alone: no engine lock is held here, and the schedule's mutex is
+    // never held while a storage is freed.
+    std::lock_guard<std::mutex> lock(g_schedule_mutex);
+    if (theSchedule().active()) {
+      theSchedule().recordDeath(r->touch.load(), r->size, r->gap.load());
+    }
+  }
   {
     std::unique_lock<std::mutex> lock(e.mutex);
     e.settled.wait(lock, [&] { return !r->busy; });

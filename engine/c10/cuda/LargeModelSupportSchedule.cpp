@@ -156,6 +156,7 @@ void AccessSchedule::adopt(uint64_t period) {
   ++generation_;
   ++detections_;
   next_.clear();
+  deaths_.clear();
   const uint64_t t = clock_;
   for (uint64_t u = t - period + 1; u <= t; ++u) {
     for (const Input& in : inputs_[u % capacity_]) {
@@ -212,6 +213,7 @@ void AccessSchedule::drop() {
   ++generation_;
   ++fallbacks_;
   next_.clear();
+  deaths_.clear();
   // Candidates are kept: the pattern may resume after a short detour (an
   // evaluation step), and a candidate that still matches reconfirms.
 }
@@ -236,6 +238,42 @@ uint64_t AccessSchedule::nextUse(uint64_t touch, uint64_t size, uint64_t gap)
   return due == distances.end() ? kNever : touch + *due;
 }
 
+void AccessSchedule::recordDeath(uint64_t touch, uint64_t size, uint64_t gap) {
+  if (!active_ || touch >= clock_ || clock_ - touch > period_) {
+    return; // no schedule, freed by the operator that touched it, or kept
+            // longer than a period (not a pattern of the iteration)
+  }
+  std::vector<uint64_t>& distances = deaths_[key(touch % period_, size, gap)];
+  const uint64_t d = clock_ - touch;
+  const auto at = std::lower_bound(distances.begin(), distances.end(), d);
+  if (at == distances.end() || *at != d) {
+    distances.insert(at, d);
+  }
+}
+
+uint64_t AccessSchedule::deathBeforeUse(
+    uint64_t touch,
+    uint64_t size,
+    uint64_t gap) const {
+  if (!active_) {
+    return kNever;
+  }
+  const auto it = deaths_.find(key(touch % period_, size, gap));
+  if (it == deaths_.end()) {
+    return kNever;
+  }
+  const std::vector<uint64_t>& distances = it->second;
+  const auto due = std::lower_bound(
+      distances.begin(),
+      distances.end(),
+      clock_ > touch ? clock_ - touch : uint64_t{0});
+  if (due == distances.end()) {
+    return kNever; // such storages died sooner: this one outlived them
+  }
+  const uint64_t death = touch + *due;
+  return death < nextUse(touch, size, gap) ? death : kNever;
+}
+
 void AccessSchedule::reset() {
   clock_ = 0;
   signatures_.clear();
@@ -246,6 +284,7 @@ void AccessSchedule::reset() {
   period_ = 0;
   ++generation_;
   next_.clear();
+  deaths_.clear();
   detections_ = 0;
   fallbacks_ = 0;
 }

@@ -126,6 +126,18 @@ class C10_CUDA_API AccessSchedule {
   // no such storage again, or when every such use has passed unseen.
   uint64_t nextUse(uint64_t touch, uint64_t size, uint64_t gap) const;
 
+  // A storage of `size` bytes last touched at clock `touch` after `gap` is
+  // freed now. While a schedule is active, the schedule remembers how long
+  // after such a touch storages like it die: an early page-out of a storage
+  // that dies before the memory is needed costs a copy and saves nothing.
+  void recordDeath(uint64_t touch, uint64_t size, uint64_t gap);
+
+  // Clock at which a storage of `size` bytes last touched at clock `touch`
+  // after `gap` is expected to be freed before any further use: the soonest
+  // death of such a storage in the active schedule that is not yet past and
+  // comes before its next use; kNever when none is known.
+  uint64_t deathBeforeUse(uint64_t touch, uint64_t size, uint64_t gap) const;
+
   // Forgets everything learned, and the statistics.
   void reset();
 
@@ -198,6 +210,9 @@ class C10_CUDA_API AccessSchedule {
   // key(phase of the touch, size, gap) -> the distances to the next uses of
   // such storages in the period, ascending, without repeats.
   std::unordered_map<uint64_t, std::vector<uint64_t>> next_;
+  // The same key -> the distances from such a touch to such storages' deaths
+  // seen since the schedule was adopted, ascending, without repeats.
+  std::unordered_map<uint64_t, std::vector<uint64_t>> deaths_;
   int64_t detections_ = 0;
   int64_t fallbacks_ = 0;
   bool logging_ = false;
