@@ -63,7 +63,8 @@ from _lms_setup import (  # noqa: E402
     GiB,
     LmsSettings,
     MiB,
-    fraction,
+    add_limit_share_option,
+    add_lms_tuning_options,
     nonneg_int,
     positive_float,
     positive_int,
@@ -765,26 +766,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--iterations", type=positive_int, default=5, help="timed iterations per measurement"
     )
-    parser.add_argument(
-        "--lms-limit-frac",
-        type=fraction,
-        default=None,
-        help="LMS limit as a share of the cap (default: none set, as a user would run: LMS "
-        "keeps 5%% of the cap free for the allocator's fragmentation)",
-    )
-    parser.add_argument(
-        "--size-mb",
-        type=float,
-        default=None,
-        help="LMS size threshold in MiB (default: the build's)",
-    )
-    parser.add_argument("--prefetch", type=nonneg_int, default=0, help="LMS prefetch depth")
-    parser.add_argument(
-        "--speculative-mb",
-        type=nonneg_int,
-        default=0,
-        help="LMS speculative page-out margin in MiB",
-    )
+    add_limit_share_option(parser, default=None)
+    add_lms_tuning_options(parser)
     parser.add_argument(
         "--methods",
         type=parse_methods,
@@ -877,8 +860,6 @@ def check_args(args: argparse.Namespace) -> None:
     """Checks across arguments; raises ValueError with the problem."""
     if not 0 <= args.search_tolerance < 1:
         raise ValueError(f"--search-tolerance must be in [0, 1), got {args.search_tolerance}")
-    if args.size_mb is not None and args.size_mb < 0:
-        raise ValueError(f"--size-mb must be >= 0, got {args.size_mb}")
     if args.model == "vit_l" and args.image_size is not None and args.image_size % 16:
         raise ValueError(f"ViT-L/16 needs --image-size divisible by 16, got {args.image_size}")
     if args.model == "gpt" and args.gpt_dim % args.gpt_heads:

@@ -75,9 +75,10 @@ for _path in (HERE, HERE.parent / "examples"):
 from _lms_setup import (  # noqa: E402
     GiB,
     MiB,
+    add_limit_share_option,
+    add_lms_tuning_options,
     fraction,
     nonneg_float,
-    nonneg_int,
     positive_float,
     positive_int,
     versions,
@@ -547,16 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--iterations", type=positive_int, default=5, help="timed steps per configuration"
     )
-    parser.add_argument(
-        "--lms-limit-frac", type=fraction, default=0.8, help="LMS limit as a share of the cap"
-    )
-    parser.add_argument(
-        "--lms-size-mb",
-        type=nonneg_float,
-        default=None,
-        help="LMS size threshold in MiB (default: the build's)",
-    )
-    parser.add_argument("--lms-prefetch", type=nonneg_int, default=0, help="LMS prefetch depth")
+    add_limit_share_option(parser, default=0.8)
+    add_lms_tuning_options(parser, speculative=False, old_names=True)
     parser.add_argument(
         "--budget",
         type=budget_fraction,
@@ -660,8 +653,8 @@ def worker_spec(
         "cap_bytes": cap,
         "lms": lms,
         "lms_limit_bytes": limit,
-        "lms_size_bytes": None if args.lms_size_mb is None else int(args.lms_size_mb * MiB),
-        "lms_prefetch": args.lms_prefetch,
+        "lms_size_bytes": None if args.size_mb is None else int(args.size_mb * MiB),
+        "lms_prefetch": args.prefetch,
         "budget": budget_value,
         "offload": offload,
         "gpt": gpt_spec(args),

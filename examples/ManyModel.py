@@ -36,7 +36,7 @@ from _lms_setup import (
     GiB,
     LmsSettings,
     LmsUnavailable,
-    nonneg_float,
+    add_lms_tuning_options,
     nonneg_int,
     positive_float,
     positive_int,
@@ -85,16 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the device less other processes' memory, less 5%% headroom; never above the "
         "--memory-cap-gb cap)",
     )
-    lms.add_argument(
-        "--size-mb",
-        type=nonneg_float,
-        default=None,
-        help="smallest storage LMS pages out, MiB (default: the build's, 1 MiB)",
-    )
-    lms.add_argument("--prefetch", type=nonneg_int, default=0, help="LMS prefetch depth")
-    lms.add_argument(
-        "--speculative-mb", type=nonneg_int, default=0, help="LMS speculative page-out margin, MiB"
-    )
+    add_lms_tuning_options(lms)
     lms.add_argument(
         "--oom-retries",
         type=nonneg_int,

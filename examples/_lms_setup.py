@@ -266,3 +266,48 @@ def fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
+
+
+def add_lms_tuning_options(
+    parser: argparse._ActionsContainer,
+    *,
+    speculative: bool = True,
+    old_names: bool = False,
+) -> None:
+    """The LMS settings every example and benchmark script takes, declared once:
+    ``--size-mb`` (``args.size_mb``, None: the build's threshold), ``--prefetch``
+    (``args.prefetch``) and, with ``speculative``, ``--speculative-mb``
+    (``args.speculative_mb``). ``old_names`` also accepts ``--lms-size-mb`` and
+    ``--lms-prefetch``, the spellings benchmarks/compile_peers.py used first."""
+    size = ["--size-mb"] + (["--lms-size-mb"] if old_names else [])
+    prefetch = ["--prefetch"] + (["--lms-prefetch"] if old_names else [])
+    parser.add_argument(
+        *size,
+        dest="size_mb",
+        type=nonneg_float,
+        default=None,
+        help="smallest storage LMS pages out, MiB (unset: the build's, 1 MiB)",
+    )
+    parser.add_argument(
+        *prefetch, dest="prefetch", type=nonneg_int, default=0, help="LMS prefetch depth"
+    )
+    if speculative:
+        parser.add_argument(
+            "--speculative-mb",
+            type=nonneg_int,
+            default=0,
+            help="LMS speculative page-out margin, MiB",
+        )
+
+
+def add_limit_share_option(parser: argparse._ActionsContainer, default: float | None) -> None:
+    """``--lms-limit-frac`` (``args.lms_limit_frac``): the LMS limit as a share of the memory
+    cap a benchmark sets; None sets no limit, as a user would run (under a cap, LMS keeps 5% of
+    it free for the allocator's fragmentation)."""
+    parser.add_argument(
+        "--lms-limit-frac",
+        type=fraction,
+        default=default,
+        help="LMS limit as a share of the cap (unset: no limit, as a user would run; under a "
+        "cap, LMS keeps 5%% of it free for the allocator's fragmentation)",
+    )

@@ -473,3 +473,14 @@ def test_offload_passes_mark_and_count() -> None:
     counter = compile_peers.OffloadCounter()
     counter(gm.graph)
     assert counter.graphs == 1 and counter.nodes == 1 and counter.bytes == 64 * 64 * 4
+
+
+def test_lms_options_are_the_shared_ones_and_keep_the_old_spellings() -> None:
+    # One declaration (_lms_setup.add_lms_tuning_options) for compare.py, ManyModel.py and
+    # this script; the spellings this script used first still parse.
+    new = compile_peers.build_parser().parse_args(["--size-mb", "2", "--prefetch", "1"])
+    old = compile_peers.build_parser().parse_args(["--lms-size-mb", "2", "--lms-prefetch", "1"])
+    assert (new.size_mb, new.prefetch) == (old.size_mb, old.prefetch) == (2.0, 1)
+    assert new.lms_limit_frac == 0.8
+    with pytest.raises(SystemExit):
+        compile_peers.build_parser().parse_args(["--size-mb", "-1"])
