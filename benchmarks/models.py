@@ -347,8 +347,15 @@ class StreamOffload:
         self._stall_ms = 0.0
 
     def context(self) -> torch.autograd.graph.saved_tensors_hooks:
-        d2h = torch.cuda.Stream()
-        h2d = torch.cuda.Stream()
+        # The side streams, created at the first copy (a forward pass with nothing to copy
+        # needs no device).
+        side: dict[str, torch.cuda.Stream] = {}
+
+        def stream(name: str) -> torch.cuda.Stream:
+            if name not in side:
+                side[name] = torch.cuda.Stream()
+            return side[name]
+
         # index -> [host copy, its D2H event, (device copy, its H2D event) or None]
         entries: list[list[Any] | None] = []
 
@@ -363,7 +370,12 @@ class StreamOffload:
 
         def pack(t: torch.Tensor) -> Any:
             if keep_on_device(t):
-                return ("device", t)
+                # Detached: a saved output kept with its grad_fn would own the graph that
+                # owns it, a cycle through C++ that no garbage collection breaks, and a step
+                # abandoned before its backward (out of memory) would leak the whole graph
+                # and the model. Autograd restores the grad_fn when it unpacks.
+                return ("device", t.detach())
+            d2h = stream("d2h")
             compute = torch.cuda.current_stream()
             d2h.wait_stream(compute)
             host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -381,6 +393,7 @@ class StreamOffload:
             if entry is None or entry[2] is not None:
                 return
             host, done, _ = entry
+            h2d = stream("h2d")
             with torch.cuda.stream(h2d):
                 h2d.wait_event(done)
                 dev = torch.empty(host.shape, dtype=host.dtype, device="cuda")

@@ -118,3 +118,43 @@ def test_make_optimizer() -> None:
     assert isinstance(models.make_optimizer(model, "adamw"), torch.optim.AdamW)
     with pytest.raises(ValueError):
         models.make_optimizer(model, "lion")
+
+
+def _stack() -> torch.nn.Module:
+    # ReLU saves its output: the saved tensor whose grad_fn owns it.
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def test_stream_offload_keeps_no_graph_alive_after_an_abandoned_step() -> None:
+    import gc
+    import weakref
+
+    # On the CPU every saved tensor stays where it is, the path that parameters, views and
+    # small tensors take on a GPU. A step that fails before its backward (out of memory)
+    # must leave nothing behind: a kept tensor with its grad_fn would form a cycle through
+    # C++ that no collection breaks, and the next rows would run with less memory.
+    torch.manual_seed(0)
+    model = _stack()
+    weight = weakref.ref(model[0].weight)
+    offload = models.StreamOffload()
+    with pytest.raises(RuntimeError, match="abandoned"):
+        with offload.context():
+            out = model(torch.randn(8, 16))
+            raise RuntimeError("abandoned before backward")
+    del model, out
+    gc.collect()
+    assert weight() is None
+
+    # Nothing is lost by keeping detached tensors: the same gradients as without hooks.
+    torch.manual_seed(0)
+    plain = _stack()
+    torch.manual_seed(0)
+    hooked = _stack()
+    x = torch.randn(8, 16)
+    plain(x).square().sum().backward()
+    with offload.context():
+        y = hooked(x).square().sum()
+    y.backward()
+    for a, b in zip(plain.parameters(), hooked.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    assert offload.out_bytes == 0  # nothing left the device
