@@ -598,20 +598,27 @@ TEST_CASE(default_limit_is_the_share_other_processes_leave) {
   env.checkBaseline();
 }
 
+// Trains through 120 MiB of storages, then frees them: the allocator's cache
+// holds the memory. Returns what the allocator reserves then.
+size_t trainThenFree() {
+  {
+    std::vector<StoragePtr> s;
+    for (int i = 0; i < 30; ++i) {
+      s.push_back(newStorage(4 * kMiB));
+      write(*s.back(), i);
+    }
+  }
+  const size_t cached = lms::getBackend()->reservedBytes(0);
+  CHECK(cached >= 120 * kMiB);
+  return cached;
+}
+
 TEST_CASE(cached_blocks_go_back_when_another_process_needs_the_device) {
   requireSimulated("a device whose size the test knows");
   Env env(0);
   {
     // This process trains, then frees: its cache holds the memory.
-    {
-      std::vector<StoragePtr> s;
-      for (int i = 0; i < 30; ++i) {
-        s.push_back(newStorage(4 * kMiB));
-        write(*s.back(), i);
-      }
-    }
-    const size_t cached = lms::getBackend()->reservedBytes(0);
-    CHECK(cached >= 120 * kMiB);
+    const size_t cached = trainThenFree();
     // Another process takes what is free and then needs 64 MiB more, which
     // only this process's cache can give.
     size_t free_bytes = 0;
@@ -638,23 +645,13 @@ TEST_CASE(cached_blocks_go_back_when_another_process_needs_the_device) {
   env.checkBaseline();
 }
 
-// An operator whose own inputs, outputs so far and next allocation pass the
-// limit: the error says that no page-out could help, with the figures.
 TEST_CASE(cached_blocks_stay_under_a_limit_below_the_share) {
   requireSimulated("a device whose size the test knows");
   Env env(0);
   {
     // Start from an empty cache: earlier tests' blocks would fill the share.
     CHECK(lms::getBackend()->releaseCachedMemory(0));
-    {
-      std::vector<StoragePtr> s;
-      for (int i = 0; i < 30; ++i) {
-        s.push_back(newStorage(4 * kMiB));
-        write(*s.back(), i);
-      }
-    }
-    const size_t cached = lms::getBackend()->reservedBytes(0);
-    CHECK(cached >= 120 * kMiB);
+    const size_t cached = trainThenFree();
     // A limit the user set below what the cache holds, with the device free
     // otherwise: the cached blocks stand in nobody's way. Returning them
     // synchronizes the device, which in training would happen every
@@ -679,6 +676,8 @@ TEST_CASE(cached_blocks_stay_under_a_limit_below_the_share) {
   env.checkBaseline();
 }
 
+// An operator whose own inputs, outputs so far and next allocation pass the
+// limit: the error says that no page-out could help, with the figures.
 TEST_CASE(oom_names_the_running_operators_working_set) {
   Env env(16 * kMiB);
   {
