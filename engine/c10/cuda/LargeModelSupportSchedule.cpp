@@ -218,24 +218,32 @@ void AccessSchedule::drop() {
   // evaluation step), and a candidate that still matches reconfirms.
 }
 
-uint64_t AccessSchedule::nextUse(uint64_t touch, uint64_t size, uint64_t gap)
-    const {
+uint64_t AccessSchedule::soonestAhead(
+    const std::unordered_map<uint64_t, std::vector<uint64_t>>& table,
+    uint64_t touch,
+    uint64_t size,
+    uint64_t gap) const {
   if (!active_) {
     return kNever;
   }
-  const auto it = next_.find(key(touch % period_, size, gap));
-  if (it == next_.end()) {
+  const auto it = table.find(key(touch % period_, size, gap));
+  if (it == table.end()) {
     return kNever;
   }
-  // Storages alike in all the schedule sees may be used again at different
-  // distances: the soonest use not yet past is this storage's next one (the
-  // sooner ones were the others', which have happened).
   const std::vector<uint64_t>& distances = it->second;
   const auto due = std::lower_bound(
       distances.begin(),
       distances.end(),
       clock_ > touch ? clock_ - touch : uint64_t{0});
   return due == distances.end() ? kNever : touch + *due;
+}
+
+uint64_t AccessSchedule::nextUse(uint64_t touch, uint64_t size, uint64_t gap)
+    const {
+  // Storages alike in all the schedule sees may be used again at different
+  // distances: the soonest use not yet past is this storage's next one (the
+  // sooner ones were the others', which have happened).
+  return soonestAhead(next_, touch, size, gap);
 }
 
 void AccessSchedule::recordDeath(uint64_t touch, uint64_t size, uint64_t gap) {
@@ -255,22 +263,9 @@ uint64_t AccessSchedule::deathBeforeUse(
     uint64_t touch,
     uint64_t size,
     uint64_t gap) const {
-  if (!active_) {
-    return kNever;
-  }
-  const auto it = deaths_.find(key(touch % period_, size, gap));
-  if (it == deaths_.end()) {
-    return kNever;
-  }
-  const std::vector<uint64_t>& distances = it->second;
-  const auto due = std::lower_bound(
-      distances.begin(),
-      distances.end(),
-      clock_ > touch ? clock_ - touch : uint64_t{0});
-  if (due == distances.end()) {
-    return kNever; // such storages died sooner: this one outlived them
-  }
-  const uint64_t death = touch + *due;
+  // A death already past (this storage outlived the others like it) is no
+  // prediction, nor is one that comes after the next use.
+  const uint64_t death = soonestAhead(deaths_, touch, size, gap);
   return death < nextUse(touch, size, gap) ? death : kNever;
 }
 

@@ -191,6 +191,13 @@ class C10_CUDA_API AccessSchedule {
   void adopt(uint64_t period);
   void drop();
   static uint64_t key(uint64_t phase, uint64_t size, uint64_t gap);
+  // The clock of the soonest distance in `table` for such a storage that is
+  // not yet past; kNever when there is none (or no active schedule).
+  uint64_t soonestAhead(
+      const std::unordered_map<uint64_t, std::vector<uint64_t>>& table,
+      uint64_t touch,
+      uint64_t size,
+      uint64_t gap) const;
   // The operator at `t` against the one `period` earlier; `run`: the matches
   // of a candidate that ends there (0 for the active schedule).
   std::string describeDrop(uint64_t t, uint64_t period, uint64_t run) const;
