@@ -1579,7 +1579,9 @@ void makeResident(
 void deleteRecord(void* ctx) {
   auto* r = static_cast<Record*>(ctx);
   DeviceEngine& e = *r->engine;
-  if (g_schedule_enabled.load()) {
+  // Only storages that may be paged out matter to victim choice: the small
+  // ones, freed by the thousand, do not take the schedule's lock.
+  if (g_schedule_enabled.load() && r->size >= g_size_threshold.load()) {
     // Taken alone: no engine lock is held here, and the schedule's mutex is
     // never held while a storage is freed.
     std::lock_guard<std::mutex> lock(g_schedule_mutex);
