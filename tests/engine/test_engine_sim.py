@@ -105,3 +105,19 @@ def test_copy_benchmark_runs(sim_build: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"^\s+1 MiB\s+\d+ \|", proc.stdout, re.M), proc.stdout
     assert "LMS totals:" in proc.stdout
+
+
+def test_host_time_benchmark_runs_with_nothing_paged_out(sim_build: Path) -> None:
+    """The host-time benchmark drives every configuration, and its loop fits: the schedule
+    learns the period and nothing is paged out (it exits 1 otherwise)."""
+    proc = subprocess.run(
+        [str(executable(sim_build, "bench_lms_host")), "--iterations", "5", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for config in ("off", "reactive", "schedule"):
+        assert re.search(rf"^{config}\s+\d+", proc.stdout, re.M), proc.stdout
+    period = re.search(r"schedule period (\d+) operators, 0 page-outs", proc.stdout)
+    assert period and int(period.group(1)) > 0, proc.stdout
