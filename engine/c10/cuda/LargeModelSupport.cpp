@@ -1463,6 +1463,18 @@ void scheduleTick(DeviceEngine& e) {
   pageOutEarly(e, now + window, limit, budget);
 }
 
+// A use of `r` by the running operator, resident or over the bus: the
+// learned schedule measures distances from the last one (see
+// AccessSchedule::Use).
+void noteUse(Record& r) {
+  const uint64_t now = g_op_clock.load(std::memory_order_relaxed);
+  const uint64_t last = r.touch.load(std::memory_order_relaxed);
+  if (now > last) {
+    r.gap.store(now - last, std::memory_order_relaxed);
+    r.touch.store(now, std::memory_order_relaxed);
+  }
+}
+
 // Makes `r` resident for use on the current stream and moves it to `target`
 // (Active for pin, Allocated for raw access). Called with `lock` held.
 void makeResident(
@@ -1475,12 +1487,7 @@ void makeResident(
   const cudaStream_t stream = currentStream(e.device);
   std::vector<Record*> prefetch;
   if (target == State::Active) {
-    const uint64_t now = g_op_clock.load(std::memory_order_relaxed);
-    const uint64_t last = r.touch.load(std::memory_order_relaxed);
-    if (now > last) {
-      r.gap.store(now - last, std::memory_order_relaxed);
-      r.touch.store(now, std::memory_order_relaxed);
-    }
+    noteUse(r);
   }
   if (r.state == State::Active && target == State::Active) {
     ++r.pins;
@@ -2242,6 +2249,11 @@ void beginHostUse(c10::StorageImpl& storage) {
   DeviceEngine& e = *r->engine;
   std::unique_lock<std::mutex> lock(e.mutex);
   e.settled.wait(lock, [&] { return !r->busy; });
+  // Used over the bus is used: a storage an operator reads on the host every
+  // iteration (an optimizer's state beside parameters that leave no room for
+  // it) would otherwise look unused for ever longer, and the schedule, whose
+  // iterations touch every storage in use, would never confirm a period.
+  noteUse(*r);
   if (r->state == State::PagedOut && r->draining) {
     // Paged out early and its device memory still held: it needs no room,
     // so it is made resident again rather than used over the bus.
