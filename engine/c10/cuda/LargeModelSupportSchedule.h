@@ -12,8 +12,9 @@
 // back in ahead of their next use on a copy stream of their own.
 //
 // Storages are identified without addresses, which change every iteration:
-// each storage carries the operator clock of its last touch (its allocation
-// or its last pin) and the gap before that touch (the distance from the touch
+// each storage carries the operator clock of its last touch (its allocation,
+// its last pin, or its last use over the bus by an operator whose inputs did
+// not all fit) and the gap before that touch (the distance from the touch
 // before it, or, for an allocation, its ordinal among the allocations of its
 // operator). An operator's signature hashes its name and, for each managed
 // input, the input's size, its distance from the last touch and, for an
