@@ -244,6 +244,20 @@ def run_row(config: str, size: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def write_results(out: Path, rows: list[dict[str, Any]], raw: list[dict[str, Any]]) -> None:
+    """``host-overhead.json`` (summary, every round's rows, versions) and ``.csv`` (summary)."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "host-overhead.json", "w") as f:
+        json.dump({"rows": rows, "rounds": raw, **versions()}, f, indent=2)
+    fields: list[str] = []
+    for r in rows:
+        fields += [k for k in r if k not in fields]
+    with open(out / "host-overhead.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.row is not None:
@@ -251,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(config, size, args.layers, args.iterations)))
         return 0
     raw: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     # Rounds interleave the configurations: a host whose speed drifts (other tenants, clock
     # changes) then shifts every configuration alike, and the spread shows how much it moved.
     for round_index in range(args.rounds):
@@ -267,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['us_per_iter']:10.1f} us/iter  {row['us_per_op']:7.3f} us/op",
                     flush=True,
                 )
-    rows = summarize(raw)
+        # Written after every round: a run cut short keeps the rounds it finished.
+        rows = summarize(raw)
+        if args.out is not None:
+            write_results(args.out, rows, raw)
     print(f"\nmedian of {args.rounds} rounds")
     print("config       size       us/op  extra us/op   vs off   spread")
     for r in rows:
@@ -277,18 +295,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r.get('extra_us_per_op', 0.0):+11.3f}   {r.get('vs_off', 1.0):.3f}x"
                 f"   {r['spread']:.0%}"
             )
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        meta = versions()
-        with open(args.out / "host-overhead.json", "w") as f:
-            json.dump({"rows": rows, "rounds": raw, **meta}, f, indent=2)
-        fields: list[str] = []
-        for r in rows:
-            fields += [k for k in r if k not in fields]
-        with open(args.out / "host-overhead.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields)
-            writer.writeheader()
-            writer.writerows(rows)
     return 0 if all("us_per_op" in r for r in rows) else 1
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import host_overhead
 import pytest
 from host_overhead import parse_args, summarize
@@ -69,3 +72,14 @@ def test_every_configuration_and_size_is_measured_by_default() -> None:
     assert args.configs == list(host_overhead.CONFIGS)
     assert args.sizes == list(host_overhead.THRESHOLDS)
     assert args.rounds >= 2
+
+
+def test_results_hold_the_summary_and_every_round(tmp_path: Path) -> None:
+    raw = [row("off", "small", 1000.0), row("on", "small", 1500.0)]
+    host_overhead.write_results(tmp_path, summarize(raw), raw)
+    written = json.loads((tmp_path / "host-overhead.json").read_text())
+    assert [r["config"] for r in written["rounds"]] == ["off", "on"]
+    assert {r["config"] for r in written["rows"]} == {"off", "on"}
+    assert "torch" in written
+    lines = (tmp_path / "host-overhead.csv").read_text().splitlines()
+    assert lines[0].startswith("config,size") and len(lines) == 3
