@@ -21,8 +21,9 @@ per configuration:
     allocation path's limit checks, but no storage is managed.
 
 Each configuration runs on the same stack twice: ``small`` keeps LMS's default size threshold
-(1 MiB), above every tensor of the stack, so nothing is managed whatever the configuration;
-``managed`` lowers it to 64 KiB, so that every activation (128 KiB) and weight is managed. Per row:
+(1 MiB), above every tensor of the stack, so no tensor is managed (the cuBLAS workspaces,
+32 MiB each, are); ``managed`` lowers it to 64 KiB, so that every activation (128 KiB) and
+weight is managed. Per row:
 microseconds per iteration and per operator (operators counted at the dispatcher in one
 iteration), and the difference from ``off`` per operator. ``--rounds`` repeats every
 configuration in turn and reports the median and the spread between rounds: a shared host's
