@@ -84,23 +84,29 @@ def test_simgpu_selftest_and_unpatched_allocator_smoke(sim_build: Path) -> None:
         assert failed == 0, out[-8000:]
 
 
-def test_copy_benchmark_runs(sim_build: Path) -> None:
-    """The throughput benchmark runs end to end (figures on a simulated GPU mean nothing)."""
-    proc = subprocess.run(
-        [
-            str(executable(sim_build, "bench_lms_copy")),
-            "--min-size",
-            str(1 << 20),
-            "--max-size",
-            str(4 << 20),
-            "--total",
-            str(16 << 20),
-            "--repeat",
-            "1",
-        ],
+def run_benchmark(sim_build: Path, name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Runs one of benchmarks/engine's programs of the build."""
+    return subprocess.run(
+        [str(executable(sim_build, name)), *args],
         capture_output=True,
         text=True,
         timeout=600,
+    )
+
+
+def test_copy_benchmark_runs(sim_build: Path) -> None:
+    """The throughput benchmark runs end to end (figures on a simulated GPU mean nothing)."""
+    proc = run_benchmark(
+        sim_build,
+        "bench_lms_copy",
+        "--min-size",
+        str(1 << 20),
+        "--max-size",
+        str(4 << 20),
+        "--total",
+        str(16 << 20),
+        "--repeat",
+        "1",
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"^\s+1 MiB\s+\d+ \|", proc.stdout, re.M), proc.stdout
@@ -110,12 +116,7 @@ def test_copy_benchmark_runs(sim_build: Path) -> None:
 def test_host_time_benchmark_runs_with_nothing_paged_out(sim_build: Path) -> None:
     """The host-time benchmark drives every configuration, and its loop fits: the schedule
     learns the period and nothing is paged out (it exits 1 otherwise)."""
-    proc = subprocess.run(
-        [str(executable(sim_build, "bench_lms_host")), "--iterations", "5", "--repeat", "1"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_benchmark(sim_build, "bench_lms_host", "--iterations", "5", "--repeat", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for config in ("off", "reactive", "schedule"):
         assert re.search(rf"^{config}\s+\d+", proc.stdout, re.M), proc.stdout
