@@ -114,6 +114,25 @@ BUDGET_NAME = "activation_memory_budget"
 # Where the offload configuration counts the bytes its forward graphs offload.
 COUNT_PASS = "post_grad_custom_pre_pass"
 
+# The learned swap schedule's state after each step of an LMS row (``lms_stats`` keys).
+SCHEDULE_STEP_KEYS = (
+    "schedule_active",
+    "schedule_period",
+    "schedule_detections",
+    "schedule_fallbacks",
+)
+
+
+def describe_schedule(state: dict[str, int]) -> str:
+    """One step's schedule state in words, e.g. ``period 984 (3 adopted, 2 dropped)``."""
+    adopted = state.get("schedule_detections", 0)
+    dropped = state.get("schedule_fallbacks", 0)
+    counts = f"({adopted} adopted, {dropped} dropped)"
+    if state.get("schedule_active"):
+        return f"period {state.get('schedule_period', 0)} {counts}"
+    return f"inactive {counts}"
+
+
 CSV_NAME = "compile-peers.csv"
 JSON_NAME = "compile-peers.json"
 ROW_COLUMNS = (
@@ -328,6 +347,7 @@ class Row:
     offloaded_bytes_per_iter: float | None = None
     losses: list[float] = field(default_factory=list)
     lms: dict[str, Any] | None = None
+    schedule_steps: list[dict[str, int]] = field(default_factory=list)
     lms_backend: str = ""
     attempts: list[str] = field(default_factory=list)
     worker_seconds: float | None = None
@@ -364,6 +384,7 @@ class Row:
                 setattr(self, key, result[key])
         self.iteration_times = [float(t) for t in result.get("iteration_times", [])]
         self.losses = [float(x) for x in result.get("losses", [])]
+        self.schedule_steps = [dict(x) for x in result.get("schedule_steps", [])]
         self.lms_backend = str(result.get("lms_backend", "") or "")
         if self.iteration_times and self.status == "ok":
             self.s_per_iter = statistics.median(self.iteration_times)
@@ -542,8 +563,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--warmup",
         type=positive_int,
-        default=2,
-        help="untimed steps per configuration (the first compiles)",
+        default=5,
+        help="untimed steps per configuration (the first compiles; LMS's learned schedule "
+        "settles in the next ones)",
     )
     parser.add_argument(
         "--iterations", type=positive_int, default=5, help="timed steps per configuration"
@@ -911,6 +933,7 @@ def _train(
         losses: list[float] = []
         activation = 0
         before: dict[str, Any] | None = None
+        steps_schedule: list[dict[str, int]] = []
         for step in range(warmup + iterations):
             if step == warmup:
                 sync()
@@ -936,10 +959,22 @@ def _train(
                 result["first_step_s"] = elapsed
             if step >= warmup:
                 times.append(elapsed)
-            print(f"  step {step}: {elapsed:.3f} s, loss {losses[-1]:.4f}", file=sys.stderr)
+            schedule = ""
+            if spec["lms"]:
+                # The learned swap schedule after each step: how long it takes to settle is
+                # part of what a row's timed steps measure.
+                state = lms_snapshot() or {}
+                steps_schedule.append({key: int(state.get(key, 0)) for key in SCHEDULE_STEP_KEYS})
+                schedule = ", schedule " + describe_schedule(steps_schedule[-1])
+            print(
+                f"  step {step}: {elapsed:.3f} s, loss {losses[-1]:.4f}{schedule}",
+                file=sys.stderr,
+            )
         after = lms_snapshot()
         result["iteration_times"] = times
         result["losses"] = losses
+        if steps_schedule:
+            result["schedule_steps"] = steps_schedule
         result["activation_bytes"] = activation
         if cuda:
             result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()

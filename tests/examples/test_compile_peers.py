@@ -79,6 +79,7 @@ def test_defaults() -> None:
     assert args.configs == list(compile_peers.DEFAULT_CONFIGS)
     assert (args.gpt_layers, args.gpt_dim, args.gpt_seq, args.batch) == (12, 1024, 2048, 8)
     assert args.budget is None and args.offload_stream
+    assert (args.warmup, args.iterations) == (5, 5)
 
 
 def test_caps_and_configs_parse() -> None:
@@ -137,6 +138,18 @@ def test_cap_labels() -> None:
     assert cap_label(0.5) == "1/2"
     assert cap_label(0.25) == "1/4"
     assert cap_label(0.3) == "0.3"
+
+
+def test_schedule_state_in_words() -> None:
+    active = {
+        "schedule_active": 1,
+        "schedule_period": 984,
+        "schedule_detections": 3,
+        "schedule_fallbacks": 2,
+    }
+    assert compile_peers.describe_schedule(active) == "period 984 (3 adopted, 2 dropped)"
+    inactive = {**active, "schedule_active": 0, "schedule_period": 0}
+    assert compile_peers.describe_schedule(inactive) == "inactive (3 adopted, 2 dropped)"
 
 
 # ---------------------------------------------------------------------------------------
