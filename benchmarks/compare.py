@@ -1110,6 +1110,12 @@ def train_measure(
                 f"{after['schedule_fallbacks']} fallbacks, "
                 f"{(after['pagein_demand_count'] - before['pagein_demand_count']) / iterations:g}"
                 " demand page-ins/iter"
+                + (
+                    f", prefetch budget {after['schedule_prefetch_budget_bytes'] / MiB:.0f} MiB"
+                    f" of a {after['limit_bytes'] / MiB:.0f} MiB limit"
+                    if "schedule_prefetch_budget_bytes" in after
+                    else ""
+                )
                 if after.get("schedule_active")
                 else (
                     f"inactive, {after.get('schedule_fallbacks', 0)} fallbacks"

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -696,6 +697,110 @@ TEST_CASE(early_page_outs_leave_storages_that_die_first_alone) {
     CHECK(unread > 0); // the temporaries do make reclaims pick them
     CHECK_LE(unread, reclaimed);
     CHECK_EQ(run.mismatches, 0);
+  }
+  checkBaseline();
+}
+
+// The derived prefetch budget is an eighth of the limit while an iteration
+// pages in less than the limit holds, and grows to a quarter as it pages in
+// up to twice as much: then copies bound the iteration, and the H2D stream
+// must not wait for room.
+TEST_CASE(the_derived_prefetch_budget_follows_the_page_in_traffic) {
+  // Iterations that page in less than the limit, between one and two times
+  // it, and more than twice it.
+  enum class Traffic { Light, Middle, Heavy };
+  struct Case {
+    size_t limit;
+    Traffic traffic;
+  };
+  for (const Case c :
+       {Case{36 * kMiB, Traffic::Light},
+        Case{20 * kMiB, Traffic::Middle},
+        Case{16 * kMiB, Traffic::Heavy}}) {
+    {
+      Runner run(c.limit);
+      Model m = makeModel(run);
+      int iteration = 0;
+      for (; iteration < 4; ++iteration) {
+        iterate(run, m, iteration);
+      }
+      lms::resetAccumulatedStats(0);
+      constexpr int kMeasured = 4;
+      for (int i = 0; i < kMeasured; ++i) {
+        iterate(run, m, iteration++);
+      }
+      const lms::LmsStats st = lms::getStats(0);
+      REQUIRE(st.schedule_active == 1);
+      const auto limit = static_cast<int64_t>(st.limit_bytes);
+      const int64_t per_iteration = st.pagein_bytes / kMeasured;
+      const int64_t budget = st.schedule_prefetch_budget_bytes;
+      std::printf(
+          "  limit %lld MiB: %.1f MiB paged in per iteration, budget %.2f "
+          "MiB\n",
+          static_cast<long long>(limit / int64_t(kMiB)),
+          static_cast<double>(per_iteration) / kMiB,
+          static_cast<double>(budget) / kMiB);
+      // Each case has the traffic it is about.
+      switch (c.traffic) {
+        case Traffic::Light:
+          REQUIRE(per_iteration > 0);
+          REQUIRE(per_iteration <= limit);
+          CHECK_EQ(budget, limit / 8);
+          break;
+        case Traffic::Middle:
+          REQUIRE(per_iteration > limit);
+          REQUIRE(per_iteration < 2 * limit);
+          // An eighth of what an iteration pages in, within a percent.
+          CHECK(budget > limit / 8);
+          CHECK(budget < limit / 4);
+          CHECK(std::abs(budget - per_iteration / 8) <= per_iteration / 800);
+          break;
+        case Traffic::Heavy:
+          REQUIRE(per_iteration >= 2 * limit);
+          CHECK_EQ(budget, limit / 8 * 2);
+          break;
+      }
+      // A budget that is set is the one in force.
+      lms::setPrefetchBudget(3 * kMiB);
+      iterate(run, m, iteration++);
+      CHECK_EQ(
+          lms::getStats(0).schedule_prefetch_budget_bytes, int64_t(3 * kMiB));
+      CHECK_EQ(run.mismatches, 0);
+    }
+    checkBaseline();
+  }
+}
+
+// A page-in ahead of use takes only free memory. Where the device fills
+// before the LMS limit is reached (other processes, a memory fraction), the
+// allocator's own failure path reclaims through LMS; were it to do so for a
+// prefetch, it could page out the storages just paged in ahead, which the
+// schedule would page in again at once: a loop without end at one operator
+// boundary. Here the allocator refuses more than 30 MiB, the limit is far
+// above it, and the budget covers everything the loop pages.
+TEST_CASE(a_page_in_ahead_never_pages_out_to_make_room) {
+  {
+    Runner run(size_t(1) << 50);
+    size_t free_bytes = 0;
+    size_t total_bytes = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    cca::setMemoryFraction(30.0 * kMiB / static_cast<double>(total_bytes), 0);
+    lms::setPrefetchBudget(64 * kMiB);
+    lms::setLookahead(int(kOpsPerIteration));
+    {
+      Model m = makeModel(run);
+      for (int iteration = 0; iteration < 8; ++iteration) {
+        iterate(run, m, iteration);
+      }
+      const lms::LmsStats st = lms::getStats(0);
+      CHECK_EQ(st.schedule_active, int64_t(1));
+      // The behaviour under test happened: the device filled (the allocator
+      // failed and LMS reclaimed), and pages came in ahead of use.
+      CHECK(st.reclaim_alloc_failure > 0);
+      CHECK(st.schedule_prefetch_count > 0);
+      CHECK_EQ(run.mismatches, 0);
+    }
+    cca::setMemoryFraction(1.0, 0);
   }
   checkBaseline();
 }

@@ -49,6 +49,7 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "schedule_victims": 5,
         "schedule_prefetch_count": 4,
         "schedule_rescues": 1,
+        "schedule_prefetch_budget_bytes": 256 * MiB,
         "early_pageout_count": 2,
         "early_pageout_bytes": 2 * 4 * MiB,
         "stall_ms": 1.25,

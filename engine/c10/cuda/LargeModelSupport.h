@@ -126,7 +126,8 @@ C10_CUDA_API int getLookahead();
 
 // Bytes the schedule may have paged in ahead and not yet used, and the room
 // it keeps free under the limit by paging out early. 0 (the default) derives
-// it from the limit: one eighth of it.
+// it from the limit and the page-in traffic: an eighth of the limit, scaled
+// up to a quarter as an iteration pages in one to two times the limit.
 C10_CUDA_API void setPrefetchBudget(size_t bytes);
 C10_CUDA_API size_t getPrefetchBudget();
 
@@ -282,6 +283,9 @@ struct LmsStats {
   int64_t early_pageout_bytes = 0;
   int64_t schedule_rescues = 0;
   int64_t schedule_prefetch_count = 0;
+  // Per device: the prefetch budget in force (set or derived; 0 while no
+  // schedule is active).
+  int64_t schedule_prefetch_budget_bytes = 0;
   // Time the compute streams waited on LMS copies (page-in copies on the
   // consumer stream, and waits for page-outs whose memory they reuse).
   double stall_ms = 0.0;

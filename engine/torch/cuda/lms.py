@@ -103,6 +103,7 @@ _COUNTER_KEYS = (
     "schedule_victims",
     "schedule_prefetch_count",
     "schedule_rescues",
+    "schedule_prefetch_budget_bytes",
     "early_pageout_count",
     "early_pageout_bytes",
     "stall_ms",
@@ -506,7 +507,9 @@ def set_prefetch_budget_lms(budget_bytes: int) -> None:
 
     Args:
         budget_bytes (int): the budget in bytes; ``0`` (default) derives it from
-            the limit (one eighth of it).
+            the limit and the page-in traffic: one eighth of the limit, scaled up
+            to a quarter as an iteration pages in one to two times the limit
+            (``lms_stats()["schedule_prefetch_budget_bytes"]`` says which).
     """
     budget_bytes = _check_int("budget_bytes", budget_bytes)
     _lms_bindings()._cuda_lms_setPrefetchBudget(budget_bytes)
@@ -574,7 +577,10 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       ``early_pageout_count`` and ``early_pageout_bytes`` (page-outs made
       right after a last use, with no stream waiting for them) and
       ``schedule_rescues`` (storages used again before an early page-out
-      released their memory: no copy back was needed).
+      released their memory: no copy back was needed), and
+      ``schedule_prefetch_budget_bytes`` (the prefetch budget in force, set
+      with :func:`set_prefetch_budget_lms` or derived; 0 while no schedule is
+      active).
     - ``stall_ms``: time compute streams waited for LMS copies.
     - ``oom_count``: LMS out-of-memory errors raised.
     - ``pin_failures``: operators whose inputs could not all be made resident

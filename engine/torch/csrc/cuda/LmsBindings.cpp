@@ -221,6 +221,7 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["schedule_victims"] = stats.schedule_victims;
   dict["schedule_prefetch_count"] = stats.schedule_prefetch_count;
   dict["schedule_rescues"] = stats.schedule_rescues;
+  dict["schedule_prefetch_budget_bytes"] = stats.schedule_prefetch_budget_bytes;
   dict["early_pageout_count"] = stats.early_pageout_count;
   dict["early_pageout_bytes"] = stats.early_pageout_bytes;
   dict["stall_ms"] = stats.stall_ms;
