@@ -1003,6 +1003,14 @@ def measure_bandwidth(nbytes: int, repeats: int = 5) -> Bandwidth:
     return result
 
 
+def allocator_flushes(before: dict[str, Any], after: dict[str, Any], iterations: int) -> str:
+    """The caching allocator's retries (its cache returned to the device after a failed
+    allocation, a device synchronization) and out-of-memory errors per iteration, in words."""
+    retries = (after.get("num_alloc_retries", 0) - before.get("num_alloc_retries", 0)) / iterations
+    ooms = (after.get("num_ooms", 0) - before.get("num_ooms", 0)) / iterations
+    return f", allocator {retries:g} retries and {ooms:g} OOMs/iter"
+
+
 def train_measure(
     args: argparse.Namespace,
     workload: Any,
@@ -1051,6 +1059,7 @@ def train_measure(
             model.train()
             optimizer = workload.make_optimizer(model, args.optimizer)
             before: dict[str, Any] | None = None
+            allocator_before: dict[str, Any] = {}
 
             def one_step(step: int) -> None:
                 inputs, targets = workload.make_batch(m.batch, device, step)
@@ -1073,6 +1082,7 @@ def train_measure(
                 if step == warmup:
                     torch.cuda.synchronize()
                     before = lms_stats()
+                    allocator_before = torch.cuda.memory_stats()
                     if isinstance(counter, models.StreamOffload):
                         counter.reset()
                     elif counter is not None:
@@ -1095,6 +1105,7 @@ def train_measure(
                     m.iteration_times.append(time.perf_counter() - start)
                 step += 1
             after = lms_stats()
+            allocator_after = torch.cuda.memory_stats()
             m.peak_allocated_bytes = torch.cuda.max_memory_allocated() - base
             if args.profile_iterations and m.method in PROFILED_METHODS:
                 try:
@@ -1116,6 +1127,7 @@ def train_measure(
                     if "schedule_prefetch_budget_bytes" in after
                     else ""
                 )
+                + allocator_flushes(allocator_before, allocator_after, iterations)
                 if after.get("schedule_active")
                 else (
                     f"inactive, {after.get('schedule_fallbacks', 0)} fallbacks"

@@ -896,7 +896,24 @@ void pageIn(DeviceEngine& e, Record& r, cudaStream_t stream) {
 // without reclaiming anything. Returns false when the limit leaves no room.
 bool prefetchOne(DeviceEngine& e, Record& r, cudaStream_t stream) {
   DeviceMemoryBackend& b = backend();
-  if (b.allocatedBytes(e.device) + r.size > effectiveLimit(e)) {
+  const size_t allocated = b.allocatedBytes(e.device);
+  if (allocated + r.size > effectiveLimit(e)) {
+    return false;
+  }
+  // Only memory the allocator can give without failing: free pieces of its
+  // cache as large as the request, or room for a new segment. A failed
+  // allocation is not cheap: before it fails, the allocator returns its whole
+  // cache to the device, a device synchronization.
+  const size_t reserved = b.reservedBytes(e.device);
+  const size_t capacity = b.capacityBytes(e.device);
+  size_t room = capacity;
+  if (capacity == SIZE_MAX) {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    room = shareOf(e);
+  }
+  const bool cached = reserved >= allocated + r.size;
+  const bool segment = reserved + r.size <= room;
+  if (!cached && !segment) {
     return false;
   }
   DeviceScope guard(e.device);
