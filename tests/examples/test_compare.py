@@ -36,6 +36,14 @@ def test_copy_seconds_takes_the_binding_direction() -> None:
     assert copy_seconds(100 * GB, 100 * GB, slow_both) == pytest.approx(200 / 60)
 
 
+def test_allocator_flushes_per_iteration() -> None:
+    before = {"num_alloc_retries": 10, "num_ooms": 4}
+    after = {"num_alloc_retries": 40, "num_ooms": 9}
+    assert compare.allocator_flushes(before, after, 5) == (", allocator 6 retries and 1 OOMs/iter")
+    # A torch without the counters reports none rather than failing the row.
+    assert compare.allocator_flushes({}, {}, 5) == ", allocator 0 retries and 0 OOMs/iter"
+
+
 def test_roofline_is_compute_or_copies() -> None:
     # 10 ms per sample, batch 8: 80 ms of compute
     assert roofline_seconds(0.010, 8, 1 * GB, 1 * GB, BW) == pytest.approx(0.080)
