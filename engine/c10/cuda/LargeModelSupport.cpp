@@ -900,10 +900,11 @@ bool prefetchOne(DeviceEngine& e, Record& r, cudaStream_t stream) {
   if (allocated + r.size > effectiveLimit(e)) {
     return false;
   }
-  // Only memory the allocator can give without failing: free pieces of its
-  // cache as large as the request, or room for a new segment. A failed
-  // allocation is not cheap: before it fails, the allocator returns its whole
-  // cache to the device, a device synchronization.
+  // Only memory the allocator can likely give without failing: at least the
+  // request free in its cache, or room for a new segment. A failed allocation
+  // is not cheap: before it fails, the allocator returns its whole cache to
+  // the device, a device synchronization. (A fragmented cache can still fail
+  // it; then nothing is reclaimed for it, see NoReclaimScope.)
   const size_t reserved = b.reservedBytes(e.device);
   const size_t capacity = b.capacityBytes(e.device);
   size_t room = capacity;
@@ -1155,10 +1156,10 @@ size_t prefetchBudget(size_t limit, size_t paged_in_per_iteration) {
   // than the limit holds. Below that, copies rarely bound the iteration, and
   // a larger budget only pages out more early (the margin it keeps free).
   // Past it, they do: the H2D stream must never wait for room, and the extra
-  // early page-outs pay for themselves. On an H100 a budget of a quarter made
-  // GPT and ViT-L at 4x oversubscription (iterations paging in 3.8-3.9 times
-  // the limit) 2% and 11% faster, and GPT at 1.5x (0.6 times) 8% slower;
-  // half the limit made GPT at 4x no faster than an eighth.
+  // early page-outs pay for themselves. A quarter was faster than an eighth
+  // where iterations paged in several times the limit and slower where they
+  // paged in less; half was no faster than a quarter (measured on an H100:
+  // benchmarks/results/prefetch-budget-h100-2026-11-24/).
   const double scale = std::clamp(
       static_cast<double>(paged_in_per_iteration) /
           static_cast<double>(std::max<size_t>(limit, 1)),
