@@ -1172,8 +1172,8 @@ size_t prefetchBudget(size_t limit, size_t paged_in_per_iteration) {
 // one boundary a period after the last to the next). Engine lock held.
 void measureIteration(DeviceEngine& e, uint64_t now, uint64_t period) {
   const int64_t paged_in = e.stats.pagein_bytes;
-  if (now < e.iteration_began || paged_in < e.iteration_pagein_base) {
-    // A new schedule's clock or reset statistics: start over.
+  if (now < e.iteration_began) {
+    // A clock that went back (the schedule was reset): start over.
     e.iteration_began = now;
     e.iteration_pagein_base = paged_in;
     e.pagein_last_iteration = 0;
@@ -2246,6 +2246,10 @@ void resetAccumulatedStats(c10::DeviceIndex device) {
   DeviceEngine& e = engineFor(device);
   {
     std::lock_guard<std::mutex> lock(e.mutex);
+    // The prefetch budget's measurement of the iteration under way goes on
+    // across the reset (statistics are the user's; the engine's behaviour
+    // must not depend on when they are reset).
+    e.iteration_pagein_base -= e.stats.pagein_bytes;
     LmsStats fresh;
     fresh.managed_bytes = e.stats.managed_bytes;
     fresh.active_bytes = e.stats.active_bytes;
