@@ -3,6 +3,7 @@
 // small device capacity skip with a reason on a real GPU.
 
 #include "lms_test.h"
+#include "lms_test_allocator.h"
 #include "lms_test_data.h"
 
 #include <c10/core/StorageImpl.h>
@@ -509,11 +510,8 @@ TEST_CASE(side_stream_unpin_orders_page_out) {
 TEST_CASE(device_allocation_failure_triggers_reclaim) {
   Env env(size_t(1) << 50); // no limit: only the failure trigger
   {
-    size_t free_bytes = 0;
-    size_t total_bytes = 0;
-    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
     // Cap what the caching allocator may reserve at 48 MiB.
-    cca::setMemoryFraction(48.0 * kMiB / total_bytes, 0);
+    const lms_test::AllocatorCap cap(48 * kMiB);
     std::vector<StoragePtr> s;
     for (int i = 0; i < 40; ++i) { // 160 MiB through a 48 MiB device
       s.push_back(newStorage(4 * kMiB));
@@ -529,7 +527,6 @@ TEST_CASE(device_allocation_failure_triggers_reclaim) {
     }
     CHECK_EQ(mismatches, 0);
     s.clear();
-    cca::setMemoryFraction(1.0, 0);
   }
   env.checkBaseline();
 }
@@ -681,10 +678,7 @@ TEST_CASE(cached_blocks_stay_under_a_limit_below_the_share) {
 TEST_CASE(oom_names_the_running_operators_working_set) {
   Env env(16 * kMiB);
   {
-    size_t free_bytes = 0;
-    size_t total_bytes = 0;
-    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    cca::setMemoryFraction(24.0 * kMiB / total_bytes, 0);
+    const lms_test::AllocatorCap cap(24 * kMiB);
     std::vector<StoragePtr> inputs;
     for (int i = 0; i < 3; ++i) { // 12 MiB pinned by the operator
       inputs.push_back(newStorage(4 * kMiB));
@@ -710,7 +704,6 @@ TEST_CASE(oom_names_the_running_operators_working_set) {
     }
     inputs.clear();
     output.reset();
-    cca::setMemoryFraction(1.0, 0);
   }
   env.checkBaseline();
 }
@@ -718,10 +711,7 @@ TEST_CASE(oom_names_the_running_operators_working_set) {
 TEST_CASE(pinned_working_set_too_large_gives_lms_oom) {
   Env env(size_t(1) << 50);
   {
-    size_t free_bytes = 0;
-    size_t total_bytes = 0;
-    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    cca::setMemoryFraction(32.0 * kMiB / total_bytes, 0);
+    const lms_test::AllocatorCap cap(32 * kMiB);
     std::vector<StoragePtr> pinned;
     bool threw = false;
     try {
@@ -742,7 +732,6 @@ TEST_CASE(pinned_working_set_too_large_gives_lms_oom) {
       lms::unpin(*s);
     }
     pinned.clear();
-    cca::setMemoryFraction(1.0, 0);
   }
   env.checkBaseline();
 }

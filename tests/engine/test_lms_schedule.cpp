@@ -11,6 +11,7 @@
 // prefetch_late) or is a demand page-in (pagein_demand_count).
 
 #include "lms_test.h"
+#include "lms_test_allocator.h"
 #include "lms_test_data.h"
 
 #include <c10/core/StorageImpl.h>
@@ -788,10 +789,7 @@ TEST_CASE(the_derived_prefetch_budget_follows_the_page_in_traffic) {
 TEST_CASE(a_page_in_ahead_never_pages_out_to_make_room) {
   {
     Runner run(size_t(1) << 50);
-    size_t free_bytes = 0;
-    size_t total_bytes = 0;
-    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    cca::setMemoryFraction(30.0 * kMiB / static_cast<double>(total_bytes), 0);
+    const lms_test::AllocatorCap cap(30 * kMiB);
     lms::setPrefetchBudget(64 * kMiB);
     lms::setLookahead(int(kOpsPerIteration));
     {
@@ -807,7 +805,6 @@ TEST_CASE(a_page_in_ahead_never_pages_out_to_make_room) {
       CHECK(st.schedule_prefetch_count > 0);
       CHECK_EQ(run.mismatches, 0);
     }
-    cca::setMemoryFraction(1.0, 0);
   }
   checkBaseline();
 }
@@ -858,10 +855,7 @@ TEST_CASE(inputs_used_over_the_bus_keep_the_schedule) {
     // The allocator refuses more than 40 MiB: of the step's five 12 MiB
     // inputs, two are used over the bus every time. The first of them is the
     // one whose pin failed; the others are not even tried.
-    size_t free_bytes = 0;
-    size_t total_bytes = 0;
-    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    cca::setMemoryFraction(40.0 * kMiB / static_cast<double>(total_bytes), 0);
+    const lms_test::AllocatorCap cap(40 * kMiB);
     {
       Tensor w = run.make(12 * kMiB, 1);
       Tensor s1 = run.make(12 * kMiB, 2);
@@ -879,7 +873,6 @@ TEST_CASE(inputs_used_over_the_bus_keep_the_schedule) {
       CHECK_EQ(st.schedule_period, int64_t(2));
       CHECK_EQ(run.mismatches, 0);
     }
-    cca::setMemoryFraction(1.0, 0);
   }
   checkBaseline();
 }
