@@ -56,7 +56,7 @@ std::atomic<EnabledObserver> g_enabled_observer{nullptr};
 // schedule" below): on by default, so that LMS with defaults is the fast path.
 std::atomic<bool> g_schedule_enabled{true};
 std::atomic<int> g_lookahead_ops{0}; // 0: derived from the period
-std::atomic<size_t> g_prefetch_budget{0}; // 0: derived from the limit
+std::atomic<size_t> g_prefetch_budget{0}; // 0: derived (prefetchBudget())
 // Clock of the last operator the schedule recorded; stamps storages' touches
 // without taking the schedule's lock.
 std::atomic<uint64_t> g_op_clock{0};
@@ -267,12 +267,11 @@ struct DeviceEngine {
   size_t prefetched_bytes = 0;
   // Page-in traffic per iteration of the schedule, which scales the derived
   // prefetch budget (prefetchBudget()): the clock and the page-in bytes at
-  // the start of the iteration being measured, the bytes paged in over the
-  // last whole one, and the budget of the last operator boundary.
+  // the start of the iteration being measured, and the bytes paged in over
+  // the last whole one.
   uint64_t iteration_began = 0;
   int64_t iteration_pagein_base = 0;
   size_t pagein_last_iteration = 0;
-  size_t prefetch_budget = 0;
   // Schedule statistics at the last resetAccumulatedStats().
   int64_t detections_base = 0;
   int64_t fallbacks_base = 0;
@@ -1541,7 +1540,6 @@ void scheduleTick(DeviceEngine& e) {
     }
     measureIteration(e, now, period);
     budget = prefetchBudget(limit, e.pagein_last_iteration);
-    e.prefetch_budget = budget;
   }
   const uint64_t window = lookaheadOps(period);
   prefetchUpcoming(e, now, window, budget);
@@ -2192,9 +2190,11 @@ LmsStats getStats(c10::DeviceIndex device) {
   DeviceEngine& e = engineFor(device);
   pollStalls(e, /*wait=*/false);
   LmsStats s;
+  size_t paged_in_last_iteration = 0;
   {
     std::lock_guard<std::mutex> lock(e.mutex);
     s = e.stats;
+    paged_in_last_iteration = e.pagein_last_iteration;
   }
   {
     std::lock_guard<std::mutex> lock(e.stall_mutex);
@@ -2208,14 +2208,14 @@ LmsStats getStats(c10::DeviceIndex device) {
     s.schedule_detections = schedule.detections() - e.detections_base;
     s.schedule_fallbacks = schedule.fallbacks() - e.fallbacks_base;
   }
-  if (s.schedule_active != 0) {
-    std::lock_guard<std::mutex> lock(e.mutex);
-    s.schedule_prefetch_budget_bytes = static_cast<int64_t>(e.prefetch_budget);
-  }
   const HostPool::Usage host = hostPool().usage();
   s.host_bytes.current = host.held_bytes;
   s.host_bytes.peak = host.peak_held_bytes;
   s.limit_bytes = g_backend.load() != nullptr ? effectiveLimit(e) : 0;
+  if (s.schedule_active != 0) {
+    s.schedule_prefetch_budget_bytes = static_cast<int64_t>(
+        prefetchBudget(s.limit_bytes, paged_in_last_iteration));
+  }
   if (DeviceMemoryBackend* b = g_backend.load()) {
     const auto pools = static_cast<int64_t>(b->privatePoolBytes(device));
     std::lock_guard<std::mutex> lock(e.mutex);
