@@ -22,9 +22,21 @@ One model (the GPT-style decoder of ``benchmarks/models.py``, sized by ``--gpt-*
    they exist (``--no-offload-stream`` for the synchronous variant; an error in the stream
    variant is retried once synchronously);
 4. ``compiled_lms``: compiled under the cap with LMS on (the drop-in extension or a patched
-   build), limit ``--lms-limit-frac`` x cap;
+   build), limit ``--lms-limit-frac`` x cap, default settings: the learned swap schedule and
+   the page-ins planned by the compiled graphs (``set_graph_prefetch_lms``) both on;
 5. ``eager_lms``: the same model eager, LMS on, under the same cap;
 6. ``eager`` (only when named in ``--configs``): eager, uncapped, LMS off.
+
+Only when named in ``--configs``, compiled LMS rows that turn one source of swap-schedule
+knowledge off, to tell what each does: ``compiled_learned_lms`` (the learned schedule alone,
+graph prefetch off), ``compiled_graph_lms`` (the graphs' plan alone, learned schedule off) and
+``compiled_reactive_lms`` (both off: least recently used reclaim, demand page-ins).
+
+``--vary-seq`` gives every step its own sequence length (between half and all of
+``--gpt-seq``, a multiple of 64, the same sequence of lengths in every configuration), as
+training on unpadded batches of varying length does: Dynamo compiles a graph with a dynamic
+length after the second length it sees, and the learned schedule, which needs iterations
+that repeat, never settles.
 
 The caps are fractions (``--caps``, default 1/2 and 1/4) of the compiled reference's peak
 allocated memory, applied with ``torch.cuda.set_per_process_memory_fraction`` as the
@@ -87,14 +99,21 @@ from _lms_setup import (  # noqa: E402
 # Configurations, in the order they run at each cap (the reference runs first, uncapped).
 REFERENCE = "compiled"
 CAPPED_CONFIGS = ("compiled_lms", "compiled_budget", "compiled_offload", "eager_lms")
+# Compiled LMS rows with one source of the swap schedule off (only when named).
+SCHEDULE_VARIANTS = ("compiled_learned_lms", "compiled_graph_lms", "compiled_reactive_lms")
+SCHEDULE_OFF = ("compiled_graph_lms", "compiled_reactive_lms")
+GRAPH_PREFETCH_OFF = ("compiled_learned_lms", "compiled_reactive_lms")
 UNCAPPED_EXTRAS = ("eager",)
-ALL_CONFIGS = (REFERENCE, *CAPPED_CONFIGS, *UNCAPPED_EXTRAS)
+ALL_CONFIGS = (REFERENCE, *CAPPED_CONFIGS, *SCHEDULE_VARIANTS, *UNCAPPED_EXTRAS)
 DEFAULT_CONFIGS = (REFERENCE, *CAPPED_CONFIGS)
 DESCRIPTIONS = {
     "compiled": "torch.compile, uncapped, LMS off (the reference)",
     "compiled_budget": "torch.compile + AOTAutograd activation_memory_budget (recompute)",
     "compiled_offload": "torch.compile + compile-time activation offloading",
     "compiled_lms": "torch.compile + LMS",
+    "compiled_learned_lms": "torch.compile + LMS, learned schedule only (graph prefetch off)",
+    "compiled_graph_lms": "torch.compile + LMS, compiled graphs' plan only (schedule off)",
+    "compiled_reactive_lms": "torch.compile + LMS, reactive (schedule and graph prefetch off)",
     "eager_lms": "eager + LMS",
     "eager": "eager, uncapped, LMS off",
 }
@@ -162,6 +181,17 @@ ENV_COLUMNS = ("device", "torch", "cuda", "lms_backend", "date")
 # ---------------------------------------------------------------------------------------
 # Discovery of the installed torch's offloading options (no GPU needed)
 # ---------------------------------------------------------------------------------------
+
+
+def sequence_length(longest: int, step: int) -> int:
+    """The sequence length of ``step`` under ``--vary-seq``: between half of ``longest`` and
+    all of it, a multiple of 64 (or ``longest`` when it is shorter), the same in every
+    configuration, rarely the same two steps in a row."""
+    if longest <= 64:
+        return longest
+    shortest = max(64, longest // 2 // 64 * 64)
+    choices = list(range(shortest, longest + 1, 64))
+    return choices[(step * 7) % len(choices)]
 
 
 def config_names(module: Any) -> list[str]:
@@ -561,6 +591,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--amp", action="store_true", help="bf16 autocast (default fp32 with TF32 matmuls)"
     )
     parser.add_argument(
+        "--vary-seq",
+        action="store_true",
+        help="a sequence length of its own for every step (half to all of --gpt-seq)",
+    )
+    parser.add_argument(
         "--warmup",
         type=positive_int,
         default=5,
@@ -677,6 +712,10 @@ def worker_spec(
         "lms_limit_bytes": limit,
         "lms_size_bytes": None if args.size_mb is None else int(args.size_mb * MiB),
         "lms_prefetch": args.prefetch,
+        # Which sources of the swap schedule are on (None: the build's defaults).
+        "lms_schedule": False if config in SCHEDULE_OFF else None,
+        "lms_graph_prefetch": False if config in GRAPH_PREFETCH_OFF else None,
+        "vary_seq": args.vary_seq,
         "budget": budget_value,
         "offload": offload,
         "gpt": gpt_spec(args),
@@ -702,6 +741,18 @@ def describe_settings(spec: dict[str, Any]) -> str:
     if spec.get("lms"):
         limit = spec.get("lms_limit_bytes")
         parts.append("LMS" + (f" limit {limit / GiB:.2f} GiB" if limit else ""))
+        off = [
+            name
+            for key, name in (
+                ("lms_schedule", "schedule"),
+                ("lms_graph_prefetch", "graph prefetch"),
+            )
+            if spec.get(key) is False
+        ]
+        if off:
+            parts.append(" and ".join(off) + " off")
+    if spec.get("vary_seq"):
+        parts.append("varying sequence length")
     if spec.get("budget") is not None:
         parts.append(f"{BUDGET_NAME}={spec['budget']:g}")
     if spec.get("offload"):
@@ -917,6 +968,10 @@ def _train(
             if spec.get("lms_size_bytes") is not None:
                 torch.cuda.set_size_lms(int(spec["lms_size_bytes"]))
             torch.cuda.set_prefetch_lms(int(spec.get("lms_prefetch", 0)))
+            if spec.get("lms_schedule") is not None:
+                torch.cuda.set_schedule_lms(bool(spec["lms_schedule"]))
+            if spec.get("lms_graph_prefetch") is not None:
+                torch.cuda.set_graph_prefetch_lms(bool(spec["lms_graph_prefetch"]))
             torch.cuda.set_enabled_lms(True)
             torch.cuda.reset_accumulated_lms_stats()
             torch.cuda.reset_peak_lms_stats()
@@ -930,6 +985,7 @@ def _train(
             step_fn = torch.compile(model, backend=spec.get("backend", "inductor"))
         warmup, iterations = int(spec["warmup"]), int(spec["iterations"])
         times: list[float] = []
+        step_times: list[float] = []
         losses: list[float] = []
         activation = 0
         before: dict[str, Any] | None = None
@@ -942,6 +998,9 @@ def _train(
                     result["warmup_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
                     torch.cuda.reset_peak_memory_stats()
             inputs, targets = make_batch(spec["batch"], device, step)
+            if spec.get("vary_seq"):
+                length = sequence_length(cfg.seq, step)
+                inputs, targets = inputs[:, :length], targets[:, :length]
             sync()
             start = time.perf_counter()
             at_start = allocated()
@@ -955,6 +1014,7 @@ def _train(
             del inputs, targets, loss
             sync()
             elapsed = time.perf_counter() - start
+            step_times.append(elapsed)
             if step == 0:
                 result["first_step_s"] = elapsed
             if step >= warmup:
@@ -972,6 +1032,7 @@ def _train(
             )
         after = lms_snapshot()
         result["iteration_times"] = times
+        result["step_times"] = step_times
         result["losses"] = losses
         if steps_schedule:
             result["schedule_steps"] = steps_schedule
@@ -1184,7 +1245,7 @@ def run_benchmark(
         for share in args.caps:
             cap = int(share * peak)
             log(f"== cap {cap_label(share)} of the compiled peak: {cap / GiB:.2f} GiB")
-            for config in CAPPED_CONFIGS:
+            for config in (*CAPPED_CONFIGS, *SCHEDULE_VARIANTS):
                 if config not in args.configs:
                     continue
                 row = Row(config, share, cap)

@@ -48,6 +48,8 @@ API_NAMES: tuple[str, ...] = (
     "get_lookahead_lms",
     "set_prefetch_budget_lms",
     "get_prefetch_budget_lms",
+    "set_graph_prefetch_lms",
+    "get_graph_prefetch_lms",
     "reset_lms_schedule",
     "reclaim_inactive",
     "lms_stats",

@@ -606,6 +606,125 @@ void checkBaseline() {
   }
 }
 
+// A compiled graph knows the order in which it uses its inputs and says so
+// (pageInAhead) before it needs them: the backward pass below names the next
+// three saved activations before each layer, with the learned schedule off.
+// Storages it names are paged in ahead of use, within the budget; when the
+// limit leaves no room, others (least recently used, not named) are paged out
+// early to make some. Returns the statistics of the last two iterations.
+// (Peak demand: weights 12 MiB, activations 24 MiB, an input and two
+// gradients, about 48 MiB.)
+lms::LmsStats trainWithGraphPlan(size_t limit, bool plan) {
+  Runner run(limit);
+  lms::setScheduleEnabled(false);
+  lms::setGraphPrefetchEnabled(plan);
+  lms::setPrefetchBudget(12 * kMiB);
+  lms::LmsStats st;
+  {
+    Model m = makeModel(run);
+    for (int iteration = 0; iteration < 4; ++iteration) {
+      if (iteration == 2) {
+        lms::resetAccumulatedStats(0);
+      }
+      const uint64_t base = static_cast<uint64_t>(iteration) * 1000;
+      Tensor x;
+      run.op("input", {}, [&] { x = run.output(kActivation, base + 999); });
+      run.endOutputs();
+      std::vector<Tensor> acts;
+      acts.reserve(kLayers);
+      Tensor* prev = &x;
+      for (int i = 0; i < kLayers; ++i) {
+        Tensor a;
+        run.op("forward", {&m.weights[i], prev}, [&] {
+          a = run.output(kActivation, base + i);
+        });
+        run.endOutputs();
+        acts.push_back(a);
+        prev = &acts.back();
+      }
+      Tensor grad;
+      run.op("loss", {&acts.back()}, [&] {
+        grad = run.output(kActivation, base + 100);
+      });
+      run.endOutputs();
+      for (int i = kLayers - 1; i >= 0; --i) {
+        std::vector<c10::StorageImpl*> next;
+        for (int j = i - 1; j >= std::max(0, i - 3); --j) {
+          next.push_back(acts[j].storage.get());
+          next.push_back(m.weights[j].storage.get());
+        }
+        lms::pageInAhead(
+            c10::ArrayRef<c10::StorageImpl*>(next.data(), next.size()));
+        Tensor out;
+        run.op("backward", {&m.weights[i], &acts[i], &grad}, [&] {
+          out = run.output(kActivation, base + 200 + i);
+        });
+        run.endOutputs();
+        grad = out;
+        acts[i] = Tensor{};
+      }
+      for (int i = 0; i < kLayers; ++i) {
+        run.op("step", {&m.weights[i]}, [&] {
+          run.update(m.weights[i], base + 300 + i);
+        });
+      }
+    }
+    st = lms::getStats(0);
+    CHECK_EQ(run.mismatches, 0);
+  }
+  lms::setScheduleEnabled(true);
+  lms::setGraphPrefetchEnabled(true);
+  return st;
+}
+
+TEST_CASE(a_compiled_graph_plan_pages_in_ahead_without_a_schedule) {
+  const lms::LmsStats off = trainWithGraphPlan(28 * kMiB, false);
+  checkBaseline();
+  const lms::LmsStats on = trainWithGraphPlan(28 * kMiB, true);
+  checkBaseline();
+  std::printf(
+      "  demand page-ins %lld without the plan, %lld with it; %lld planned "
+      "page-ins, %lld hits, %lld early page-outs for room\n",
+      static_cast<long long>(off.pagein_demand_count),
+      static_cast<long long>(on.pagein_demand_count),
+      static_cast<long long>(on.graph_prefetch_count),
+      static_cast<long long>(on.prefetch_hits),
+      static_cast<long long>(on.graph_pageout_count));
+  // The behaviour under test happened: storages were paged out, and without
+  // the plan every one came back on demand.
+  CHECK(off.pageout_count > 0);
+  CHECK(off.pagein_demand_count > 0);
+  CHECK_EQ(off.graph_prefetch_count, int64_t(0));
+  CHECK_EQ(off.graph_pageout_count, int64_t(0));
+  // With it, named storages came in ahead and were found resident.
+  CHECK(on.graph_prefetch_count > 0);
+  CHECK(on.prefetch_hits > 0);
+  CHECK(on.pagein_demand_count < off.pagein_demand_count);
+  // No schedule was learned: the plan did it alone.
+  CHECK_EQ(on.schedule_prefetch_count, int64_t(0));
+}
+
+// Under a limit that the backward pass fills, the plan's page-ins find no
+// room: storages it does not name are paged out early for them, and the
+// next call pages in.
+TEST_CASE(a_compiled_graph_plan_makes_room_for_its_page_ins) {
+  const lms::LmsStats off = trainWithGraphPlan(24 * kMiB, false);
+  checkBaseline();
+  const lms::LmsStats on = trainWithGraphPlan(24 * kMiB, true);
+  checkBaseline();
+  std::printf(
+      "  demand page-ins %lld without the plan, %lld with it; %lld planned "
+      "page-ins, %lld early page-outs for room\n",
+      static_cast<long long>(off.pagein_demand_count),
+      static_cast<long long>(on.pagein_demand_count),
+      static_cast<long long>(on.graph_prefetch_count),
+      static_cast<long long>(on.graph_pageout_count));
+  CHECK(on.graph_pageout_count > 0);
+  CHECK(on.early_pageout_count >= on.graph_pageout_count);
+  CHECK(on.graph_prefetch_count > 0);
+  CHECK(on.pagein_demand_count < off.pagein_demand_count);
+}
+
 TEST_CASE(training_loop_runs_on_the_learned_schedule) {
   {
     // Peak demand: weights 12 MiB, activations 24 MiB, two gradients and an
@@ -924,8 +1043,10 @@ TEST_CASE(victims_are_chosen_by_next_use_not_recency) {
 
 TEST_CASE(schedule_settings_parse) {
   lms::parseConfig(
-      "lms_schedule:False,lms_lookahead:12,lms_prefetch_budget_mb:64");
+      "lms_schedule:False,lms_lookahead:12,lms_prefetch_budget_mb:64,"
+      "lms_graph_prefetch:False");
   CHECK(!lms::isScheduleEnabled());
+  CHECK(!lms::isGraphPrefetchEnabled());
   CHECK_EQ(lms::getLookahead(), 12);
   CHECK_EQ(lms::getPrefetchBudget(), size_t(64 * kMiB));
   CHECK_THROWS_AS(
@@ -935,9 +1056,13 @@ TEST_CASE(schedule_settings_parse) {
       c10::Error,
       "whole number");
   CHECK_THROWS_AS(lms::setLookahead(-1), c10::Error, ">= 0");
+  CHECK_THROWS_AS(
+      lms::parseConfigOption("lms_graph_prefetch", "1"), c10::Error, "True");
   lms::parseConfig(
-      "lms_schedule:True,lms_lookahead:0,lms_prefetch_budget_mb:0");
+      "lms_schedule:True,lms_lookahead:0,lms_prefetch_budget_mb:0,"
+      "lms_graph_prefetch:True");
   CHECK(lms::isScheduleEnabled());
+  CHECK(lms::isGraphPrefetchEnabled());
   CHECK_EQ(lms::getLookahead(), 0);
   CHECK_EQ(lms::getPrefetchBudget(), size_t(0));
 }

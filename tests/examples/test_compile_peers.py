@@ -152,6 +152,38 @@ def test_schedule_state_in_words() -> None:
     assert compile_peers.describe_schedule(inactive) == "inactive (3 adopted, 2 dropped)"
 
 
+def test_varying_sequence_lengths() -> None:
+    lengths = [compile_peers.sequence_length(2048, step) for step in range(40)]
+    assert all(1024 <= n <= 2048 and n % 64 == 0 for n in lengths)
+    assert len(set(lengths)) > 10  # many lengths: the loop never repeats with a short period
+    assert all(a != b for a, b in zip(lengths, lengths[1:]))
+    assert lengths == [compile_peers.sequence_length(2048, step) for step in range(40)]
+    assert compile_peers.sequence_length(48, 3) == 48
+
+
+@pytest.mark.parametrize(
+    ("config", "schedule", "graph", "words"),
+    [
+        ("compiled_lms", None, None, None),
+        ("compiled_learned_lms", None, False, "graph prefetch off"),
+        ("compiled_graph_lms", False, None, "schedule off"),
+        ("compiled_reactive_lms", False, False, "schedule and graph prefetch off"),
+    ],
+)
+def test_schedule_variants(config: str, schedule: Any, graph: Any, words: str | None) -> None:
+    args = parse(*TINY, "--configs", config, "--vary-seq")
+    assert config in args.configs
+    spec = compile_peers.worker_spec(args, config, 1 << 30)
+    assert spec["lms"] and spec["compile"] and spec["vary_seq"]
+    assert (spec["lms_schedule"], spec["lms_graph_prefetch"]) == (schedule, graph)
+    described = compile_peers.describe_settings(spec)
+    assert "varying sequence length" in described
+    if words:
+        assert words in described
+    else:
+        assert " off" not in described
+
+
 # ---------------------------------------------------------------------------------------
 # Discovery of the offloading options
 # ---------------------------------------------------------------------------------------
@@ -456,16 +488,20 @@ def test_failed_reference_stops_the_run(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("config", "extra"), [("eager", {}), ("compiled_budget", {"budget": 0.3})])
+@pytest.mark.parametrize(
+    ("config", "extra"),
+    [("eager", {"vary": True}), ("compiled_budget", {"budget": 0.3})],
+)
 def test_worker_process_on_the_cpu(config: str, extra: dict[str, Any], tmp_path: Path) -> None:
     pytest.importorskip("torch.nn", reason="needs a torch wheel (the CPU one is enough)")
-    args = parse(*TINY)
+    args = parse(*TINY, *(["--vary-seq"] if extra.get("vary") else []))
     spec = compile_peers.worker_spec(args, config, None, budget_value=extra.get("budget"))
     spec.update(device="cpu", backend="aot_eager")
     env = compile_peers.child_environment(tmp_path / "cache")
     result = compile_peers.subprocess_runner(spec, tmp_path / "w.log", env, 300)
     assert result["status"] == "ok", (result, (tmp_path / "w.log").read_text()[-3000:])
     assert len(result["iteration_times"]) == 2 and len(result["losses"]) == 3
+    assert len(result["step_times"]) == 3
     assert result["environment"]["torch"]
     assert result.get("lms_backend") is None
 

@@ -52,6 +52,9 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "schedule_prefetch_budget_bytes": 256 * MiB,
         "early_pageout_count": 2,
         "early_pageout_bytes": 2 * 4 * MiB,
+        "graph_prefetch_count": 3,
+        "graph_prefetch_bytes": 3 * 4 * MiB,
+        "graph_pageout_count": 1,
         "stall_ms": 1.25,
         "oom_count": 0,
         "pin_failures": 0,
@@ -79,6 +82,7 @@ class FakeBindings:
             "prefetch": 0,
             "speculative": 0,
             "schedule": 1,
+            "graph_prefetch": 1,
             "lookahead": 0,
             "budget": 0,
         }
@@ -137,6 +141,12 @@ class FakeBindings:
 
     def _cuda_lms_getPrefetchBudget(self) -> int:
         return self.values["budget"]
+
+    def _cuda_lms_setGraphPrefetch(self, enabled: bool) -> None:
+        self.values["graph_prefetch"] = int(enabled)
+
+    def _cuda_lms_getGraphPrefetch(self) -> bool:
+        return bool(self.values["graph_prefetch"])
 
     def _cuda_lms_resetSchedule(self) -> None:
         self._record("resetSchedule")
@@ -201,6 +211,9 @@ def test_settings_reach_the_bindings(lms: ModuleType) -> None:
     assert lms.get_lookahead_lms() == 32
     lms.set_prefetch_budget_lms(256 * MiB)
     assert lms.get_prefetch_budget_lms() == 256 * MiB
+    assert lms.get_graph_prefetch_lms() is True
+    lms.set_graph_prefetch_lms(False)
+    assert lms.get_graph_prefetch_lms() is False
     lms.reset_lms_schedule()
     assert lms.fake.calls[-1] == ("resetSchedule", ())
     assert lms.reclaim_inactive() == 8 * MiB
@@ -233,6 +246,7 @@ def test_numpy_integers_are_sizes(lms: ModuleType) -> None:
         (lambda m: m.set_lookahead_lms(-1), ValueError, "operators must be >= 0"),
         (lambda m: m.set_lookahead_lms(2**31), ValueError, "operators must be <= 2147483647"),
         (lambda m: m.set_prefetch_budget_lms(-1), ValueError, "budget_bytes must be >= 0"),
+        (lambda m: m.set_graph_prefetch_lms(1), TypeError, "enable must be a bool, got int"),
         (lambda m: m.lms_storage_state([1, 2]), TypeError, "tensor must be a torch.Tensor"),
         (lambda m: m._lms_access(None), TypeError, "tensor must be a torch.Tensor"),
         (lambda m: m.set_limit_lms(MiB, device="cpu"), ValueError, "Expected a cuda device"),

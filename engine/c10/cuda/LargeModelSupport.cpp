@@ -57,6 +57,8 @@ std::atomic<EnabledObserver> g_enabled_observer{nullptr};
 std::atomic<bool> g_schedule_enabled{true};
 std::atomic<int> g_lookahead_ops{0}; // 0: derived from the period
 std::atomic<size_t> g_prefetch_budget{0}; // 0: derived (prefetchBudget())
+// Page-ins planned by compiled graphs (pageInAhead): on by default.
+std::atomic<bool> g_graph_prefetch{true};
 // Clock of the last operator the schedule recorded; stamps storages' touches
 // without taking the schedule's lock.
 std::atomic<uint64_t> g_op_clock{0};
@@ -1515,6 +1517,152 @@ void pageOutEarly(
   }
 }
 
+// Page-ins planned by compiled code (pageInAhead): what it does on one
+// device, for the records of `planned` that live there, soonest first.
+size_t pageInAheadOn(DeviceEngine& e, const std::vector<Record*>& planned) {
+  // Early page-outs whose copies are done give their memory back first: it
+  // is the room the page-ins below need.
+  drainPageOuts(e, 0);
+  bool scheduled = false;
+  if (g_schedule_enabled.load()) {
+    std::lock_guard<std::mutex> lock(g_schedule_mutex);
+    scheduled = theSchedule().active();
+  }
+  const size_t limit = effectiveLimit(e);
+  const cudaStream_t stream = currentStream(e.device);
+  size_t budget = 0;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    budget = prefetchBudget(limit, e.pagein_last_iteration);
+  }
+  size_t started = 0;
+  size_t index = 0;
+  for (; index < planned.size(); ++index) {
+    Record* r = planned[index];
+    {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      if (r->engine != &e || r->busy || r->state != State::PagedOut) {
+        continue;
+      }
+      if (e.prefetched_bytes + r->size > budget) {
+        return started;
+      }
+      if (r->draining) {
+        // Its memory is still there: no copy back.
+        rescueDrained(e, *r);
+        r->prefetched = true;
+        e.prefetched_bytes += r->size;
+        continue;
+      }
+      e.pagedout_list.remove(r);
+      removeUpcoming(e, *r);
+      r->busy = true;
+    }
+    bool ok = false;
+    try {
+      ok = prefetchOne(e, *r, stream);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      r->busy = false;
+      e.pagedout_list.push_back(r);
+      addUpcoming(e, *r);
+      e.settled.notify_all();
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(e.mutex);
+    r->busy = false;
+    if (!ok) {
+      e.pagedout_list.push_back(r);
+      addUpcoming(e, *r);
+      e.settled.notify_all();
+      break;
+    }
+    ++e.stats.graph_prefetch_count;
+    e.stats.graph_prefetch_bytes += static_cast<int64_t>(r->size);
+    markPrefetched(e, *r);
+    e.settled.notify_all();
+    started += r->size;
+  }
+  if (index == planned.size() || scheduled) {
+    // While a learned schedule is active, its early page-outs keep the room
+    // (and choose victims by next use, which least recently used would
+    // second-guess).
+    return started;
+  }
+  // No room under the limit for the next page-ins of the plan: page out, on
+  // the D2H stream and without a hand-back, least recently used storages that
+  // the plan does not name, so that a later call finds the room.
+  size_t wanted = 0;
+  size_t pending = 0; // draining: released by the next drain
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    size_t ahead = e.prefetched_bytes;
+    for (size_t i = index; i < planned.size(); ++i) {
+      const Record* r = planned[i];
+      if (r->engine != &e || r->state != State::PagedOut || r->draining) {
+        continue;
+      }
+      if (ahead + r->size > budget) {
+        break;
+      }
+      ahead += r->size;
+      wanted += r->size;
+    }
+    pending = e.draining_bytes;
+  }
+  const size_t allocated = backend().allocatedBytes(e.device);
+  const size_t expected = allocated > pending ? allocated - pending : 0;
+  if (expected + wanted <= limit) {
+    return started;
+  }
+  size_t needed = expected + wanted - limit;
+  const size_t threshold = g_size_threshold.load();
+  while (needed > 0) {
+    StorageRef keep_alive; // destroyed after the victim is no longer busy
+    Record* victim = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
+        if (r->size >= threshold && !r->prefetched &&
+            std::find(planned.begin(), planned.end(), r) == planned.end()) {
+          victim = r;
+          break;
+        }
+      }
+      if (victim == nullptr) {
+        return started;
+      }
+      e.reclaim_list.remove(victim);
+      victim->busy = true;
+    }
+    bool ok = false;
+    try {
+      ok = pageOut(e, *victim, keep_alive, /*hand_back=*/false);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      victim->busy = false;
+      e.reclaim_list.push_back(victim);
+      e.settled.notify_all();
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(e.mutex);
+    victim->busy = false;
+    if (!ok) {
+      e.reclaim_list.push_back(victim);
+      e.settled.notify_all();
+      return started;
+    }
+    e.draining_bytes += victim->size;
+    ++e.stats.early_pageout_count;
+    e.stats.early_pageout_bytes += static_cast<int64_t>(victim->size);
+    ++e.stats.graph_pageout_count;
+    markPagedOut(e, *victim, e.draining_list);
+    e.settled.notify_all();
+    needed -= std::min(needed, victim->size);
+  }
+  return started;
+}
+
 // What the schedule does at an operator boundary for one device.
 void scheduleTick(DeviceEngine& e) {
   drainPageOuts(e, 0);
@@ -1872,6 +2020,37 @@ size_t getPrefetchBudget() {
   return g_prefetch_budget.load();
 }
 
+void setGraphPrefetchEnabled(bool enabled) {
+  g_graph_prefetch.store(enabled);
+}
+
+bool isGraphPrefetchEnabled() {
+  return g_graph_prefetch.load();
+}
+
+size_t pageInAhead(c10::ArrayRef<c10::StorageImpl*> storages) {
+  if (!isEnabled() || !g_graph_prefetch.load()) {
+    return 0;
+  }
+  std::vector<Record*> planned;
+  planned.reserve(storages.size());
+  c10::SmallVector<DeviceEngine*, 2> engines;
+  for (c10::StorageImpl* storage : storages) {
+    if (Record* r = recordOf(*storage)) {
+      planned.push_back(r);
+      if (std::find(engines.begin(), engines.end(), r->engine) ==
+          engines.end()) {
+        engines.push_back(r->engine);
+      }
+    }
+  }
+  size_t started = 0;
+  for (DeviceEngine* e : engines) {
+    started += pageInAheadOn(*e, planned);
+  }
+  return started;
+}
+
 void resetSchedule() {
   std::lock_guard<std::mutex> lock(g_schedule_mutex);
   theSchedule().reset();
@@ -1995,6 +2174,8 @@ bool parseConfigOption(std::string_view key, std::string_view value) {
     setLookahead(parseCount(key, value));
   } else if (key == "lms_prefetch_budget_mb") {
     setPrefetchBudget(mebibytes(key, value));
+  } else if (key == "lms_graph_prefetch") {
+    setGraphPrefetchEnabled(parseBool(key, value));
   } else {
     return false;
   }
@@ -2007,7 +2188,8 @@ void parseConfig(const char* conf, bool only_lms_keys, const char* source) {
   }
   constexpr const char* kKeys =
       "lms, lms_limit_mb, lms_size_mb, lms_prefetch, lms_speculative_mb, "
-      "lms_schedule, lms_lookahead, lms_prefetch_budget_mb";
+      "lms_schedule, lms_lookahead, lms_prefetch_budget_mb, "
+      "lms_graph_prefetch";
   // Same syntax as the caching allocator: "key:value,key:value".
   std::string_view rest(conf);
   while (!rest.empty()) {

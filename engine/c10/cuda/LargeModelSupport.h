@@ -134,6 +134,13 @@ C10_CUDA_API size_t getPrefetchBudget();
 // Forgets the learned schedule (LMS is reactive until it learns again).
 C10_CUDA_API void resetSchedule();
 
+// Page-ins ahead of use planned by compiled code (pageInAhead below): a
+// compiled graph knows the order in which it uses its inputs from the first
+// iteration on, also where the learned schedule never settles (shapes that
+// change every iteration). On by default; off, pageInAhead does nothing.
+C10_CUDA_API void setGraphPrefetchEnabled(bool enabled);
+C10_CUDA_API bool isGraphPrefetchEnabled();
+
 // Applies one PYTORCH_CUDA_ALLOC_CONF option. Returns false when `key` is not
 // an LMS option; throws c10::Error for a bad value. Keys:
 //   lms:True|False            enable
@@ -144,6 +151,7 @@ C10_CUDA_API void resetSchedule();
 //   lms_schedule:True|False   learned swap schedule
 //   lms_lookahead:<count>     schedule lookahead in operators (0: derived)
 //   lms_prefetch_budget_mb:<MiB>  schedule prefetch budget (0: derived)
+//   lms_graph_prefetch:True|False page-ins planned by compiled graphs
 C10_CUDA_API bool parseConfigOption(
     std::string_view key,
     std::string_view value);
@@ -217,6 +225,16 @@ C10_CUDA_API void beginOperator(
     std::string_view name,
     c10::ArrayRef<c10::StorageImpl*> inputs);
 
+// Compiled code says which storages it uses next, soonest first: the
+// paged-out ones are paged in ahead of use on the H2D stream, in that order,
+// while the bytes paged in ahead and not yet used stay within the prefetch
+// budget (setPrefetchBudget) and the limit has room, without reclaiming
+// anything. When the limit leaves no room, storages of none of `storages`
+// are paged out early, least recently used first, so that a later call
+// finds it. Returns the bytes whose page-in was started. Unmanaged storages
+// are ignored; does nothing while LMS or graph prefetch is off.
+C10_CUDA_API size_t pageInAhead(c10::ArrayRef<c10::StorageImpl*> storages);
+
 // Pages out every inactive storage of `device` now; returns the bytes freed.
 C10_CUDA_API size_t reclaimInactive(c10::DeviceIndex device);
 
@@ -286,6 +304,11 @@ struct LmsStats {
   // Per device: the prefetch budget in force (set or derived; 0 while no
   // schedule is active).
   int64_t schedule_prefetch_budget_bytes = 0;
+  // Per device: page-ins ahead of use started by pageInAhead (a compiled
+  // graph's plan), and the early page-outs it made to find room for them.
+  int64_t graph_prefetch_count = 0;
+  int64_t graph_prefetch_bytes = 0;
+  int64_t graph_pageout_count = 0;
   // Time the compute streams waited on LMS copies (page-in copies on the
   // consumer stream, and waits for page-outs whose memory they reuse).
   double stall_ms = 0.0;

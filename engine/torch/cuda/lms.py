@@ -9,7 +9,8 @@ Every tensor an operator reads or writes is resident while the operator runs.
 Enable LMS before the tensors it should manage are created, with
 :func:`set_enabled_lms` or ``PYTORCH_CUDA_ALLOC_CONF=lms:True`` (further keys:
 ``lms_limit_mb``, ``lms_size_mb``, ``lms_prefetch``, ``lms_speculative_mb``,
-``lms_schedule``, ``lms_lookahead``, ``lms_prefetch_budget_mb``).
+``lms_schedule``, ``lms_lookahead``, ``lms_prefetch_budget_mb``,
+``lms_graph_prefetch``).
 
 Learned swap schedule (on by default): LMS records the order in which
 operators use storages. Once a training iteration has repeated twice, it pages
@@ -53,6 +54,7 @@ from torch.types import Device
 
 __all__ = [
     "get_enabled_lms",
+    "get_graph_prefetch_lms",
     "get_limit_lms",
     "get_lookahead_lms",
     "get_prefetch_budget_lms",
@@ -67,6 +69,7 @@ __all__ = [
     "reset_lms_schedule",
     "reset_peak_lms_stats",
     "set_enabled_lms",
+    "set_graph_prefetch_lms",
     "set_limit_lms",
     "set_lookahead_lms",
     "set_prefetch_budget_lms",
@@ -106,6 +109,9 @@ _COUNTER_KEYS = (
     "schedule_prefetch_budget_bytes",
     "early_pageout_count",
     "early_pageout_bytes",
+    "graph_prefetch_count",
+    "graph_prefetch_bytes",
+    "graph_pageout_count",
     "stall_ms",
     "oom_count",
     "pin_failures",
@@ -524,6 +530,33 @@ def get_prefetch_budget_lms() -> int:
     return int(_lms_bindings()._cuda_lms_getPrefetchBudget())
 
 
+def set_graph_prefetch_lms(enable: bool) -> None:
+    r"""Enable or disable page-ins planned by compiled graphs.
+
+    ``torch.compile`` knows the order in which a compiled graph uses its inputs
+    (for a backward graph, the activations its forward saved). With this on
+    (the default) and LMS enabled when a graph is compiled, Inductor's
+    generated code says, as the graph runs, which of its inputs come next
+    (``torch.ops.lms.page_in_ahead``), and LMS pages the paged-out ones in
+    ahead of use on a copy stream, within the prefetch budget
+    (:func:`set_prefetch_budget_lms`). It acts from the first iteration and
+    also where the learned schedule never settles (shapes that change every
+    iteration). Graphs compiled while it is off carry no such calls; turning
+    it off later makes the calls do nothing.
+
+    Args:
+        enable (bool): ``True`` to enable, ``False`` to disable.
+    """
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
+    _lms_bindings()._cuda_lms_setGraphPrefetch(enable)
+
+
+def get_graph_prefetch_lms() -> bool:
+    r"""Return whether compiled graphs plan page-ins (see :func:`set_graph_prefetch_lms`)."""
+    return bool(_lms_bindings()._cuda_lms_getGraphPrefetch())
+
+
 def reset_lms_schedule() -> None:
     r"""Forget the learned swap schedule.
 
@@ -581,6 +614,11 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       ``schedule_prefetch_budget_bytes`` (the prefetch budget in force, set
       with :func:`set_prefetch_budget_lms` or derived; 0 while no schedule is
       active).
+    - Page-ins planned by compiled graphs (see :func:`set_graph_prefetch_lms`),
+      per device: ``graph_prefetch_count`` and ``graph_prefetch_bytes``
+      (page-ins ahead of use started because a compiled graph said it uses the
+      storage next) and ``graph_pageout_count`` (early page-outs made to find
+      room for them while no learned schedule was active).
     - ``stall_ms``: time compute streams waited for LMS copies.
     - ``oom_count``: LMS out-of-memory errors raised.
     - ``pin_failures``: operators whose inputs could not all be made resident

@@ -170,6 +170,27 @@ void access(const at::Tensor& tensor) {
   engine::access(storageOf(tensor, "_cuda_lms_access"));
 }
 
+int64_t pageInAhead(const std::vector<at::Tensor>& tensors) {
+  std::vector<c10::StorageImpl*> storages;
+  storages.reserve(tensors.size());
+  for (const at::Tensor& tensor : tensors) {
+    if (tensor.defined() && tensor.has_storage() && tensor.is_cuda()) {
+      storages.push_back(tensor.unsafeGetTensorImpl()
+                             ->unsafe_storage()
+                             .unsafeGetStorageImpl());
+    }
+  }
+  return asInt(engine::pageInAhead(storages));
+}
+
+void setGraphPrefetch(bool enabled) {
+  engine::setGraphPrefetchEnabled(enabled);
+}
+
+bool getGraphPrefetch() {
+  return engine::isGraphPrefetchEnabled();
+}
+
 } // namespace
 
 // The Python layer (torch/cuda/lms.py) validates arguments with friendlier
@@ -224,6 +245,9 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["schedule_prefetch_budget_bytes"] = stats.schedule_prefetch_budget_bytes;
   dict["early_pageout_count"] = stats.early_pageout_count;
   dict["early_pageout_bytes"] = stats.early_pageout_bytes;
+  dict["graph_prefetch_count"] = stats.graph_prefetch_count;
+  dict["graph_prefetch_bytes"] = stats.graph_prefetch_bytes;
+  dict["graph_pageout_count"] = stats.graph_pageout_count;
   dict["stall_ms"] = stats.stall_ms;
   dict["oom_count"] = stats.oom_count;
   dict["pin_failures"] = stats.pin_failures;
@@ -287,6 +311,15 @@ void initLmsBindings(PyObject* module) {
   m.def(
       "_cuda_lms_pinForLaunch",
       torch::wrap_pybind_function_no_gil(&pinForLaunch));
+  m.def(
+      "_cuda_lms_pageInAhead",
+      torch::wrap_pybind_function_no_gil(&pageInAhead));
+  m.def(
+      "_cuda_lms_setGraphPrefetch",
+      torch::wrap_pybind_function(&setGraphPrefetch));
+  m.def(
+      "_cuda_lms_getGraphPrefetch",
+      torch::wrap_pybind_function(&getGraphPrefetch));
 }
 
 } // namespace torch::cuda::lms

@@ -143,8 +143,13 @@ void unpinAll(c10::SmallVector<PinnedStorage, 8>& pinned) {
 // backward node in "autograd::engine::evaluate_function: ..." with no
 // inputs, and counting it as the outermost operator would leave the
 // operators inside the node, which read the saved activations, unpinned.
+//
+// LMS's own operators (namespace lms::, e.g. lms::page_in_ahead, which
+// compiled graphs call to say what they use next) are not boundaries either:
+// pinning their inputs would page in at once what they ask to page in ahead.
 bool isOperator(const at::RecordFunction& fn) {
-  return fn.operator_name().has_value();
+  const auto& name = fn.operator_name();
+  return name.has_value() && name->name.rfind("lms::", 0) != 0;
 }
 
 std::string mib(size_t bytes) {
