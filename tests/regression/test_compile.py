@@ -316,6 +316,10 @@ def test_compiled_decoder_under_a_share_of_its_compiled_peak(
     record("stall_ms_per_iter", round(stats["stall_ms"] / DECODER_STEPS, 1))
     assert stats["pageout_bytes"] > 0, "LMS trained under the cap without paging anything out"
     assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
+    # The compiled graphs said what they use next (lms::page_in_ahead), and LMS paged some
+    # of it in ahead (in the first steps at least, before the learned schedule settles).
+    record("graph_prefetch_count", stats["graph_prefetch_count"])
+    assert stats["graph_prefetch_count"] > 0, "the compiled graphs' plan paged nothing in"
     assert capped.peak_bytes <= cap
     if difference is None:
         mismatch = first_difference(reference, capped)

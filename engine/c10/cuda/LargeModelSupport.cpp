@@ -1520,6 +1520,12 @@ void pageOutEarly(
 // Page-ins planned by compiled code (pageInAhead): what it does on one
 // device, for the records of `planned` that live there, soonest first.
 size_t pageInAheadOn(DeviceEngine& e, const std::vector<Record*>& planned) {
+  const cudaStream_t stream = currentStream(e.device);
+  if (isCapturing(stream)) {
+    // A CUDA graph captures the compiled code that says this: copies cannot
+    // be captured, and the graph's inputs are resident for its replays.
+    return 0;
+  }
   // Early page-outs whose copies are done give their memory back first: it
   // is the room the page-ins below need.
   drainPageOuts(e, 0);
@@ -1529,7 +1535,6 @@ size_t pageInAheadOn(DeviceEngine& e, const std::vector<Record*>& planned) {
     scheduled = theSchedule().active();
   }
   const size_t limit = effectiveLimit(e);
-  const cudaStream_t stream = currentStream(e.device);
   size_t budget = 0;
   {
     std::lock_guard<std::mutex> lock(e.mutex);
