@@ -9,7 +9,7 @@ the wheel), the CUDA runtime headers and libcudart (CUDA_HOME, default
 
 The LMS engine (engine/c10/cuda), operator-boundary pinning
 (engine/aten/src/ATen/cuda), the Python bindings (engine/torch/csrc/cuda) and
-the torch.cuda LMS API (engine/torch/cuda/lms.py)
+the torch.cuda LMS API (engine/torch/cuda/lms.py, and _lms_graph.py beside it)
 are shared with the patched PyTorch build; they are copied from the repository
 into this folder at build time so the installed package is self-contained.
 """
@@ -54,6 +54,8 @@ MANIFEST = _engine_manifest()
 ENGINE_FILES = [p.as_posix() for p in MANIFEST.cxx_files(ENGINE)]
 ENGINE_SOURCES = [p.as_posix() for p in MANIFEST.cxx_sources(ENGINE)]
 API_MODULE = "torch/cuda/lms.py"
+# Imported by lms.py as the module beside it (torch_lms._lms_graph here).
+GRAPH_MODULE = "torch/cuda/_lms_graph.py"
 
 
 def copy_if_changed(src: Path, dst: Path) -> None:
@@ -70,6 +72,7 @@ def vendor_shared_sources() -> None:
     for rel in ENGINE_FILES:
         copy_if_changed(ENGINE / rel, VENDOR / rel)
     copy_if_changed(ENGINE / API_MODULE, HERE / "torch_lms" / "lms.py")
+    copy_if_changed(ENGINE / GRAPH_MODULE, HERE / "torch_lms" / "_lms_graph.py")
 
 
 def cuda_home() -> Path:

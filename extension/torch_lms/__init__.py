@@ -34,7 +34,8 @@ def _check_torch() -> None:
 
 _check_torch()
 
-# lms is the shared torch/cuda/lms.py, copied into the package at build time.
+# lms is the shared torch/cuda/lms.py, copied into the package at build time (with
+# _lms_graph.py, which lms.py imports when Inductor's configuration is imported).
 from torch_lms import _C, lms  # noqa: E402
 from torch_lms._integration import API_NAMES, install  # noqa: E402
 

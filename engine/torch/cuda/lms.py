@@ -254,6 +254,28 @@ _WRAP_ON_IMPORT: dict[str, Callable[[ModuleType], None]] = {
     _CUDAGRAPH_TREES: _resident_graph_inputs,
 }
 
+# Inductor's configuration, whose post_grad_custom_post_pass gets the LMS page-in hint pass.
+_INDUCTOR_CONFIG = "torch._inductor.config"
+
+
+def _install_graph_prefetch(module: ModuleType) -> None:
+    """Installs the post-grad pass of ``_lms_graph`` (the module beside this one) that puts
+    page-in hints into compiled graphs."""
+    package = __name__.rpartition(".")[0] or "torch.cuda"
+    try:
+        graph = importlib.import_module(f"{package}._lms_graph")
+    except ImportError:  # a build or package without it
+        return
+    try:
+        graph.install(module)
+    except Exception as e:  # never break the import of Inductor's configuration
+        import warnings
+
+        warnings.warn(f"LMS: page-in hints for compiled graphs not installed: {e}", stacklevel=2)
+
+
+_WRAP_ON_IMPORT[_INDUCTOR_CONFIG] = _install_graph_prefetch
+
 
 class _WrapOnImport(importlib.abc.MetaPathFinder):
     """Wraps Inductor's kernel launcher and CUDA graph recorder when their modules are
