@@ -725,6 +725,59 @@ TEST_CASE(a_compiled_graph_plan_makes_room_for_its_page_ins) {
   CHECK(on.pagein_demand_count < off.pagein_demand_count);
 }
 
+// Once a learned schedule is active it pages in ahead what a compiled graph
+// would name (and knows the rest of the iteration): the plan steps aside.
+TEST_CASE(a_compiled_graph_plan_steps_aside_for_a_learned_schedule) {
+  {
+    Runner run(36 * kMiB);
+    lms::setPrefetchBudget(12 * kMiB);
+    lms::setLookahead(6);
+    Model m = makeModel(run);
+    for (int iteration = 0; iteration < 4; ++iteration) {
+      iterate(run, m, iteration);
+    }
+    REQUIRE(lms::getStats(0).schedule_active == 1);
+    // The forward pass of the next iteration, which does not fit: some of
+    // its storages are paged out when the plan names them all.
+    Tensor x;
+    run.op("input", {}, [&] { x = run.output(kActivation, 4999); });
+    run.endOutputs();
+    std::vector<Tensor> acts;
+    acts.reserve(kLayers);
+    Tensor* prev = &x;
+    for (int i = 0; i < kLayers; ++i) {
+      Tensor a;
+      run.op("forward", {&m.weights[i], prev}, [&] {
+        a = run.output(kActivation, 4000 + i);
+      });
+      run.endOutputs();
+      acts.push_back(a);
+      prev = &acts.back();
+    }
+    std::vector<c10::StorageImpl*> all;
+    for (int i = 0; i < kLayers; ++i) {
+      all.push_back(acts[i].storage.get());
+      all.push_back(m.weights[i].storage.get());
+    }
+    const lms::LmsStats before = lms::getStats(0);
+    REQUIRE(before.pagedout_bytes.current > 0);
+    CHECK_EQ(
+        lms::pageInAhead(
+            c10::ArrayRef<c10::StorageImpl*>(all.data(), all.size())),
+        size_t(0));
+    CHECK_EQ(lms::getStats(0).graph_prefetch_count, int64_t(0));
+    // Without the schedule, the same call pages in.
+    lms::setScheduleEnabled(false);
+    CHECK(
+        lms::pageInAhead(
+            c10::ArrayRef<c10::StorageImpl*>(all.data(), all.size())) > 0);
+    CHECK(lms::getStats(0).graph_prefetch_count > 0);
+    lms::setScheduleEnabled(true);
+    CHECK_EQ(run.mismatches, 0);
+  }
+  checkBaseline();
+}
+
 TEST_CASE(training_loop_runs_on_the_learned_schedule) {
   {
     // Peak demand: weights 12 MiB, activations 24 MiB, two gradients and an

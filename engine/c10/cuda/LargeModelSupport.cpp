@@ -1526,14 +1526,22 @@ size_t pageInAheadOn(DeviceEngine& e, const std::vector<Record*>& planned) {
     // be captured, and the graph's inputs are resident for its replays.
     return 0;
   }
+  if (g_schedule_enabled.load()) {
+    std::lock_guard<std::mutex> lock(g_schedule_mutex);
+    if (theSchedule().active()) {
+      // A learned schedule knows the whole iteration (the optimizer and the
+      // eager code between compiled regions too) and already pages in ahead
+      // what the graph would name: the plan only takes its budget. Measured
+      // on a compiled GPT-style decoder (H100): with both, iterations were
+      // up to 6% slower than with the schedule alone; before the schedule
+      // settles, the plan alone made the first iterations faster
+      // (benchmarks/results/compile-graph-prefetch-h100-2026-11-24/).
+      return 0;
+    }
+  }
   // Early page-outs whose copies are done give their memory back first: it
   // is the room the page-ins below need.
   drainPageOuts(e, 0);
-  bool scheduled = false;
-  if (g_schedule_enabled.load()) {
-    std::lock_guard<std::mutex> lock(g_schedule_mutex);
-    scheduled = theSchedule().active();
-  }
   const size_t limit = effectiveLimit(e);
   size_t budget = 0;
   {
@@ -1588,10 +1596,7 @@ size_t pageInAheadOn(DeviceEngine& e, const std::vector<Record*>& planned) {
     e.settled.notify_all();
     started += r->size;
   }
-  if (index == planned.size() || scheduled) {
-    // While a learned schedule is active, its early page-outs keep the room
-    // (and choose victims by next use, which least recently used would
-    // second-guess).
+  if (index == planned.size()) {
     return started;
   }
   // No room under the limit for the next page-ins of the plan: page out, on

@@ -137,7 +137,8 @@ C10_CUDA_API void resetSchedule();
 // Page-ins ahead of use planned by compiled code (pageInAhead below): a
 // compiled graph knows the order in which it uses its inputs from the first
 // iteration on, also where the learned schedule never settles (shapes that
-// change every iteration). On by default; off, pageInAhead does nothing.
+// change every iteration); it steps aside while a learned schedule is active.
+// On by default; off, pageInAhead does nothing.
 C10_CUDA_API void setGraphPrefetchEnabled(bool enabled);
 C10_CUDA_API bool isGraphPrefetchEnabled();
 
@@ -232,7 +233,9 @@ C10_CUDA_API void beginOperator(
 // anything. When the limit leaves no room, storages of none of `storages`
 // are paged out early, least recently used first, so that a later call
 // finds it. Returns the bytes whose page-in was started. Unmanaged storages
-// are ignored; does nothing while LMS or graph prefetch is off.
+// are ignored; does nothing while LMS or graph prefetch is off, and while a
+// learned schedule is active (it pages in ahead what the graph would name,
+// and knows the rest of the iteration too).
 C10_CUDA_API size_t pageInAhead(c10::ArrayRef<c10::StorageImpl*> storages);
 
 // Pages out every inactive storage of `device` now; returns the bytes freed.

@@ -563,8 +563,10 @@ def set_graph_prefetch_lms(enable: bool) -> None:
     ahead of use on a copy stream, within the prefetch budget
     (:func:`set_prefetch_budget_lms`). It acts from the first iteration and
     also where the learned schedule never settles (shapes that change every
-    iteration). Graphs compiled while it is off carry no such calls; turning
-    it off later makes the calls do nothing.
+    iteration); while a learned schedule is active it steps aside (the
+    schedule pages in ahead what the graph would name, and knows the rest of
+    the iteration). Graphs compiled while it is off carry no such calls;
+    turning it off later makes the calls do nothing.
 
     Args:
         enable (bool): ``True`` to enable, ``False`` to disable.
