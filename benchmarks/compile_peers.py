@@ -366,6 +366,7 @@ class Row:
     settings: str = ""
     budget: float | None = None
     iteration_times: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)  # every step, the compiling ones too
     s_per_iter: float | None = None
     first_step_s: float | None = None
     peak_allocated_bytes: int | None = None
@@ -413,6 +414,7 @@ class Row:
             if result.get(key) is not None:
                 setattr(self, key, result[key])
         self.iteration_times = [float(t) for t in result.get("iteration_times", [])]
+        self.step_times = [float(t) for t in result.get("step_times", [])]
         self.losses = [float(x) for x in result.get("losses", [])]
         self.schedule_steps = [dict(x) for x in result.get("schedule_steps", [])]
         self.lms_backend = str(result.get("lms_backend", "") or "")

@@ -262,6 +262,7 @@ def synthetic_rows() -> list[Row]:
         {
             "status": "ok",
             "iteration_times": [0.5, 0.4, 0.6],
+            "step_times": [9.5, 0.7, 0.5, 0.4, 0.6],
             "peak_allocated_bytes": 7 * GiB,
             "activation_bytes": 12 * GiB,
             "pageout_bytes_per_iter": 9 * GiB,
@@ -320,6 +321,7 @@ def test_table_csv_and_json(tmp_path: Path) -> None:
     assert data["model"] == "gpt" and data["offload_support"]["reason"] == "none"
     assert data["rows"][1]["trains_at_cap"] is True
     assert data["rows"][1]["iteration_times"] == [0.5, 0.4, 0.6]
+    assert data["rows"][1]["step_times"] == [9.5, 0.7, 0.5, 0.4, 0.6]
 
 
 def test_row_record_has_every_column() -> None:
