@@ -176,7 +176,9 @@ def check_capped_training(
     2. Caps device memory at C = S + cap_share * (P - S) < P: training without LMS must
        raise torch.OutOfMemoryError.
     3. Trains under the same cap with LMS on (limit a margin below the cap): it must finish,
-       page out and in, and give bit-identical losses, gradients and parameters.
+       page out and in, and give bit-identical losses, gradients and parameters. Allocations
+       that failed inside it and were caught (a library falling back to a smaller workspace,
+       which can change its results) are recorded.
     4. Device memory and LMS's pinned host memory return to their baselines.
     """
     settle()
@@ -211,9 +213,11 @@ def check_capped_training(
         torch.cuda.set_limit_lms(int(cap * 0.75))
         torch.cuda.reset_accumulated_lms_stats()
         torch.cuda.reset_peak_lms_stats()
+        ooms = torch.cuda.memory_stats().get("num_ooms", 0)
         capped = train(make_model, make_batch, loss_fn, steps)
         stats = torch.cuda.lms_stats()
         record("lms", lms_summary(stats))
+        record("allocations_failed_and_caught", torch.cuda.memory_stats().get("num_ooms", 0) - ooms)
     assert stats["pageout_count"] > 0, "LMS trained under the cap without paging anything out"
     assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
     assert capped.peak_bytes <= cap
