@@ -25,7 +25,10 @@ One model (the GPT-style decoder of ``benchmarks/models.py``, sized by ``--gpt-*
    build), limit ``--lms-limit-frac`` x cap, default settings: the learned swap schedule and
    the page-ins planned by the compiled graphs (``set_graph_prefetch_lms``) both on;
 5. ``eager_lms``: the same model eager, LMS on, under the same cap;
-6. ``eager`` (only when named in ``--configs``): eager, uncapped, LMS off.
+6. ``eager`` (only when named in ``--configs``): eager, uncapped, LMS off;
+   ``compiled_uncapped_lms`` and ``compiled_uncapped_learned_lms`` (only when named):
+   compiled, uncapped, LMS on with everything fitting, with and without the compiled graphs'
+   page-in plan: what LMS costs a compiled model that fits.
 
 Only when named in ``--configs``, compiled LMS rows that turn one source of swap-schedule
 knowledge off, to tell what each does: ``compiled_learned_lms`` (the learned schedule alone,
@@ -102,8 +105,14 @@ CAPPED_CONFIGS = ("compiled_lms", "compiled_budget", "compiled_offload", "eager_
 # Compiled LMS rows with one source of the swap schedule off (only when named).
 SCHEDULE_VARIANTS = ("compiled_learned_lms", "compiled_graph_lms", "compiled_reactive_lms")
 SCHEDULE_OFF = ("compiled_graph_lms", "compiled_reactive_lms")
-GRAPH_PREFETCH_OFF = ("compiled_learned_lms", "compiled_reactive_lms")
-UNCAPPED_EXTRAS = ("eager",)
+GRAPH_PREFETCH_OFF = (
+    "compiled_learned_lms",
+    "compiled_reactive_lms",
+    "compiled_uncapped_learned_lms",
+)
+# Uncapped rows beside the reference (only when named): eager, and LMS on with everything
+# fitting, with and without the compiled graphs' page-in plan (what LMS costs there).
+UNCAPPED_EXTRAS = ("eager", "compiled_uncapped_lms", "compiled_uncapped_learned_lms")
 ALL_CONFIGS = (REFERENCE, *CAPPED_CONFIGS, *SCHEDULE_VARIANTS, *UNCAPPED_EXTRAS)
 DEFAULT_CONFIGS = (REFERENCE, *CAPPED_CONFIGS)
 DESCRIPTIONS = {
@@ -116,6 +125,8 @@ DESCRIPTIONS = {
     "compiled_reactive_lms": "torch.compile + LMS, reactive (schedule and graph prefetch off)",
     "eager_lms": "eager + LMS",
     "eager": "eager, uncapped, LMS off",
+    "compiled_uncapped_lms": "torch.compile + LMS, uncapped (everything fits)",
+    "compiled_uncapped_learned_lms": "torch.compile + LMS, uncapped, graph prefetch off",
 }
 
 # Words that name an offloading option of torch's compile stack (offload, reload prefetch).
@@ -1235,8 +1246,9 @@ def run_benchmark(
     try:
         log("== uncapped")
         ref = measure(Row(REFERENCE, None, None), [worker_spec(args, REFERENCE, None)])
-        if "eager" in args.configs:
-            measure(Row("eager", None, None), [worker_spec(args, "eager", None)])
+        for config in UNCAPPED_EXTRAS:
+            if config in args.configs:
+                measure(Row(config, None, None), [worker_spec(args, config, None)])
         if ref.status != "ok" or not ref.peak_allocated_bytes or ref.activation_bytes is None:
             log(
                 f"compile_peers.py: the uncapped compiled reference failed ({ref.status}: "

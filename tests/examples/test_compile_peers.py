@@ -184,6 +184,36 @@ def test_schedule_variants(config: str, schedule: Any, graph: Any, words: str | 
         assert " off" not in described
 
 
+@pytest.mark.parametrize(
+    ("config", "graph"),
+    [("compiled_uncapped_lms", None), ("compiled_uncapped_learned_lms", False)],
+)
+def test_uncapped_lms_rows(config: str, graph: Any, tmp_path: Path) -> None:
+    args = parse(*TINY, "--configs", config)
+    spec = compile_peers.worker_spec(args, config, None)
+    assert spec["lms"] and spec["compile"] and spec["cap_bytes"] is None
+    assert spec["lms_limit_bytes"] is None and spec["lms_graph_prefetch"] == graph
+    # They run beside the reference, uncapped, and before any cap.
+    seen: list[tuple[str, Any]] = []
+
+    def runner(spec: dict[str, Any], log: Path, env: dict[str, str], t: float) -> dict[str, Any]:
+        seen.append((spec["config"], spec["cap_bytes"]))
+        return {
+            "status": "ok",
+            "iteration_times": [0.1],
+            "peak_allocated_bytes": GiB,
+            "activation_bytes": GiB // 2,
+        }
+
+    args = parse(
+        *TINY, "--configs", f"{config},compiled_lms", "--caps", "1/2", "--out", str(tmp_path)
+    )
+    assert (
+        compile_peers.run_benchmark(args, runner=runner, support=SUPPORT, log=lambda _: None) == 0
+    )
+    assert seen == [("compiled", None), (config, None), ("compiled_lms", GiB // 2)]
+
+
 # ---------------------------------------------------------------------------------------
 # Discovery of the offloading options
 # ---------------------------------------------------------------------------------------
