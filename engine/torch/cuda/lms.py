@@ -248,12 +248,6 @@ def _resident_graph_inputs(module: ModuleType) -> None:
     node._record = _record
 
 
-# Inductor modules LMS wraps when they are first imported, and how.
-_WRAP_ON_IMPORT: dict[str, Callable[[ModuleType], None]] = {
-    _TRITON_RUNTIME: _pin_compiled_kernel_launches,
-    _CUDAGRAPH_TREES: _resident_graph_inputs,
-}
-
 # Inductor's configuration, whose post_grad_custom_post_pass gets the LMS page-in hint pass.
 _INDUCTOR_CONFIG = "torch._inductor.config"
 
@@ -274,7 +268,12 @@ def _install_graph_prefetch(module: ModuleType) -> None:
         warnings.warn(f"LMS: page-in hints for compiled graphs not installed: {e}", stacklevel=2)
 
 
-_WRAP_ON_IMPORT[_INDUCTOR_CONFIG] = _install_graph_prefetch
+# Inductor modules LMS wraps when they are first imported, and how.
+_WRAP_ON_IMPORT: dict[str, Callable[[ModuleType], None]] = {
+    _TRITON_RUNTIME: _pin_compiled_kernel_launches,
+    _CUDAGRAPH_TREES: _resident_graph_inputs,
+    _INDUCTOR_CONFIG: _install_graph_prefetch,
+}
 
 
 class _WrapOnImport(importlib.abc.MetaPathFinder):
