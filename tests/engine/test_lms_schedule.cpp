@@ -677,19 +677,31 @@ lms::LmsStats trainWithGraphPlan(size_t limit, bool plan) {
   return st;
 }
 
-TEST_CASE(a_compiled_graph_plan_pages_in_ahead_without_a_schedule) {
-  const lms::LmsStats off = trainWithGraphPlan(28 * kMiB, false);
+struct PlanRuns {
+  lms::LmsStats off; // graph prefetch off
+  lms::LmsStats on;
+};
+
+// The loop above under `limit` without the plan and with it, reported.
+PlanRuns trainWithAndWithoutGraphPlan(size_t limit) {
+  PlanRuns runs;
+  runs.off = trainWithGraphPlan(limit, false);
   checkBaseline();
-  const lms::LmsStats on = trainWithGraphPlan(28 * kMiB, true);
+  runs.on = trainWithGraphPlan(limit, true);
   checkBaseline();
   std::printf(
       "  demand page-ins %lld without the plan, %lld with it; %lld planned "
       "page-ins, %lld hits, %lld early page-outs for room\n",
-      static_cast<long long>(off.pagein_demand_count),
-      static_cast<long long>(on.pagein_demand_count),
-      static_cast<long long>(on.graph_prefetch_count),
-      static_cast<long long>(on.prefetch_hits),
-      static_cast<long long>(on.graph_pageout_count));
+      static_cast<long long>(runs.off.pagein_demand_count),
+      static_cast<long long>(runs.on.pagein_demand_count),
+      static_cast<long long>(runs.on.graph_prefetch_count),
+      static_cast<long long>(runs.on.prefetch_hits),
+      static_cast<long long>(runs.on.graph_pageout_count));
+  return runs;
+}
+
+TEST_CASE(a_compiled_graph_plan_pages_in_ahead_without_a_schedule) {
+  const auto [off, on] = trainWithAndWithoutGraphPlan(28 * kMiB);
   // The behaviour under test happened: storages were paged out, and without
   // the plan every one came back on demand.
   CHECK(off.pageout_count > 0);
@@ -708,17 +720,7 @@ TEST_CASE(a_compiled_graph_plan_pages_in_ahead_without_a_schedule) {
 // room: storages it does not name are paged out early for them, and the
 // next call pages in.
 TEST_CASE(a_compiled_graph_plan_makes_room_for_its_page_ins) {
-  const lms::LmsStats off = trainWithGraphPlan(24 * kMiB, false);
-  checkBaseline();
-  const lms::LmsStats on = trainWithGraphPlan(24 * kMiB, true);
-  checkBaseline();
-  std::printf(
-      "  demand page-ins %lld without the plan, %lld with it; %lld planned "
-      "page-ins, %lld early page-outs for room\n",
-      static_cast<long long>(off.pagein_demand_count),
-      static_cast<long long>(on.pagein_demand_count),
-      static_cast<long long>(on.graph_prefetch_count),
-      static_cast<long long>(on.graph_pageout_count));
+  const auto [off, on] = trainWithAndWithoutGraphPlan(24 * kMiB);
   CHECK(on.graph_pageout_count > 0);
   CHECK(on.early_pageout_count >= on.graph_pageout_count);
   CHECK(on.graph_prefetch_count > 0);

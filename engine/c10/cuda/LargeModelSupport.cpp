@@ -1393,6 +1393,60 @@ void rescueDrained(DeviceEngine& e, Record& r) {
   ++e.stats.schedule_rescues;
 }
 
+// Takes a paged-out record off its lists for a page-in ahead of use and
+// returns true; a draining one is rescued instead (its memory is still
+// there: no copy back), counted as prefetched, and false returned. Engine
+// lock held; the record is not busy.
+bool takeForPrefetch(DeviceEngine& e, Record& r) {
+  if (r.draining) {
+    rescueDrained(e, r);
+    r.prefetched = true;
+    e.prefetched_bytes += r.size;
+    return false;
+  }
+  e.pagedout_list.remove(&r);
+  removeUpcoming(e, r);
+  r.busy = true;
+  return true;
+}
+
+// Pages in ahead of use, on the H2D stream, a record takeForPrefetch() took,
+// and counts it in `count` (and its bytes in `bytes`, if given). When the
+// limit leaves no room, or the copy cannot be queued, the record goes back
+// among the paged-out storages. The engine lock is not held.
+bool prefetchTaken(
+    DeviceEngine& e,
+    Record& r,
+    cudaStream_t stream,
+    int64_t LmsStats::*count,
+    int64_t LmsStats::*bytes = nullptr) {
+  bool ok = false;
+  try {
+    ok = prefetchOne(e, r, stream);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    r.busy = false;
+    e.pagedout_list.push_back(&r);
+    addUpcoming(e, r);
+    e.settled.notify_all();
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(e.mutex);
+  r.busy = false;
+  if (ok) {
+    ++(e.stats.*count);
+    if (bytes != nullptr) {
+      e.stats.*bytes += static_cast<int64_t>(r.size);
+    }
+    markPrefetched(e, r);
+  } else {
+    e.pagedout_list.push_back(&r);
+    addUpcoming(e, r);
+  }
+  e.settled.notify_all();
+  return ok;
+}
+
 // Pages in, on the H2D stream, the paged-out storages used within the next
 // `window` operators, soonest first, while the prefetched bytes not yet used
 // stay within `budget` and the limit has room.
@@ -1418,53 +1472,30 @@ void prefetchUpcoming(
       if (r->busy || e.prefetched_bytes + r->size > budget) {
         return;
       }
-      if (r->draining) {
-        rescueDrained(e, *r);
-        r->prefetched = true;
-        e.prefetched_bytes += r->size;
+      if (!takeForPrefetch(e, *r)) {
         continue;
       }
-      e.pagedout_list.remove(r);
-      removeUpcoming(e, *r);
-      r->busy = true;
     }
-    bool ok = false;
-    try {
-      ok = prefetchOne(e, *r, stream);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(e.mutex);
-      r->busy = false;
-      e.pagedout_list.push_back(r);
-      e.settled.notify_all();
-      throw;
-    }
-    std::lock_guard<std::mutex> lock(e.mutex);
-    r->busy = false;
-    if (!ok) {
+    if (!prefetchTaken(e, *r, stream, &LmsStats::schedule_prefetch_count)) {
       // No room under the limit yet: early page-outs make some, and the
       // next operator boundary tries again.
-      e.pagedout_list.push_back(r);
-      addUpcoming(e, *r);
-      e.settled.notify_all();
       return;
     }
-    ++e.stats.schedule_prefetch_count;
-    markPrefetched(e, *r);
-    e.settled.notify_all();
   }
 }
 
-// Keeps `margin` bytes free under the limit (counting memory that draining
-// page-outs are about to release) by paging out early, without a hand-back,
-// the storages used furthest in the future, none used before
-// `protect_until`.
-void pageOutEarly(
+// Pages out early, on the D2H stream and without a hand-back, victims that
+// `pick` chooses (called with the engine lock held; nullptr when none is
+// left) until `room` bytes are free under `limit`, counting memory that
+// draining page-outs are about to release. Returns the page-outs made.
+template <typename Pick>
+int64_t pageOutEarlyFor(
     DeviceEngine& e,
-    uint64_t protect_until,
     size_t limit,
-    size_t margin) {
-  if (limit <= margin) {
-    return;
+    size_t room,
+    const Pick& pick) {
+  if (limit <= room) {
+    return 0;
   }
   const size_t allocated = backend().allocatedBytes(e.device);
   size_t pending = 0;
@@ -1473,20 +1504,20 @@ void pageOutEarly(
     pending = e.draining_bytes;
   }
   const size_t expected = allocated > pending ? allocated - pending : 0;
-  if (expected <= limit - margin) {
-    return;
+  if (expected <= limit - room) {
+    return 0;
   }
-  const size_t wanted = expected - (limit - margin);
-  const size_t threshold = g_size_threshold.load();
+  const size_t wanted = expected - (limit - room);
   size_t freed = 0;
+  int64_t count = 0;
   while (freed < wanted) {
     StorageRef keep_alive; // destroyed after the victim is no longer busy
     Record* victim = nullptr;
     {
       std::lock_guard<std::mutex> lock(e.mutex);
-      victim = pickVictim(e, threshold, protect_until);
+      victim = pick();
       if (victim == nullptr) {
-        return;
+        return count;
       }
       e.reclaim_list.remove(victim);
       victim->busy = true;
@@ -1506,7 +1537,7 @@ void pageOutEarly(
     if (!ok) {
       e.reclaim_list.push_back(victim);
       e.settled.notify_all();
-      return;
+      return count;
     }
     e.draining_bytes += victim->size;
     ++e.stats.early_pageout_count;
@@ -1514,7 +1545,22 @@ void pageOutEarly(
     markPagedOut(e, *victim, e.draining_list);
     e.settled.notify_all();
     freed += victim->size;
+    ++count;
   }
+  return count;
+}
+
+// Keeps `margin` bytes free under the limit by paging out early the storages
+// used furthest in the future, none used before `protect_until`.
+void pageOutEarly(
+    DeviceEngine& e,
+    uint64_t protect_until,
+    size_t limit,
+    size_t margin) {
+  const size_t threshold = g_size_threshold.load();
+  pageOutEarlyFor(e, limit, margin, [&] {
+    return pickVictim(e, threshold, protect_until);
+  });
 }
 
 // Page-ins planned by compiled code (pageInAhead): what it does on one
@@ -1560,50 +1606,27 @@ size_t pageInAheadOn(DeviceEngine& e, const std::vector<Record*>& planned) {
       if (e.prefetched_bytes + r->size > budget) {
         return started;
       }
-      if (r->draining) {
-        // Its memory is still there: no copy back.
-        rescueDrained(e, *r);
-        r->prefetched = true;
-        e.prefetched_bytes += r->size;
+      if (!takeForPrefetch(e, *r)) {
         continue;
       }
-      e.pagedout_list.remove(r);
-      removeUpcoming(e, *r);
-      r->busy = true;
     }
-    bool ok = false;
-    try {
-      ok = prefetchOne(e, *r, stream);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(e.mutex);
-      r->busy = false;
-      e.pagedout_list.push_back(r);
-      addUpcoming(e, *r);
-      e.settled.notify_all();
-      throw;
-    }
-    std::lock_guard<std::mutex> lock(e.mutex);
-    r->busy = false;
-    if (!ok) {
-      e.pagedout_list.push_back(r);
-      addUpcoming(e, *r);
-      e.settled.notify_all();
+    if (!prefetchTaken(
+            e,
+            *r,
+            stream,
+            &LmsStats::graph_prefetch_count,
+            &LmsStats::graph_prefetch_bytes)) {
       break;
     }
-    ++e.stats.graph_prefetch_count;
-    e.stats.graph_prefetch_bytes += static_cast<int64_t>(r->size);
-    markPrefetched(e, *r);
-    e.settled.notify_all();
     started += r->size;
   }
   if (index == planned.size()) {
     return started;
   }
-  // No room under the limit for the next page-ins of the plan: page out, on
-  // the D2H stream and without a hand-back, least recently used storages that
-  // the plan does not name, so that a later call finds the room.
+  // No room under the limit for the next page-ins of the plan: page out least
+  // recently used storages that the plan does not name, so that a later call
+  // finds the room.
   size_t wanted = 0;
-  size_t pending = 0; // draining: released by the next drain
   {
     std::lock_guard<std::mutex> lock(e.mutex);
     size_t ahead = e.prefetched_bytes;
@@ -1618,58 +1641,19 @@ size_t pageInAheadOn(DeviceEngine& e, const std::vector<Record*>& planned) {
       ahead += r->size;
       wanted += r->size;
     }
-    pending = e.draining_bytes;
   }
-  const size_t allocated = backend().allocatedBytes(e.device);
-  const size_t expected = allocated > pending ? allocated - pending : 0;
-  if (expected + wanted <= limit) {
-    return started;
-  }
-  size_t needed = expected + wanted - limit;
   const size_t threshold = g_size_threshold.load();
-  while (needed > 0) {
-    StorageRef keep_alive; // destroyed after the victim is no longer busy
-    Record* victim = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(e.mutex);
-      for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
-        if (r->size >= threshold && !r->prefetched &&
-            std::find(planned.begin(), planned.end(), r) == planned.end()) {
-          victim = r;
-          break;
-        }
+  const int64_t made = pageOutEarlyFor(e, limit, wanted, [&]() -> Record* {
+    for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
+      if (r->size >= threshold && !r->prefetched &&
+          std::find(planned.begin(), planned.end(), r) == planned.end()) {
+        return r;
       }
-      if (victim == nullptr) {
-        return started;
-      }
-      e.reclaim_list.remove(victim);
-      victim->busy = true;
     }
-    bool ok = false;
-    try {
-      ok = pageOut(e, *victim, keep_alive, /*hand_back=*/false);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(e.mutex);
-      victim->busy = false;
-      e.reclaim_list.push_back(victim);
-      e.settled.notify_all();
-      throw;
-    }
-    std::lock_guard<std::mutex> lock(e.mutex);
-    victim->busy = false;
-    if (!ok) {
-      e.reclaim_list.push_back(victim);
-      e.settled.notify_all();
-      return started;
-    }
-    e.draining_bytes += victim->size;
-    ++e.stats.early_pageout_count;
-    e.stats.early_pageout_bytes += static_cast<int64_t>(victim->size);
-    ++e.stats.graph_pageout_count;
-    markPagedOut(e, *victim, e.draining_list);
-    e.settled.notify_all();
-    needed -= std::min(needed, victim->size);
-  }
+    return nullptr;
+  });
+  std::lock_guard<std::mutex> lock(e.mutex);
+  e.stats.graph_pageout_count += made;
   return started;
 }
 
