@@ -75,13 +75,9 @@ def _lms_bindings() -> Any | None:
 
 
 def _pageable(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors of ``tensors`` that LMS may page in now: CUDA tensors, none while the
-    current stream captures a CUDA graph (a page-in cannot be captured; the inputs of a
-    captured region are made resident before its capture begins)."""
-    cuda = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
-    if cuda and torch.cuda.is_current_stream_capturing():
-        return []
-    return cuda
+    """The CUDA tensors of ``tensors``: those LMS may page. (During a CUDA graph capture the
+    engine does nothing with them: a page-in cannot be captured.)"""
+    return [t for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda]
 
 
 def _page_in_ahead(tensors: list[torch.Tensor]) -> None:
