@@ -1116,6 +1116,11 @@ def train_measure(
             m.out_bytes_per_iter = (after["pageout_bytes"] - before["pageout_bytes"]) / iterations
             m.in_bytes_per_iter = (after["pagein_bytes"] - before["pagein_bytes"]) / iterations
             m.stall_ms_per_iter = (after["stall_ms"] - before["stall_ms"]) / iterations
+            ahead_gib = (
+                (after.get("peak_pageout_bytes", 0) - before.get("peak_pageout_bytes", 0))
+                / iterations
+                / GiB
+            )
             m.lms_schedule = (
                 f"period {after['schedule_period']}, "
                 f"{after['schedule_fallbacks']} fallbacks, "
@@ -1125,6 +1130,11 @@ def train_measure(
                     f", prefetch budget {after['schedule_prefetch_budget_bytes'] / MiB:.0f} MiB"
                     f" of a {after['limit_bytes'] / MiB:.0f} MiB limit"
                     if "schedule_prefetch_budget_bytes" in after
+                    else ""
+                )
+                + (
+                    f", {ahead_gib:.2f} GiB/iter paged out ahead of the peak"
+                    if "peak_pageout_bytes" in after
                     else ""
                 )
                 + allocator_flushes(allocator_before, allocator_after, iterations)

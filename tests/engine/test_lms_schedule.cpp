@@ -401,6 +401,9 @@ class Runner {
     for (c10::StorageImpl* s : storages) {
       lms::unpin(*s);
     }
+    if (after_op) {
+      after_op();
+    }
   }
 
   // One operator whose inputs may not all fit, as operator-boundary pinning
@@ -470,6 +473,8 @@ class Runner {
   }
 
   int mismatches = 0;
+  // Called after each operator of op(), to watch the engine between them.
+  std::function<void()> after_op;
 
  private:
   static StoragePtr newStorage(size_t bytes) {
@@ -537,15 +542,16 @@ void iterate(
     int iteration,
     bool train = true,
     bool temporaries = false) {
+  const int layers = static_cast<int>(m.weights.size());
   const uint64_t base = static_cast<uint64_t>(iteration) * 1000;
   Tensor x;
   run.op("input", {}, [&] { x = run.output(kActivation, base + 999); });
   run.endOutputs();
   std::vector<Tensor> acts;
-  acts.reserve(kLayers); // `prev` points into it
+  acts.reserve(layers); // `prev` points into it
   Tensor* prev = &x;
-  std::vector<Tensor> temps(kLayers);
-  for (int i = 0; i < kLayers; ++i) {
+  std::vector<Tensor> temps(layers);
+  for (int i = 0; i < layers; ++i) {
     Tensor a;
     run.op("forward", {&m.weights[i], prev}, [&] {
       a = run.output(kActivation, base + i);
@@ -569,7 +575,7 @@ void iterate(
     grad = run.output(kActivation, base + 100);
   });
   run.endOutputs();
-  for (int i = kLayers - 1; i >= 0; --i) {
+  for (int i = layers - 1; i >= 0; --i) {
     Tensor next;
     run.op("backward", {&m.weights[i], &acts[i], &grad}, [&] {
       next = run.output(kActivation, base + 200 + i);
@@ -578,16 +584,16 @@ void iterate(
     grad = next;
     acts[i] = Tensor{}; // freed after its last use, as autograd does
   }
-  for (int i = 0; i < kLayers; ++i) {
+  for (int i = 0; i < layers; ++i) {
     run.op("step", {&m.weights[i]}, [&] {
       run.update(m.weights[i], base + 300 + i);
     });
   }
 }
 
-Model makeModel(Runner& run) {
+Model makeModel(Runner& run, int layers = kLayers) {
   Model m;
-  for (int i = 0; i < kLayers; ++i) {
+  for (int i = 0; i < layers; ++i) {
     m.weights.push_back(run.make(kWeight, 50 + i));
   }
   return m;
@@ -871,6 +877,75 @@ TEST_CASE(early_page_outs_leave_storages_that_die_first_alone) {
     const int64_t reclaimed = st.pageout_bytes - st.early_pageout_bytes;
     CHECK(unread > 0); // the temporaries do make reclaims pick them
     CHECK_LE(unread, reclaimed);
+    CHECK_EQ(run.mismatches, 0);
+  }
+  checkBaseline();
+}
+
+// A deep loop under a limit that binds late in the forward pass: the learned
+// schedule pages out, from the start of the pass, what must be off the device
+// at the iteration's peak of demand (storages used next after the peak,
+// furthest first), so that the D2H stream works while the first layers
+// compute instead of idling until the limit nears and then bounding the rest
+// of the pass. It moves no more bytes for that. The engine without it
+// queued the iteration's first page-out after operator 12 (the 11th forward
+// layer), with 84 MiB allocated, and moved the same 28 MiB out per
+// iteration.
+TEST_CASE(page_outs_start_ahead_of_the_iterations_peak) {
+  {
+    // 16 layers: weights 32 MiB, activations 64 MiB, an input and two
+    // gradients: a peak demand of about 108 MiB, under an 84 MiB limit.
+    constexpr size_t kLimit = 84 * kMiB;
+    constexpr size_t kBudget = 8 * kMiB;
+    constexpr int kDeep = 16;
+    Runner run(kLimit);
+    lms::setPrefetchBudget(kBudget);
+    Model m = makeModel(run, kDeep);
+    int iteration = 0;
+    for (; iteration < 5; ++iteration) {
+      iterate(run, m, iteration);
+    }
+    REQUIRE(lms::getStats(0).schedule_active == 1);
+    lms::resetAccumulatedStats(0);
+    // The operator (0: the input) after which the iteration's first
+    // page-out was queued, and what was allocated then.
+    int op = 0;
+    int first_pageout_op = -1;
+    size_t allocated_then = 0;
+    run.after_op = [&] {
+      if (first_pageout_op < 0 && lms::getStats(0).pageout_count > 0) {
+        first_pageout_op = op;
+        allocated_then = allocatedBytes();
+      }
+      ++op;
+    };
+    iterate(run, m, iteration++);
+    run.after_op = nullptr;
+    for (; iteration < 9; ++iteration) {
+      iterate(run, m, iteration);
+    }
+    const auto st = lms::getStats(0);
+    const double out_per_iteration =
+        static_cast<double>(st.pageout_bytes) / kMiB / 4;
+    std::printf(
+        "  first page-out after operator %d (%zu MiB allocated); per "
+        "iteration: %.1f MiB out (%.1f MiB ahead of the peak, %.1f MiB "
+        "reclaimed), %.1f MiB in\n",
+        first_pageout_op,
+        allocated_then / kMiB,
+        out_per_iteration,
+        static_cast<double>(st.peak_pageout_bytes) / kMiB / 4,
+        static_cast<double>(st.pageout_bytes - st.early_pageout_bytes) / kMiB /
+            4,
+        static_cast<double>(st.pagein_bytes) / kMiB / 4);
+    CHECK_EQ(st.schedule_fallbacks, int64_t(0));
+    CHECK(st.peak_pageout_count > 0);
+    // Within the first quarter of the forward pass, with the limit far off.
+    REQUIRE(first_pageout_op >= 0);
+    CHECK_LE(first_pageout_op, kDeep / 4);
+    CHECK_LE(allocated_then + 40 * kMiB, kLimit);
+    // The deficit at the peak plus the room the prefetch budget keeps there.
+    CHECK_LE(out_per_iteration, 108.0 - 84.0 + 8.0);
     CHECK_EQ(run.mismatches, 0);
   }
   checkBaseline();

@@ -52,6 +52,8 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "schedule_prefetch_budget_bytes": 256 * MiB,
         "early_pageout_count": 2,
         "early_pageout_bytes": 2 * 4 * MiB,
+        "peak_pageout_count": 1,
+        "peak_pageout_bytes": 4 * MiB,
         "graph_prefetch_count": 3,
         "graph_prefetch_bytes": 3 * 4 * MiB,
         "graph_pageout_count": 1,

@@ -43,6 +43,9 @@ constexpr std::chrono::milliseconds kDeviceSampleInterval{10};
 // Least time between two returns of cached free blocks to the device: each
 // one synchronizes the device.
 constexpr std::chrono::milliseconds kCacheReleaseInterval{100};
+// Operators between two searches for victims to page out ahead of the
+// iteration's peak after one found none (pageOutAheadOfPeak).
+constexpr uint64_t kPeakRetryOps = 8;
 
 std::atomic<bool> g_enabled{false};
 std::atomic<size_t> g_size_threshold{kDefaultSizeThreshold};
@@ -274,6 +277,19 @@ struct DeviceEngine {
   uint64_t iteration_began = 0;
   int64_t iteration_pagein_base = 0;
   size_t pagein_last_iteration = 0;
+  // The iteration's peak of demand (the bytes its live storages would take
+  // on the device: allocated plus paged out), which early page-outs work
+  // towards (pageOutAheadOfPeak): the largest demand seen at an operator
+  // boundary of the iteration being recorded and its phase, and those of
+  // the last whole one (peak_bytes 0: none yet). Valid for schedule
+  // generation `demand_generation`.
+  uint64_t demand_generation = 0;
+  uint64_t demand_began = 0;
+  size_t demand_max = 0;
+  uint64_t demand_max_phase = 0;
+  size_t peak_bytes = 0;
+  uint64_t peak_phase = 0;
+  uint64_t peak_retry = 0; // no search for victims before this clock
   // Schedule statistics at the last resetAccumulatedStats().
   int64_t detections_base = 0;
   int64_t fallbacks_base = 0;
@@ -1486,28 +1502,14 @@ void prefetchUpcoming(
 
 // Pages out early, on the D2H stream and without a hand-back, victims that
 // `pick` chooses (called with the engine lock held; nullptr when none is
-// left) until `room` bytes are free under `limit`, counting memory that
-// draining page-outs are about to release. Returns the page-outs made.
+// left) until `wanted` bytes are on their way out. Returns the page-outs made
+// and adds their bytes to `bytes`.
 template <typename Pick>
-int64_t pageOutEarlyFor(
+int64_t pageOutVictims(
     DeviceEngine& e,
-    size_t limit,
-    size_t room,
-    const Pick& pick) {
-  if (limit <= room) {
-    return 0;
-  }
-  const size_t allocated = backend().allocatedBytes(e.device);
-  size_t pending = 0;
-  {
-    std::lock_guard<std::mutex> lock(e.mutex);
-    pending = e.draining_bytes;
-  }
-  const size_t expected = allocated > pending ? allocated - pending : 0;
-  if (expected <= limit - room) {
-    return 0;
-  }
-  const size_t wanted = expected - (limit - room);
+    size_t wanted,
+    const Pick& pick,
+    size_t& bytes) {
   size_t freed = 0;
   int64_t count = 0;
   while (freed < wanted) {
@@ -1517,7 +1519,7 @@ int64_t pageOutEarlyFor(
       std::lock_guard<std::mutex> lock(e.mutex);
       victim = pick();
       if (victim == nullptr) {
-        return count;
+        break;
       }
       e.reclaim_list.remove(victim);
       victim->busy = true;
@@ -1537,7 +1539,7 @@ int64_t pageOutEarlyFor(
     if (!ok) {
       e.reclaim_list.push_back(victim);
       e.settled.notify_all();
-      return count;
+      break;
     }
     e.draining_bytes += victim->size;
     ++e.stats.early_pageout_count;
@@ -1547,7 +1549,34 @@ int64_t pageOutEarlyFor(
     freed += victim->size;
     ++count;
   }
+  bytes += freed;
   return count;
+}
+
+// Pages out early victims that `pick` chooses until `room` bytes are free
+// under `limit`, counting memory that draining page-outs are about to
+// release. Returns the page-outs made.
+template <typename Pick>
+int64_t pageOutEarlyFor(
+    DeviceEngine& e,
+    size_t limit,
+    size_t room,
+    const Pick& pick) {
+  if (limit <= room) {
+    return 0;
+  }
+  const size_t allocated = backend().allocatedBytes(e.device);
+  size_t pending = 0;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    pending = e.draining_bytes;
+  }
+  const size_t expected = allocated > pending ? allocated - pending : 0;
+  if (expected <= limit - room) {
+    return 0;
+  }
+  size_t bytes = 0;
+  return pageOutVictims(e, expected - (limit - room), pick, bytes);
 }
 
 // Keeps `margin` bytes free under the limit by paging out early the storages
@@ -1561,6 +1590,91 @@ void pageOutEarly(
   pageOutEarlyFor(e, limit, margin, [&] {
     return pickVictim(e, threshold, protect_until);
   });
+}
+
+// Records the demand at this operator boundary (the bytes the live storages
+// would take on the device: allocated, plus paged out and no longer
+// allocated) and, once a whole iteration has been seen, its peak. Engine
+// lock held.
+void recordDemand(
+    DeviceEngine& e,
+    uint64_t now,
+    uint64_t period,
+    uint64_t generation,
+    size_t allocated) {
+  if (e.demand_generation != generation || now < e.demand_began) {
+    e.demand_generation = generation;
+    e.demand_began = now;
+    e.demand_max = 0;
+    e.peak_bytes = 0;
+    e.peak_retry = 0;
+  }
+  if (now - e.demand_began >= period) {
+    e.peak_bytes = e.demand_max;
+    e.peak_phase = e.demand_max_phase;
+    e.demand_began = now;
+    e.demand_max = 0;
+  }
+  const auto off =
+      static_cast<size_t>(std::max<int64_t>(e.stats.pagedout_bytes.current, 0));
+  const size_t demand =
+      allocated + (off > e.draining_bytes ? off - e.draining_bytes : 0);
+  if (demand > e.demand_max) {
+    e.demand_max = demand;
+    e.demand_max_phase = now % period;
+  }
+}
+
+// Pages out early, from the start of the iteration, what must be off the
+// device at its peak of demand: storages whose next use comes after the peak,
+// furthest first, until the bytes paged out leave the prefetch budget free
+// there. pageOutEarly() alone makes room only as the limit nears, so the D2H
+// stream idled through the first part of a forward pass and then bounded the
+// rest of it; the same storages leave earlier now, while compute runs (the
+// victims are those Belady's choice takes at the peak: at any clock before
+// it, the storages used furthest in the future that are still resident).
+// The copies queued at once stay within the budget, so that a storage is
+// not held on the device waiting for its turn longer than the budget takes
+// to copy. Memory that dies before the peak is never paged out for it.
+void pageOutAheadOfPeak(
+    DeviceEngine& e,
+    uint64_t now,
+    uint64_t period,
+    uint64_t generation,
+    size_t limit,
+    size_t budget) {
+  const size_t allocated = backend().allocatedBytes(e.device);
+  uint64_t peak_clock = 0;
+  size_t wanted = 0;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    recordDemand(e, now, period, generation, allocated);
+    if (e.peak_bytes == 0 || now < e.peak_retry) {
+      return;
+    }
+    const uint64_t ahead = (e.peak_phase + period - now % period) % period;
+    const size_t must = e.peak_bytes > limit ? e.peak_bytes - limit : 0;
+    const auto off = static_cast<size_t>(
+        std::max<int64_t>(e.stats.pagedout_bytes.current, 0));
+    if (ahead == 0 || must <= off || e.draining_bytes >= budget) {
+      return;
+    }
+    peak_clock = now + ahead;
+    wanted = std::min(must - off, budget - e.draining_bytes);
+  }
+  const size_t threshold = g_size_threshold.load();
+  size_t bytes = 0;
+  const int64_t made = pageOutVictims(
+      e, wanted, [&] { return pickVictim(e, threshold, peak_clock); }, bytes);
+  std::lock_guard<std::mutex> lock(e.mutex);
+  e.stats.peak_pageout_count += made;
+  e.stats.peak_pageout_bytes += static_cast<int64_t>(bytes);
+  if (bytes < wanted) {
+    // Nothing resident is used after the peak (yet): a search is a pass over
+    // the reclaim list, so the next one waits for a few operators to add
+    // storages to it.
+    e.peak_retry = now + std::clamp<uint64_t>(period / 32, 1, kPeakRetryOps);
+  }
 }
 
 // Page-ins planned by compiled code (pageInAhead): what it does on one
@@ -1686,6 +1800,7 @@ void scheduleTick(DeviceEngine& e) {
   const uint64_t window = lookaheadOps(period);
   prefetchUpcoming(e, now, window, budget);
   pageOutEarly(e, now + window, limit, budget);
+  pageOutAheadOfPeak(e, now, period, generation, limit, budget);
 }
 
 // A use of `r` by the running operator, resident or over the bus: the

@@ -304,6 +304,11 @@ struct LmsStats {
   int64_t early_pageout_bytes = 0;
   int64_t schedule_rescues = 0;
   int64_t schedule_prefetch_count = 0;
+  // Per device: the early page-outs made ahead of the iteration's peak of
+  // demand, from the start of the iteration (part of the early page-outs
+  // above).
+  int64_t peak_pageout_count = 0;
+  int64_t peak_pageout_bytes = 0;
   // Per device: the prefetch budget in force (set or derived; 0 while no
   // schedule is active).
   int64_t schedule_prefetch_budget_bytes = 0;

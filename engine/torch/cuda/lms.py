@@ -109,6 +109,8 @@ _COUNTER_KEYS = (
     "schedule_prefetch_budget_bytes",
     "early_pageout_count",
     "early_pageout_bytes",
+    "peak_pageout_count",
+    "peak_pageout_bytes",
     "graph_prefetch_count",
     "graph_prefetch_bytes",
     "graph_pageout_count",
@@ -631,7 +633,10 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       device ``schedule_victims`` (victims chosen by next use),
       ``schedule_prefetch_count`` (page-ins issued ahead of use),
       ``early_pageout_count`` and ``early_pageout_bytes`` (page-outs made
-      right after a last use, with no stream waiting for them) and
+      right after a last use, with no stream waiting for them; of them,
+      ``peak_pageout_count`` and ``peak_pageout_bytes`` were made from the
+      start of the iteration, ahead of its peak of demand, for storages used
+      next after the peak) and
       ``schedule_rescues`` (storages used again before an early page-out
       released their memory: no copy back was needed), and
       ``schedule_prefetch_budget_bytes`` (the prefetch budget in force, set

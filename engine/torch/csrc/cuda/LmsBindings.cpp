@@ -245,6 +245,8 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["schedule_prefetch_budget_bytes"] = stats.schedule_prefetch_budget_bytes;
   dict["early_pageout_count"] = stats.early_pageout_count;
   dict["early_pageout_bytes"] = stats.early_pageout_bytes;
+  dict["peak_pageout_count"] = stats.peak_pageout_count;
+  dict["peak_pageout_bytes"] = stats.peak_pageout_bytes;
   dict["graph_prefetch_count"] = stats.graph_prefetch_count;
   dict["graph_prefetch_bytes"] = stats.graph_prefetch_bytes;
   dict["graph_pageout_count"] = stats.graph_pageout_count;
