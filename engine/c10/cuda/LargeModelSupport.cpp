@@ -1627,10 +1627,11 @@ void recordDemand(
 
 // Pages out early, from the start of the iteration, what must be off the
 // device at its peak of demand: storages whose next use comes after the peak,
-// furthest first, until the bytes paged out leave the prefetch budget free
-// there. pageOutEarly() alone makes room only as the limit nears, so the D2H
-// stream idled through the first part of a forward pass and then bounded the
-// rest of it; the same storages leave earlier now, while compute runs (the
+// furthest first, until the bytes off the device cover the peak's excess over
+// the limit (pageOutEarly() still keeps the budget's room free as the peak
+// nears). pageOutEarly() alone makes room only as the limit nears, so the
+// D2H stream idled through the first part of a forward pass and then bounded
+// the rest of it; the same storages leave earlier now, while compute runs (the
 // victims are those Belady's choice takes at the peak: at any clock before
 // it, the storages used furthest in the future that are still resident).
 // The copies queued at once stay within the budget, so that a storage is
