@@ -4,6 +4,8 @@ measurements, no GPU."""
 from __future__ import annotations
 
 import csv
+import json
+from dataclasses import asdict
 from pathlib import Path
 
 import compare
@@ -90,6 +92,7 @@ def ok(
     inn: float = 0.0,
     largest: int | None = None,
     note: str = "",
+    deficit: float | None = None,
 ) -> Measurement:
     m = Measurement(
         "gpt",
@@ -102,27 +105,35 @@ def ok(
         in_bytes_per_iter=inn,
         largest_batch=largest,
         largest_batch_note=note,
+        deficit_bytes=None if deficit is None else int(deficit),
     )
     m.finish_timing()
     return m
 
 
 def fake_rows() -> list[Measurement]:
+    # 100 ms of compute per iteration (batch 8). Copies: D2H 50, H2D 40, both ways 80 GB/s.
     return [
         ok("baseline", None, 8, 0.100),
-        ok("lms_fits", None, 8, 0.101),
+        ok("lms_fits", None, 8, 0.101),  # 1.5% slower than the mean of 0.100 and 0.099
         ok("baseline_repeat", None, 8, 0.099),
-        # 2x: LMS moves 10 GB each way: roofline 0.25 s, measured 0.3125 s -> 80%
-        ok("lms", 2.0, 8, 0.3125, 10 * GB, 10 * GB, largest=40, note="within 10%"),
-        ok("save_on_cpu", 2.0, 8, 0.5, 12 * GB, 12 * GB),
-        ok("checkpoint", 2.0, 8, 0.25),
+        # 2x: deficit 10 GB: its roofline 20 GB / 80 GB/s = 0.25 s, measured 0.3125 s -> 80%
+        # (against its own 12 GB each way, 0.3 s: 96%); out 12 GB = 1.2x the deficit
+        ok("lms", 2.0, 8, 0.3125, 12 * GB, 12 * GB, largest=40, note="within 10%", deficit=10 * GB),
+        ok("save_on_cpu", 2.0, 8, 0.5, 12 * GB, 12 * GB, deficit=10 * GB),
+        ok("checkpoint", 2.0, 8, 0.25, deficit=10 * GB),  # trains: no goal against it at 2x
         ok("no_lms", 2.0, 3, 0.04, largest=3),
-        # 4x: save_on_cpu and checkpoint run out of memory; no-LMS trains nothing
-        # 4x: 20 GB each way: roofline 40 GB / 80 GB/s = 0.5 s, measured 0.625 s -> 80%
-        ok("lms", 4.0, 8, 0.625, 20 * GB, 20 * GB, largest=30),
+        # 4x: deficit 20 GB: roofline 0.5 s, measured 0.55 s -> 90.9%; out 26 GB = 1.3x
+        ok("lms", 4.0, 8, 0.55, 26 * GB, 26 * GB, largest=30, deficit=20 * GB),
+        # save_on_cpu and checkpoint run out of memory; no-LMS trains nothing
         Measurement("gpt", "save_on_cpu", 4.0, 2 * GiB, 8, status="oom", detail="OOM"),
         Measurement("gpt", "checkpoint", 4.0, 2 * GiB, 8, status="oom", detail="OOM"),
         Measurement("gpt", "no_lms", 4.0, 2 * GiB, 0, status="oom", largest_batch=0),
+        # 1.5x: LMS exactly as fast as offload (not faster) and as checkpointing (as fast)
+        ok("lms", 1.5, 8, 0.2, 6 * GB, 6 * GB, deficit=5 * GB),
+        ok("offload", 1.5, 8, 0.2, 6 * GB, 6 * GB, deficit=5 * GB),
+        ok("save_on_cpu", 1.5, 8, 0.4, 8 * GB, 8 * GB, deficit=5 * GB),
+        ok("checkpoint", 1.5, 8, 0.2, deficit=5 * GB),
     ]
 
 
@@ -131,8 +142,10 @@ def test_fill_roofline_and_efficiency() -> None:
     fill_roofline(rows, 0.100 / 8, BW)
     by = {(m.method, m.factor): m for m in rows}
     assert by["baseline", None].efficiency == pytest.approx(1.0)
-    assert by["lms", 2.0].roofline_s == pytest.approx(0.25)
-    assert by["lms", 2.0].efficiency == pytest.approx(0.8)
+    assert by["lms", 2.0].roofline_s == pytest.approx(0.3)
+    assert by["lms", 2.0].efficiency == pytest.approx(0.96)
+    assert by["lms", 2.0].deficit_roofline_s == pytest.approx(0.25)
+    assert by["lms", 2.0].deficit_efficiency == pytest.approx(0.8)
     assert by["checkpoint", 2.0].efficiency == pytest.approx(0.4)  # recompute: 0.1 s -> 0.25 s
     assert by["no_lms", 2.0].roofline_s == pytest.approx(0.0375)  # 3 samples of compute
     assert by["save_on_cpu", 4.0].efficiency is None  # not measured
@@ -142,22 +155,48 @@ def test_fill_roofline_and_efficiency() -> None:
 def test_goals_from_fake_measurements() -> None:
     rows = fake_rows()
     fill_roofline(rows, 0.100 / 8, BW)
-    goals = {(g.goal, g.factor): g for g in evaluate_goals(rows, [2.0, 4.0])}
+    goal_list = evaluate_goals(rows, [1.5, 2.0, 4.0])
+    goals = {(g.goal, g.factor): g for g in goal_list}
+    assert len(goals) == len(goal_list)  # one row per goal and factor
 
+    # Efficiency against the deficit roofline, not against the row's own traffic (96% at 2x).
     eff = goals["lms_efficiency", 2.0]
     assert eff.value == pytest.approx(0.8) and eff.met is False
-    assert eff.gap == "-10.0 points"
-    assert goals["lms_efficiency", 4.0].value == pytest.approx(0.8)
-    assert goals["lms_efficiency", 4.0].met is False
+    assert eff.target == ">= 85%" and eff.gap == "-5.0 points"
+    assert goals["lms_efficiency", 4.0].value == pytest.approx(0.5 / 0.55)
+    assert goals["lms_efficiency", 4.0].met is True
+    assert goals["lms_efficiency", 4.0].gap == "+5.9 points"
+
+    out2, out4 = goals["lms_out_vs_deficit", 2.0], goals["lms_out_vs_deficit", 4.0]
+    assert out2.value == pytest.approx(1.2) and out2.met is True and out2.gap == "+0.05x"
+    assert out4.value == pytest.approx(1.3) and out4.met is False and out4.gap == "-0.05x"
+    assert out2.target == "<= 1.25x"
 
     soc = goals["lms_faster_than_save_on_cpu", 2.0]
     assert soc.value == pytest.approx(0.5 / 0.3125) and soc.met is True
-    ck = goals["lms_faster_than_checkpoint", 2.0]
-    assert ck.value == pytest.approx(0.25 / 0.3125) and ck.met is False
-    assert ck.gap == "-20.0%"
-    assert goals["lms_faster_than_checkpoint", 4.0].met is True
-    assert goals["lms_faster_than_checkpoint", 4.0].value is None
-    assert "ran out of memory" in goals["lms_faster_than_checkpoint", 4.0].note
+    assert soc.target == "> 1.00x"
+    soc4 = goals["lms_faster_than_save_on_cpu", 4.0]
+    assert soc4.met is True and soc4.value is None and soc4.gap == "rival cannot train"
+    assert "ran out of memory" in soc4.note
+    # Equal speed is not faster...
+    off = goals["lms_faster_than_offload", 1.5]
+    assert off.value == pytest.approx(1.0) and off.met is False
+    # ... but as fast as checkpointing is what the 1.5x goal asks.
+    ck = goals["lms_vs_checkpoint", 1.5]
+    assert ck.value == pytest.approx(1.0) and ck.met is True and ck.target == ">= 1.00x"
+    # Offload was measured at 1.5x only: not measured at the other caps, not guessed.
+    assert goals["lms_faster_than_offload", 2.0].met is None
+    assert "offload: not run" in goals["lms_faster_than_offload", 2.0].note
+
+    # Against checkpointing: the speed goal at 1.5x only; where it trains at 2x, no goal;
+    # where it runs out of memory at 4x, LMS training is the goal.
+    assert not [k for k in goals if k[0] == "lms_vs_checkpoint" and k[1] != 1.5]
+    assert not [k for k in goals if "checkpoint" in k[0] and k[1] == 2.0]
+    trains = goals["lms_trains_where_checkpoint_cannot", 4.0]
+    assert trains.met is True and trains.value is None
+    assert trains.gap == "checkpoint cannot train" and "ran out of memory" in trains.note
+    assert ("lms_trains_where_checkpoint_cannot", 1.5) not in goals
+    assert not [k for k in goals if k[0] == "lms_faster_than_checkpoint"]
 
     ratio = goals["largest_batch_ratio", 2.0]
     assert ratio.value == pytest.approx(40 / 3) and ratio.met is True
@@ -166,18 +205,35 @@ def test_goals_from_fake_measurements() -> None:
     assert nothing.value is None and nothing.met is True
     assert "not even batch 1" in nothing.note
 
+    # 1.5% slower with everything fitting: over the 1% goal.
     over = goals["overhead_when_fitting", None]
     assert over.value == pytest.approx(0.101 / 0.0995 - 1)
-    assert over.gap == "+0.5 points"
-    assert over.met is True
+    assert over.target == "<= 1%" and over.gap == "-0.5 points"
+    assert over.met is False
     assert "differ by 1.0%" in over.note
+    rows[1] = ok("lms_fits", None, 8, 0.1)  # 0.5% slower: met
+    over = next(g for g in evaluate_goals(rows, [2.0]) if g.goal == "overhead_when_fitting")
+    assert over.value == pytest.approx(0.1 / 0.0995 - 1) and over.met is True
+
+
+def test_checkpoint_goal_where_lms_fails_too() -> None:
+    rows = fake_rows()
+    rows[7] = Measurement("gpt", "lms", 4.0, 2 * GiB, 8, status="oom", detail="OOM in conv")
+    fill_roofline(rows, 0.100 / 8, BW)
+    goals = {(g.goal, g.factor): g for g in evaluate_goals(rows, [4.0])}
+    trains = goals["lms_trains_where_checkpoint_cannot", 4.0]
+    assert trains.met is False and trains.gap == "neither trains"
+    assert "OOM in conv" in trains.note
+    rows[7].status = "skipped"
+    goals = {(g.goal, g.factor): g for g in evaluate_goals(rows, [4.0])}
+    assert goals["lms_trains_where_checkpoint_cannot", 4.0].met is None
 
 
 def test_efficiency_above_the_roofline_is_reported_and_flagged() -> None:
     rows = fake_rows()
-    rows[7] = ok("lms", 4.0, 8, 0.4, 20 * GB, 20 * GB)  # faster than 0.5 s of copies
+    rows[7] = ok("lms", 4.0, 8, 0.4, 20 * GB, 20 * GB, deficit=20 * GB)  # under 0.5 s of copies
     fill_roofline(rows, 0.100 / 8, BW)
-    assert rows[7].efficiency == pytest.approx(1.25)
+    assert rows[7].deficit_efficiency == pytest.approx(1.25)
     goal = next(g for g in evaluate_goals(rows, [4.0]) if g.goal == "lms_efficiency")
     assert goal.value == pytest.approx(1.25) and goal.met is True
     assert "above the roofline" in goal.note
@@ -186,18 +242,37 @@ def test_efficiency_above_the_roofline_is_reported_and_flagged() -> None:
 def test_goals_not_measured_are_not_guessed() -> None:
     rows = [
         ok("baseline", None, 8, 0.1),
+        Measurement("gpt", "lms", 1.5, GiB, 8, status="skipped", detail="time budget"),
         Measurement("gpt", "lms", 2.0, GiB, 8, status="skipped", detail="time budget"),
     ]
-    goals = evaluate_goals(rows, [2.0])
+    goals = evaluate_goals(rows, [1.5, 2.0])
     assert all(g.met is None and g.value is None for g in goals)
-    assert {g.goal for g in goals} == {
-        "lms_efficiency",
-        "lms_faster_than_save_on_cpu",
-        "lms_faster_than_checkpoint",
-        "largest_batch_ratio",
-        "overhead_when_fitting",
+    assert {(g.goal, g.factor) for g in goals} == {
+        *(
+            (name, f)
+            for f in (1.5, 2.0)
+            for name in (
+                "lms_efficiency",
+                "lms_out_vs_deficit",
+                "lms_faster_than_save_on_cpu",
+                "largest_batch_ratio",
+            )
+        ),
+        ("lms_vs_checkpoint", 1.5),
+        # checkpointing not run at 2x: whether it would have run out of memory is unknown
+        ("lms_trains_where_checkpoint_cannot", 2.0),
+        ("overhead_when_fitting", None),
     }
     assert "time budget" in goals[0].note
+    trains = next(g for g in goals if g.goal == "lms_trains_where_checkpoint_cannot")
+    assert trains.note == "checkpoint: not run"
+    # An LMS row that trained but records no deficit has no deficit goals.
+    rows[2] = ok("lms", 2.0, 8, 0.3, 1 * GB, 1 * GB)
+    fill_roofline(rows, 0.1 / 8, BW)
+    goals = {g.goal: g for g in evaluate_goals(rows, [2.0])}
+    for name in ("lms_efficiency", "lms_out_vs_deficit"):
+        assert goals[name].met is None and goals[name].value is None
+        assert "no deficit" in goals[name].note
 
 
 def test_records_tables_and_csv(tmp_path: Path) -> None:
@@ -207,23 +282,28 @@ def test_records_tables_and_csv(tmp_path: Path) -> None:
     lms2 = records[3]
     assert lms2["method"] == "lms" and lms2["factor"] == "2"
     assert lms2["iteration_ms"] == "312.50"
-    assert lms2["out_gib_per_iter"] == f"{10 * GB / GiB:.3f}"
-    assert lms2["efficiency"] == "0.800"
+    assert lms2["out_gib_per_iter"] == f"{12 * GB / GiB:.3f}"
+    assert lms2["efficiency"] == "0.960" and lms2["deficit_efficiency"] == "0.800"
+    assert lms2["out_vs_deficit"] == "1.20"
     assert records[0]["factor"] == "" and records[0]["cap_gib"] == ""
     table = compare.measurements_markdown(records)
     lines = table.splitlines()
     assert len(lines) == 2 + len(rows)
     assert lines[0].startswith("| model | method | oversubscription |")
-    assert "| 80% |" in lines[5]
+    assert "| 96% | 80% / 144% |" in lines[5]
     assert "40 (within 10%)" in lines[5]
     assert "uncapped" in lines[2]
     assert "oom: OOM" in table
 
-    goals = evaluate_goals(rows, [2.0, 4.0])
+    goals = evaluate_goals(rows, [1.5, 2.0, 4.0])
     goal_records = [compare.goal_record("gpt", g) for g in goals]
     gtable = compare.goals_markdown(goal_records)
-    assert "| gpt | lms_efficiency | 2x | 80.0% | >= 90% | no | -10.0 points |" in gtable
-    assert "not measured" not in gtable
+    assert "| gpt | lms_efficiency | 2x | 80.0% | >= 85% | no | -5.0 points |" in gtable
+    assert "| gpt | lms_out_vs_deficit | 4x | 1.30x | <= 1.25x | no | -0.05x |" in gtable
+    assert "| gpt | lms_vs_checkpoint | 1.5x | 1.00x | >= 1.00x | yes | +0.0% |" in gtable
+    assert "| gpt | lms_trains_where_checkpoint_cannot | 4x |  | LMS trains | yes |" in gtable
+    assert "| gpt | overhead_when_fitting | - | +1.51% | <= 1% | no |" in gtable
+    assert "| not measured |" in gtable  # offload at 2x and 4x only
 
     env = {
         "device": "Fake GPU",
@@ -237,7 +317,99 @@ def test_records_tables_and_csv(tmp_path: Path) -> None:
     with path.open() as f:
         back = list(csv.DictReader(f))
     assert len(back) == len(rows)
-    assert back[3]["efficiency"] == "0.800" and back[3]["device"] == "Fake GPU"
+    assert back[3]["efficiency"] == "0.960" and back[3]["device"] == "Fake GPU"
+
+
+def test_goal_targets_come_from_the_constants() -> None:
+    """The --help text and the goal rows read the same constants."""
+    text = compare.goals_help()
+    for target in (
+        ">= 85%",
+        "<= 1.25x",
+        "> 1.00x",
+        "at 1.5x, LMS samples/s >= 1.00x",
+        ">= 10x",
+        "<= 1%",
+    ):
+        assert target in text, target
+    assert "90%" not in text and "2%" not in text
+    assert "lms_trains_where_checkpoint_cannot" in text
+    assert "Goals (compare-MODEL-goals.csv" in compare.build_parser().format_help()
+
+
+def test_rescore_recomputes_goals_from_a_run_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = fake_rows()
+    fill_roofline(rows, 0.100 / 8, BW)
+    env = {
+        "device": "Fake GPU",
+        "torch": "9.9",
+        "cuda": "13.0",
+        "lms_backend": "extension",
+        "date": "2030-01-01T00:00:00+00:00",
+        "host": "not a column",
+    }
+    records = []
+    for m in rows:
+        record = asdict(m)
+        # Derived figures are recomputed, keys of a later version ignored, profiles kept.
+        del record["deficit_efficiency"], record["roofline_s"]
+        record["from_a_later_version"] = 1
+        record["profile"] = {"compute_busy_s": 0.1} if m.method == "lms" else None
+        records.append(record)
+    run = {
+        "environment": env,
+        "workload": "fake",
+        "batch": 8,
+        "config": {"model": "gpt", "factors": [1.5, 2.0, 4.0], "out": "x"},
+        "bandwidth_bytes_per_s": asdict(BW),
+        "measurements": records,
+        "goals": [{"goal": "stale"}],
+        "searches": {},
+    }
+    (tmp_path / "compare-gpt.json").write_text(json.dumps(run))
+    stale = tmp_path / "compare-gpt-goals.csv"
+    stale.write_text("model,goal\ngpt,lms_faster_than_checkpoint\n")
+
+    back = compare.measurement_from_record(records[3])
+    assert (back.method, back.factor, back.deficit_bytes) == ("lms", 2.0, 10 * GB)
+    assert back.profile == {"compute_busy_s": 0.1}
+    assert back.deficit_efficiency is None and back.iteration_times == rows[3].iteration_times
+    with pytest.raises(ValueError, match="'lms'"):
+        compare.measurement_from_record({"method": "lms"})
+
+    assert compare.main(["--rescore", str(tmp_path)]) == 0
+    assert "== gpt: wrote" in capsys.readouterr().out
+    with stale.open(newline="") as f:
+        written = list(csv.DictReader(f))
+    expected = [compare.goal_record("gpt", g) for g in evaluate_goals(rows, [1.5, 2.0, 4.0])]
+    assert [{k: r[k] for k in compare.GOAL_COLUMNS} for r in written] == expected
+    assert {r["device"] for r in written} == {"Fake GPU"}
+    assert {r["date"] for r in written} == {env["date"]}
+    assert "host" not in written[0]
+    effs = {r["factor"]: r["value"] for r in written if r["goal"] == "lms_efficiency"}
+    assert effs["2"] == "0.8000"  # recomputed: the record had no deficit_efficiency
+    # The JSON itself is left as the run wrote it.
+    assert json.loads((tmp_path / "compare-gpt.json").read_text()) == run
+
+    # One JSON by path, or one model of a folder; nothing to rescore and bad files fail.
+    assert compare.main(["--rescore", str(tmp_path / "compare-gpt.json")]) == 0
+    assert compare.main(["--rescore", str(tmp_path), "--model", "gpt"]) == 0
+    assert compare.main(["--rescore", str(tmp_path), "--model", "vit_l"]) == 2
+    assert "no compare-vit_l.json" in capsys.readouterr().err
+    (tmp_path / "compare-gpt.json").write_text(json.dumps({"config": {}}))
+    assert compare.main(["--rescore", str(tmp_path)]) == 2
+    assert "not a compare.py run record" in capsys.readouterr().err
+    (tmp_path / "compare-gpt.json").write_text("{")
+    assert compare.main(["--rescore", str(tmp_path)]) == 2
+    # Without a measured baseline the run wrote no goals; neither does the rescore.
+    run["measurements"] = records[1:]
+    (tmp_path / "compare-gpt.json").write_text(json.dumps(run))
+    assert compare.main(["--rescore", str(tmp_path)]) == 0
+    assert stale.read_text().splitlines() == [
+        ",".join((*compare.GOAL_COLUMNS, *compare.ENV_COLUMNS))
+    ]
 
 
 def test_markdown_escapes_pipes() -> None:
@@ -275,6 +447,11 @@ def test_parser_and_checks() -> None:
         compare.check_args(parser.parse_args(["--model", "vit_l", "--image-size", "200"]))
     with pytest.raises(ValueError, match="go together"):
         compare.check_args(parser.parse_args(["--model", "gpt", "--probe-batch", "2"]))
+    with pytest.raises(ValueError, match="--model is required"):
+        compare.check_args(parser.parse_args([]))
+    compare.check_args(parser.parse_args(["--rescore", "results"]))
+    with pytest.raises(SystemExit):
+        compare.main(["--iterations", "3"])
 
 
 def test_probe_arguments_rebuild_the_same_configuration() -> None:

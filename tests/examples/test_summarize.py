@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import compare
@@ -32,6 +33,7 @@ def write_results(folder: Path, model: str) -> None:
             out_bytes_per_iter=5e9,
             in_bytes_per_iter=5e9,
             largest_batch=50,
+            deficit_bytes=4_000_000_000,
         ),
         Measurement(model, "no_lms", 2.0, 4 << 30, 3, iteration_times=[0.04], largest_batch=3),
     ]
@@ -68,6 +70,10 @@ def test_tables_in_model_order(tmp_path: Path) -> None:
     assert text.index("| resnet152 | baseline") < text.index("| gpt | baseline")
     assert "| Fake GPU | 9.9 | 13.0 |" in text
     assert "### Goals" in text and "| largest_batch_ratio | 2x | 16.67x | >= 10x | yes |" in text
+    # deficit 4 GB: its roofline is the 0.1 s of compute, measured 0.3 s; out 5 GB = 1.25x
+    assert "| lms_efficiency | 2x | 33.3% | >= 85% | no | -51.7 points |" in text
+    assert "| lms_out_vs_deficit | 2x | 1.25x | <= 1.25x | yes | +0.00x |" in text
+    assert "| overhead_when_fitting | - |  | <= 1% | not measured |" in text
 
 
 def test_readme_section_rewrite_and_check(
@@ -99,3 +105,17 @@ def test_committed_readme_is_up_to_date() -> None:
     """benchmarks/README.md's generated section matches the committed CSVs (regenerate it with
     `python benchmarks/summarize.py --readme benchmarks/README.md`)."""
     assert summarize.main(["--readme", str(REPO / "benchmarks/README.md"), "--check"]) == 0
+
+
+def test_committed_goals_are_rescored(tmp_path: Path) -> None:
+    """The committed compare-MODEL-goals.csv files are what this version's goals make of the
+    committed compare-MODEL.json files (rescore them with
+    `python benchmarks/compare.py --rescore benchmarks/results/compare`)."""
+    runs = sorted(summarize.DEFAULT_RESULTS.glob("compare-*.json"))
+    assert runs, "no committed runs"
+    for run in runs:
+        shutil.copy(run, tmp_path / run.name)
+        out, _, goals = compare.rescore(tmp_path / run.name)
+        assert goals
+        committed = summarize.DEFAULT_RESULTS / out.name
+        assert out.read_bytes() == committed.read_bytes(), committed
