@@ -37,7 +37,7 @@ every search probe) and compare-MODEL.png (needs matplotlib; skipped with a mess
 
 ``--rescore FOLDER`` needs no GPU: it recomputes the goals of the runs recorded in FOLDER's
 compare-MODEL.json files with this version's goals and rewrites their compare-MODEL-goals.csv
-(the JSON, the measurement CSV and the PNG stay as the run wrote them).
+and compare-MODEL.png (the JSON and the measurement CSV stay as the run wrote them).
 """
 
 from __future__ import annotations
@@ -817,7 +817,8 @@ def measurement_from_record(record: dict[str, Any]) -> Measurement:
 
 def rescore(path: Path) -> tuple[Path, str, list[Goal]]:
     """Recomputes the goals of the run recorded in ``path`` (a compare-MODEL.json) and
-    rewrites compare-MODEL-goals.csv beside it; returns (that CSV, the model, the goals).
+    rewrites compare-MODEL-goals.csv beside it, and the chart (compare-MODEL.png) where
+    matplotlib is installed; returns (that CSV, the model, the goals).
 
     The rooflines are recomputed as the run computed them, from its bandwidths and its
     baseline's time per sample (without a measured baseline the run wrote no goals, and
@@ -843,6 +844,10 @@ def rescore(path: Path) -> tuple[Path, str, list[Goal]]:
         goals = evaluate_goals(rows, [float(f) for f in factors])
     out = path.with_name(f"{path.stem}-goals.csv")
     write_csv(out, GOAL_COLUMNS, [goal_record(model, g) for g in goals], env)
+    if goals:
+        # The chart draws the efficiency goal: redrawn with it, titled as the run titled it.
+        title = f"{data.get('workload', model)}, batch {data.get('batch', '?')}"
+        plot_results(rows, bw, path.with_suffix(".png"), f"{title} — {env.get('device', '')}")
     return out, model, goals
 
 
@@ -1043,7 +1048,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="no GPU, no measurement: recompute the goals of the runs recorded in PATH (a "
         "compare-MODEL.json, or a folder of them; with --model only that model's) with this "
-        "version's goals, rewrite each one's compare-MODEL-goals.csv beside it and print them",
+        "version's goals, rewrite each one's compare-MODEL-goals.csv and compare-MODEL.png "
+        "(with matplotlib) beside it and print them",
     )
     # Internal: one search probe, run by the search in a subprocess.
     parser.add_argument("--probe-batch", type=positive_int, default=None, help=argparse.SUPPRESS)

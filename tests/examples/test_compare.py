@@ -4,6 +4,7 @@ measurements, no GPU."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -390,8 +391,10 @@ def test_rescore_recomputes_goals_from_a_run_json(
     assert "host" not in written[0]
     effs = {r["factor"]: r["value"] for r in written if r["goal"] == "lms_efficiency"}
     assert effs["2"] == "0.8000"  # recomputed: the record had no deficit_efficiency
-    # The JSON itself is left as the run wrote it.
+    # The JSON itself is left as the run wrote it; the chart is redrawn where it can be.
     assert json.loads((tmp_path / "compare-gpt.json").read_text()) == run
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "compare-gpt.png").stat().st_size > 0
 
     # One JSON by path, or one model of a folder; nothing to rescore and bad files fail.
     assert compare.main(["--rescore", str(tmp_path / "compare-gpt.json")]) == 0
