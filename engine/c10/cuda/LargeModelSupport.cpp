@@ -1554,18 +1554,20 @@ int64_t pageOutVictims(
 }
 
 // Pages out early victims that `pick` chooses until `room` bytes are free
-// under `limit`, counting memory that draining page-outs are about to
-// release. Returns the page-outs made.
+// under `limit`, with `allocated` bytes allocated on the device (the caller
+// reads it once per operator boundary: the drop-in's allocator copies its
+// statistics under its lock to say), counting memory that draining page-outs
+// are about to release. Returns the page-outs made.
 template <typename Pick>
 int64_t pageOutEarlyFor(
     DeviceEngine& e,
+    size_t allocated,
     size_t limit,
     size_t room,
     const Pick& pick) {
   if (limit <= room) {
     return 0;
   }
-  const size_t allocated = backend().allocatedBytes(e.device);
   size_t pending = 0;
   {
     std::lock_guard<std::mutex> lock(e.mutex);
@@ -1583,11 +1585,12 @@ int64_t pageOutEarlyFor(
 // used furthest in the future, none used before `protect_until`.
 void pageOutEarly(
     DeviceEngine& e,
+    size_t allocated,
     uint64_t protect_until,
     size_t limit,
     size_t margin) {
   const size_t threshold = g_size_threshold.load();
-  pageOutEarlyFor(e, limit, margin, [&] {
+  pageOutEarlyFor(e, allocated, limit, margin, [&] {
     return pickVictim(e, threshold, protect_until);
   });
 }
@@ -1639,12 +1642,12 @@ void recordDemand(
 // to copy. Memory that dies before the peak is never paged out for it.
 void pageOutAheadOfPeak(
     DeviceEngine& e,
+    size_t allocated,
     uint64_t now,
     uint64_t period,
     uint64_t generation,
     size_t limit,
     size_t budget) {
-  const size_t allocated = backend().allocatedBytes(e.device);
   uint64_t peak_clock = 0;
   size_t wanted = 0;
   {
@@ -1758,15 +1761,17 @@ size_t pageInAheadOn(DeviceEngine& e, const std::vector<Record*>& planned) {
     }
   }
   const size_t threshold = g_size_threshold.load();
-  const int64_t made = pageOutEarlyFor(e, limit, wanted, [&]() -> Record* {
-    for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
-      if (r->size >= threshold && !r->prefetched &&
-          std::find(planned.begin(), planned.end(), r) == planned.end()) {
-        return r;
-      }
-    }
-    return nullptr;
-  });
+  const size_t allocated = backend().allocatedBytes(e.device);
+  const int64_t made =
+      pageOutEarlyFor(e, allocated, limit, wanted, [&]() -> Record* {
+        for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
+          if (r->size >= threshold && !r->prefetched &&
+              std::find(planned.begin(), planned.end(), r) == planned.end()) {
+            return r;
+          }
+        }
+        return nullptr;
+      });
   std::lock_guard<std::mutex> lock(e.mutex);
   e.stats.graph_pageout_count += made;
   return started;
@@ -1800,8 +1805,11 @@ void scheduleTick(DeviceEngine& e) {
   }
   const uint64_t window = lookaheadOps(period);
   prefetchUpcoming(e, now, window, budget);
-  pageOutEarly(e, now + window, limit, budget);
-  pageOutAheadOfPeak(e, now, period, generation, limit, budget);
+  // Early page-outs keep their device memory until drained: both read the
+  // bytes allocated after the page-ins above.
+  const size_t allocated = backend().allocatedBytes(e.device);
+  pageOutEarly(e, allocated, now + window, limit, budget);
+  pageOutAheadOfPeak(e, allocated, now, period, generation, limit, budget);
 }
 
 // A use of `r` by the running operator, resident or over the bus: the
