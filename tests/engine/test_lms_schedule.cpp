@@ -612,6 +612,33 @@ void checkBaseline() {
   }
 }
 
+// The forward pass of iterate() without its temporaries, for tests that
+// drive the rest themselves: the input (its pattern seeded `base` + 999; the
+// caller keeps it alive, as iterate() does) and the layers' activations in
+// `acts` (seeded `base` + layer).
+Tensor forwardPass(
+    Runner& run,
+    Model& m,
+    uint64_t base,
+    std::vector<Tensor>& acts) {
+  Tensor x;
+  run.op("input", {}, [&] { x = run.output(kActivation, base + 999); });
+  run.endOutputs();
+  acts.clear();
+  acts.reserve(m.weights.size()); // `prev` points into it
+  Tensor* prev = &x;
+  for (size_t i = 0; i < m.weights.size(); ++i) {
+    Tensor a;
+    run.op("forward", {&m.weights[i], prev}, [&] {
+      a = run.output(kActivation, base + i);
+    });
+    run.endOutputs();
+    acts.push_back(a);
+    prev = &acts.back();
+  }
+  return x;
+}
+
 // A compiled graph knows the order in which it uses its inputs and says so
 // (pageInAhead) before it needs them: the backward pass below names the next
 // three saved activations before each layer, with the learned schedule off.
@@ -633,21 +660,8 @@ lms::LmsStats trainWithGraphPlan(size_t limit, bool plan) {
         lms::resetAccumulatedStats(0);
       }
       const uint64_t base = static_cast<uint64_t>(iteration) * 1000;
-      Tensor x;
-      run.op("input", {}, [&] { x = run.output(kActivation, base + 999); });
-      run.endOutputs();
       std::vector<Tensor> acts;
-      acts.reserve(kLayers);
-      Tensor* prev = &x;
-      for (int i = 0; i < kLayers; ++i) {
-        Tensor a;
-        run.op("forward", {&m.weights[i], prev}, [&] {
-          a = run.output(kActivation, base + i);
-        });
-        run.endOutputs();
-        acts.push_back(a);
-        prev = &acts.back();
-      }
+      const Tensor x = forwardPass(run, m, base, acts);
       Tensor grad;
       run.op("loss", {&acts.back()}, [&] {
         grad = run.output(kActivation, base + 100);
@@ -747,21 +761,8 @@ TEST_CASE(a_compiled_graph_plan_steps_aside_for_a_learned_schedule) {
     REQUIRE(lms::getStats(0).schedule_active == 1);
     // The forward pass of the next iteration, which does not fit: some of
     // its storages are paged out when the plan names them all.
-    Tensor x;
-    run.op("input", {}, [&] { x = run.output(kActivation, 4999); });
-    run.endOutputs();
     std::vector<Tensor> acts;
-    acts.reserve(kLayers);
-    Tensor* prev = &x;
-    for (int i = 0; i < kLayers; ++i) {
-      Tensor a;
-      run.op("forward", {&m.weights[i], prev}, [&] {
-        a = run.output(kActivation, 4000 + i);
-      });
-      run.endOutputs();
-      acts.push_back(a);
-      prev = &acts.back();
-    }
+    const Tensor x = forwardPass(run, m, 4000, acts);
     std::vector<c10::StorageImpl*> all;
     for (int i = 0; i < kLayers; ++i) {
       all.push_back(acts[i].storage.get());
