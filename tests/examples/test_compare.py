@@ -27,6 +27,14 @@ from compare import (
 GB = 1e9
 GiB = 1 << 30
 BW = Bandwidth(d2h=50 * GB, h2d=40 * GB, bidirectional=80 * GB)
+# The environment columns of a run on no real machine.
+FAKE_ENV = {
+    "device": "Fake GPU",
+    "torch": "9.9",
+    "cuda": "13.0",
+    "lms_backend": "extension",
+    "date": "2030-01-01T00:00:00+00:00",
+}
 
 
 def test_copy_seconds_takes_the_binding_direction() -> None:
@@ -306,15 +314,8 @@ def test_records_tables_and_csv(tmp_path: Path) -> None:
     assert "| gpt | overhead_when_fitting | - | +1.51% | <= 1% | no |" in gtable
     assert "| not measured |" in gtable  # offload at 2x and 4x only
 
-    env = {
-        "device": "Fake GPU",
-        "torch": "9.9",
-        "cuda": "13.0",
-        "lms_backend": "extension",
-        "date": "2030-01-01T00:00:00+00:00",
-    }
     path = tmp_path / "compare-gpt.csv"
-    compare.write_csv(path, compare.MEASUREMENT_COLUMNS, records, env)
+    compare.write_csv(path, compare.MEASUREMENT_COLUMNS, records, FAKE_ENV)
     with path.open() as f:
         back = list(csv.DictReader(f))
     assert len(back) == len(rows)
@@ -343,14 +344,7 @@ def test_rescore_recomputes_goals_from_a_run_json(
 ) -> None:
     rows = fake_rows()
     fill_roofline(rows, 0.100 / 8, BW)
-    env = {
-        "device": "Fake GPU",
-        "torch": "9.9",
-        "cuda": "13.0",
-        "lms_backend": "extension",
-        "date": "2030-01-01T00:00:00+00:00",
-        "host": "not a column",
-    }
+    env = {**FAKE_ENV, "host": "not a column"}
     records = []
     for m in rows:
         record = asdict(m)
