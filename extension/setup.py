@@ -53,9 +53,11 @@ def _engine_manifest():
 MANIFEST = _engine_manifest()
 ENGINE_FILES = [p.as_posix() for p in MANIFEST.cxx_files(ENGINE)]
 ENGINE_SOURCES = [p.as_posix() for p in MANIFEST.cxx_sources(ENGINE)]
-API_MODULE = "torch/cuda/lms.py"
-# Imported by lms.py as the module beside it (torch_lms._lms_graph here).
-GRAPH_MODULE = "torch/cuda/_lms_graph.py"
+# The torch.cuda LMS API (lms.py and the modules it imports from beside it, such as
+# _lms_graph.py): torch/cuda/X.py in the PyTorch tree, torch_lms/X.py here.
+API_MODULES = [
+    p.as_posix() for p in MANIFEST.engine_files(ENGINE, "torch/cuda") if p.suffix == ".py"
+]
 
 
 def copy_if_changed(src: Path, dst: Path) -> None:
@@ -71,8 +73,8 @@ def copy_if_changed(src: Path, dst: Path) -> None:
 def vendor_shared_sources() -> None:
     for rel in ENGINE_FILES:
         copy_if_changed(ENGINE / rel, VENDOR / rel)
-    copy_if_changed(ENGINE / API_MODULE, HERE / "torch_lms" / "lms.py")
-    copy_if_changed(ENGINE / GRAPH_MODULE, HERE / "torch_lms" / "_lms_graph.py")
+    for rel in API_MODULES:
+        copy_if_changed(ENGINE / rel, HERE / "torch_lms" / Path(rel).name)
 
 
 def cuda_home() -> Path:
