@@ -1156,6 +1156,9 @@ cudaError_t cudaDeviceGetAttribute(
     case cudaDevAttrHostRegisterSupported:
       *value = p.hostRegisterSupported;
       break;
+    case cudaDevAttrCanUseHostPointerForRegisteredMem:
+      *value = p.canUseHostPointerForRegisteredMem;
+      break;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin:
       *value = static_cast<int>(p.sharedMemPerBlockOptin);
       break;

@@ -642,6 +642,47 @@ TEST_CASE(cached_blocks_go_back_when_another_process_needs_the_device) {
   env.checkBaseline();
 }
 
+TEST_CASE(cached_blocks_stay_while_nothing_else_grew) {
+  requireSimulated("a device whose size the test knows");
+  Env env(0);
+  {
+    // A process alone: 200 MiB of 4 MiB blocks cached in 20 MiB segments,
+    // then a 48 MiB storage no cached segment holds. Reserved passes the
+    // share (the device less the 5% headroom) with nothing else on the
+    // device; its cache stands in nobody's way.
+    CHECK(lms::getBackend()->releaseCachedMemory(0));
+    {
+      std::vector<StoragePtr> s;
+      for (int i = 0; i < 50; ++i) {
+        s.push_back(newStorage(4 * kMiB));
+        write(*s.back(), i);
+      }
+    }
+    const size_t cached = lms::getBackend()->reservedBytes(0);
+    CHECK(cached >= 200 * kMiB);
+    auto big = newStorage(48 * kMiB);
+    write(*big, 3);
+    size_t headroom = 0;
+    waitForDeviceSample();
+    const size_t reserved = lms::getBackend()->reservedBytes(0);
+    CHECK(reserved > deviceShareNow(&headroom));
+    const auto releases = lms::getStats(0).cache_releases;
+    std::vector<StoragePtr> more;
+    for (int i = 0; i < 3; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(110));
+      more.push_back(newStorage(1 * kMiB));
+      write(*more.back(), i);
+    }
+    CHECK_EQ(lms::getStats(0).cache_releases, releases);
+    CHECK(lms::getBackend()->reservedBytes(0) >= reserved);
+    CHECK(matches(*big, 3));
+    for (int i = 0; i < 3; ++i) {
+      CHECK(matches(*more[i], i));
+    }
+  }
+  env.checkBaseline();
+}
+
 TEST_CASE(cached_blocks_stay_under_a_limit_below_the_share) {
   requireSimulated("a device whose size the test knows");
   Env env(0);

@@ -82,7 +82,9 @@ C10_CUDA_API void setEnabledObserver(EnabledObserver observer);
 // allocations outside the allocator (cuBLAS, cuDNN, NCCL). The share is read
 // from the driver at most every few milliseconds, so processes that share a
 // device shrink their limits as the others grow; a process that holds more
-// than its share also returns its cached free blocks to the device. The
+// than its share while the others grow also returns its cached free blocks
+// to the device (alone, it keeps them: returning them would only make the
+// allocator map the same memory again). The
 // limit never exceeds 95% of what the allocator may hold either
 // (DeviceMemoryBackend::capacityBytes, e.g. a per-process memory fraction):
 // the rest is room for the allocator's fragmentation.

@@ -2,10 +2,11 @@
 
 // Pinned host memory for Large Model Support page-outs.
 //
-// cudaHostAlloc costs milliseconds and synchronizes with the device, so
-// buffers are cached and reused. A released buffer may still be the source or
-// target of an asynchronous copy: it carries an event and is handed out again
-// only once that event has completed, without the host ever blocking on it.
+// Pinning costs milliseconds a buffer plus the time to fault in and lock every
+// page, and freeing synchronizes with the device, so buffers are cached and
+// reused. A released buffer may still be the source or target of an
+// asynchronous copy: it carries an event and is handed out again only once
+// that event has completed, without the host ever blocking on it.
 
 #include <c10/core/Device.h>
 #include <c10/cuda/CUDAMacros.h>
@@ -56,19 +57,27 @@ class C10_CUDA_API HostPool {
   static size_t roundSize(size_t size);
 
  private:
+  // One pinned allocation: its size, and whether it is registered memory
+  // (an anonymous mapping) rather than from cudaHostAlloc.
+  struct Pinned {
+    size_t capacity;
+    bool registered;
+  };
   struct Cached {
     void* ptr;
     cudaEvent_t ready;
     c10::DeviceIndex device;
   };
 
+  static void* allocatePinned(size_t size, bool& registered);
+  static void freePinned(void* ptr, size_t size, bool registered);
   bool isReady(const Cached& c);
   HostBuffer takeCached(size_t rounded);
 
   EventRecycler recycle_;
   std::mutex mutex_;
   std::multimap<size_t, Cached> cached_; // capacity -> idle buffer
-  std::unordered_map<void*, size_t> capacity_; // every buffer we allocated
+  std::unordered_map<void*, Pinned> capacity_; // every buffer we allocated
   Usage usage_;
 };
 
