@@ -1,0 +1,52 @@
+"""benchmarks/nocap_probe.py and benchmarks/host_pinning.py: what runs without a GPU (the
+counter arithmetic, argument checks)."""
+
+from __future__ import annotations
+
+import host_pinning
+import nocap_probe
+import pytest
+
+GiB = 1 << 30
+
+
+def _snap(**over: float) -> dict[str, float]:
+    base = {k: 0 for k in (*nocap_probe.ALLOCATOR_KEYS, *nocap_probe.LMS_KEYS)}
+    base.update(reserved=0, allocated=0, limit=0, host=0)
+    base.update(over)
+    return base
+
+
+def test_delta_counts_counters_and_reads_gauges() -> None:
+    before = _snap(pageout_bytes=2 * GiB, num_device_alloc=10, stall_ms=5.0, reserved=GiB)
+    after = _snap(
+        pageout_bytes=5 * GiB,
+        num_device_alloc=13,
+        stall_ms=7.5,
+        reserved=3 * GiB,
+        host=4 * GiB,
+        schedule_active=1,
+    )
+    d = nocap_probe.delta(before, after)
+    assert d["pageout_bytes"] == 3.0  # GiB in this iteration
+    assert d["num_device_alloc"] == 3
+    assert d["stall_ms"] == 2.5
+    assert d["reserved"] == 3.0  # a gauge: as read, not the change
+    assert d["host"] == 4.0
+    assert d["schedule_active"] == 1
+
+
+@pytest.mark.parametrize(
+    "argv", [["--batch", "0"], ["--iterations", "0"], ["--profile-iterations", "-1"]]
+)
+def test_nocap_probe_rejects_bad_arguments(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        nocap_probe.main(argv)
+    assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("argv", [["--total-gib", "0"], ["--threads", "0"], ["--buffer-mib", "-1"]])
+def test_host_pinning_rejects_bad_arguments(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        host_pinning.main(argv)
+    assert exc.value.code == 2
