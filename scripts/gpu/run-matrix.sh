@@ -5,8 +5,16 @@
 #
 #   scripts/gpu/run-matrix.sh                                  everything this machine can run
 #   PYTEST_ARGS='-k capped' scripts/gpu/run-matrix.sh                 7 families x 2 caps (1 GPU)
-#   PYTEST_ARGS='-k "share or nocap"' scripts/gpu/run-matrix.sh       shared GPU, need > device
+#   PYTEST_ARGS='-k "nocap or share or host"' scripts/gpu/run-matrix.sh
+#                               need > device (1.25x, 2x), shared GPU (2 x 60%, 4 x 50%), host
+#                               budget (too low for one process; one for 4 processes)
+#   PYTEST_ARGS='-k nocap' scripts/gpu/run-matrix.sh                  need > device only
+#   PYTEST_ARGS='-k host' scripts/gpu/run-matrix.sh                   the host-budget rows only
 #   PYTEST_ARGS='-k ddp' scripts/gpu/run-matrix.sh                    DDP (2 GPUs)
+#
+# The rows beyond the device skip where the host has less memory than their pinned page-outs
+# need (tests/regression/lms_matrix_plan.py; 107 GiB for 2x an 80 GB H100), and the
+# host-budget rows where LMS has no host budget (torch.cuda.set_host_limit_lms).
 #
 # Environment: OUT (default out/matrix), PYTHON (default python3, the interpreter that has
 # torch and torchvision), CUDA_HOME (default /usr/local/cuda), MAX_JOBS (parallel compile

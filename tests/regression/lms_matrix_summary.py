@@ -7,7 +7,9 @@ cap, seconds per iteration (LMS run and uncapped reference), bytes paged out per
 the deficit (uncapped peak minus cap, or need minus LMS limit without a cap), the largest
 allocation seen inside an operator (a lower bound, from the uncapped run), stall time,
 whether the LMS run is bit-identical to the reference and whether the reference repeats,
-and the outcome. Values recorded per rank or per process are shown joined by ``/``.
+the host-memory budget of the row (``default``: the one LMS derives from the host), what
+became of each worker process (finished, host OOM, device OOM, error, killed by a signal)
+and the test's outcome. Values recorded per rank or per process are shown joined by ``/``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ COLUMNS = (
     "stall ms",
     "bit-identical",
     "reference repeats",
+    "host budget",
+    "workers",
     "outcome",
 )
 
@@ -65,6 +69,19 @@ def fmt_flag(value: Any) -> str:
     return _join(one(v) for v in _many(value))
 
 
+def fmt_host_budget(value: Any) -> str:
+    def one(v: Any) -> str:
+        if v is None:
+            return ""
+        return "default" if v == 0 else f"{float(v) / GiB:.2f} GiB"
+
+    return _join(one(v) for v in _many(value))
+
+
+def fmt_words(value: Any) -> str:
+    return _join("" if v is None else str(v) for v in _many(value))
+
+
 def row(entry: dict[str, Any]) -> list[str]:
     """The table cells of one test entry of ``regression-results.json``."""
     test_id = str(entry.get("test", "")).rsplit("::", 1)[-1]
@@ -79,6 +96,8 @@ def row(entry: dict[str, Any]) -> list[str]:
         fmt_ms(entry.get("stall_ms")),
         fmt_flag(entry.get("bit_identical")),
         fmt_flag(entry.get("reference_repeatable")),
+        fmt_host_budget(entry.get("host_limit_bytes")),
+        fmt_words(entry.get("worker_outcomes")),
         str(entry.get("outcome", "")),
     ]
 

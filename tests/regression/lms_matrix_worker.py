@@ -11,9 +11,13 @@ Commands:
             under a cap of ``--cap-share`` of the reference's peak reserved memory, LMS on
             with default settings; compared bit for bit.
 ``nocap``   no cap at all: a model whose training needs ``--factor`` times the device memory,
-            LMS on with default settings; compared with a micro-batched run without LMS.
+            LMS on with default settings; compared with a micro-batched run without LMS
+            (``--no-reference``: none). ``--host-limit-mb``: a host-memory budget for LMS.
 ``share``   one of ``--processes`` processes sharing one GPU, each needing ``--fraction`` of
             the device, started together (a file barrier), LMS on (or off: ``--no-lms``).
+            ``--cap-share``: a cap of that share of the device; ``--host-limit-mb``: a host
+            budget; ``--wave``/``--waves``: the processes reach the end of their first
+            forward pass wave after wave, each wave waiting there for the later ones.
 ``ddp``     DistributedDataParallel on two GPUs (``mp.spawn``, NCCL): the uncapped
             reference twice, then capped at ``--cap-share`` of each rank's own peak, LMS on.
 
@@ -133,12 +137,37 @@ def environment(backend: str) -> dict[str, Any]:
 
 def lms_settings() -> dict[str, int]:
     """The LMS settings in effect (the matrix runs with the defaults)."""
-    return {
+    settings = {
         "limit_bytes": torch.cuda.get_limit_lms(),
         "size_bytes": torch.cuda.get_size_lms(),
         "prefetch": torch.cuda.get_prefetch_lms(),
         "speculative_bytes": torch.cuda.get_speculative_lms(),
     }
+    host_limit = host_limit_setting()
+    if host_limit is not None:
+        settings["host_limit_bytes"] = host_limit
+    return settings
+
+
+def has_host_budget() -> bool:
+    """Whether this LMS build has a host-memory budget (``set_host_limit_lms``)."""
+    return hasattr(torch.cuda, "set_host_limit_lms")
+
+
+def set_host_limit(limit_bytes: int) -> None:
+    """Sets LMS's host-memory budget; an error where this build has none."""
+    if not has_host_budget():
+        raise RuntimeError(
+            "this LMS build has no host-memory budget (torch.cuda.set_host_limit_lms)"
+        )
+    torch.cuda.set_host_limit_lms(limit_bytes)
+
+
+def host_limit_setting() -> int | None:
+    """``get_host_limit_lms()`` (0: derived from the host), ``None`` where there is none."""
+    if not hasattr(torch.cuda, "get_host_limit_lms"):
+        return None
+    return int(torch.cuda.get_host_limit_lms())
 
 
 def error_text(exc: BaseException) -> str:
@@ -146,9 +175,11 @@ def error_text(exc: BaseException) -> str:
 
 
 def record_error(results: Results, exc: BaseException) -> None:
-    """Saves the error, with LMS's statistics up to it where they can still be read."""
+    """Saves the error (its traceback, type and message), with LMS's statistics up to it
+    where they can still be read."""
     results["error"] = error_text(exc)
     results["error_type"] = type(exc).__name__
+    results["error_message"] = str(exc)[:4000]
     try:
         if torch.cuda.is_initialized() and torch.cuda.get_enabled_lms():
             results["lms_at_error"] = lms_summary(torch.cuda.lms_stats())
@@ -410,9 +441,23 @@ def build_mlp(device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def run_nocap(factor: float, steps: int, out: Path) -> int:
-    """The ``nocap`` command; returns the exit status."""
-    results = Results(out, factor=factor, steps=steps, stage="start")
+def run_nocap(
+    factor: float, steps: int, out: Path, host_limit_mb: int = 0, reference: bool = True
+) -> int:
+    """The ``nocap`` command; returns the exit status (0: done, 1: an error, recorded).
+
+    ``host_limit_mb``: a host-memory budget for LMS (``set_host_limit_lms``), else the
+    default. ``reference``: compare with the micro-batched run without LMS (else the run only
+    has to train, or to fail as it should).
+    """
+    results = Results(
+        out,
+        factor=factor,
+        steps=steps,
+        host_limit_mb=host_limit_mb,
+        reference_run=reference,
+        stage="start",
+    )
     try:
         backend = ensure_lms_api()
         results.update(**environment(backend))
@@ -431,31 +476,44 @@ def run_nocap(factor: float, steps: int, out: Path) -> int:
             largest_alloc_source="output of each Linear and GELU (tokens x width, fp32)",
             need_bytes=need,
             need_over_device=need / total,
-            reference=f"the same batch in {chunks} micro-batches without LMS",
-            reference_chunks=chunks,
+            reference=f"the same batch in {chunks} micro-batches without LMS"
+            if reference
+            else "none",
+            reference_chunks=chunks if reference else None,
         )
         results.save()
         deterministic()
 
-        results["stage"] = "reference"
-        reference = RunResult()
-        model, optimizer = build_mlp(device)
-        for step in range(steps):
-            x, y = mlp_batch(tokens, MLP_WIDTH, 8000 + step, device)
-            loss, grads = mlp_train_step(model, optimizer, x, y, chunks)
-            del x, y
-            reference.losses.append(loss)
-            reference.grads = grads
-        reference.params = [p.detach().cpu() for p in model.parameters()]
-        del model, optimizer
-        settle()
-        results.save()
+        reference_run = RunResult()
+        if reference:
+            results["stage"] = "reference"
+            model, optimizer = build_mlp(device)
+            for step in range(steps):
+                x, y = mlp_batch(tokens, MLP_WIDTH, 8000 + step, device)
+                loss, grads = mlp_train_step(model, optimizer, x, y, chunks)
+                del x, y
+                reference_run.losses.append(loss)
+                reference_run.grads = grads
+            reference_run.params = [p.detach().cpu() for p in model.parameters()]
+            del model, optimizer
+            settle()
+            results.save()
 
         results["stage"] = "lms"
         torch.cuda.set_enabled_lms(True)
+        if host_limit_mb:
+            set_host_limit(host_limit_mb * MiB)
         torch.cuda.reset_accumulated_lms_stats()
         torch.cuda.reset_peak_lms_stats()
         torch.cuda.reset_peak_memory_stats()
+        # What must be off the device at the peak, by the limit in force before training.
+        limit_at_start = int(torch.cuda.lms_stats()["limit_bytes"])
+        results.update(
+            host_limit_bytes=host_limit_setting(),
+            limit_at_start_bytes=limit_at_start,
+            deficit_at_start_bytes=need - limit_at_start if limit_at_start else None,
+        )
+        results.save()
         live: list[int] = []
 
         def after_forward() -> None:
@@ -493,11 +551,14 @@ def run_nocap(factor: float, steps: int, out: Path) -> int:
             stall_ms=stats["stall_ms"],
             stall_ms_per_iter=stats["stall_ms"] / steps,
             losses=[float(v) for v in actual.losses],
-            reference_losses=[float(v) for v in reference.losses],
-            max_relative_difference=max_relative_difference(reference, actual),
             finite=all(math.isfinite(float(v)) for v in actual.losses),
-            stage="done",
         )
+        if reference:
+            results.update(
+                reference_losses=[float(v) for v in reference_run.losses],
+                max_relative_difference=max_relative_difference(reference_run, actual),
+            )
+        results["stage"] = "done"
         results.save()
         return 0
     except BaseException as exc:
@@ -547,17 +608,65 @@ class FileBarrier:
         (self.folder / f"failed-{self.rank}").touch()
 
 
+def lms_sample(at: str, seconds: float) -> dict[str, Any]:
+    """The LMS limit in force now, with what this process holds on the device and on the
+    host (and the host's ledger, where LMS has a host budget): how the device is shared."""
+    stats = torch.cuda.lms_stats()
+    sample: dict[str, Any] = {
+        "at": at,
+        "t_s": round(seconds, 3),
+        "limit_bytes": int(stats["limit_bytes"]),
+        "managed_bytes": int(stats["managed_bytes"]["current"]),
+        "pagedout_bytes": int(stats["pagedout_bytes"]["current"]),
+    }
+    if "host_ledger_bytes" in stats:
+        ledger = stats["host_ledger_bytes"]
+        sample["host_ledger_bytes"] = ledger.get("current") if isinstance(ledger, dict) else ledger
+    return sample
+
+
 def run_share(
-    rank: int, processes: int, fraction: float, steps: int, lms: bool, barrier_dir: Path, out: Path
+    rank: int,
+    processes: int,
+    fraction: float,
+    steps: int,
+    lms: bool,
+    barrier_dir: Path,
+    out: Path,
+    *,
+    cap_share: float = 0.0,
+    host_limit_mb: int = 0,
+    wave: int = 0,
+    waves: int = 1,
 ) -> int:
     """The ``share`` command: one of ``processes`` processes training together on one GPU.
 
     After the first step every process waits for all the others (or for their failure)
     while it keeps what it allocated (the caching allocator holds its peak), so the needs
     of all processes are on the device at the same time.
+
+    ``cap_share``: the allocator is capped at that share of the device (each process's
+    device is then full at its own cap, whatever the others hold). ``host_limit_mb``: a host
+    budget for LMS (``set_host_limit_lms``). With ``waves`` > 1 the processes of ``wave`` 0
+    run their first forward pass and wait at its end, their activations alive (and their
+    page-outs held), until those of wave 1 got there too (or failed), and so on: wave ``w``
+    starts its forward pass when the earlier waves are at the end of theirs.
+
+    The LMS limit in force is sampled (``lms_limit_samples``) at the start, at the end of
+    every forward pass and of every step, and after the wait: how the device was shared.
     """
     results = Results(
-        out, rank=rank, processes=processes, fraction=fraction, steps=steps, lms=lms, stage="start"
+        out,
+        rank=rank,
+        processes=processes,
+        fraction=fraction,
+        steps=steps,
+        lms=lms,
+        cap_share=cap_share,
+        host_limit_mb=host_limit_mb,
+        wave=wave,
+        waves=waves,
+        stage="start",
     )
     barrier = FileBarrier(barrier_dir, processes, rank, timeout_s=300)
     try:
@@ -568,52 +677,81 @@ def run_share(
         total = torch.cuda.get_device_properties(device).total_memory
         tokens = mlp_tokens_for(int(fraction * total), MLP_WIDTH, MLP_LAYERS)
         need = mlp_need_bytes(tokens, MLP_WIDTH, MLP_LAYERS)
+        cap = int(cap_share * total) if cap_share else None
         results.update(
             tokens=tokens,
             need_bytes=need,
             need_over_device=need / total,
             largest_alloc_bytes=tokens * MLP_WIDTH * 4,
+            cap_bytes=cap,
         )
         results.save()
         barrier.wait("start")
 
         results["stage"] = "training"
         deterministic()
-        if lms:
-            torch.cuda.set_enabled_lms(True)
-            torch.cuda.reset_accumulated_lms_stats()
-        model, optimizer = build_mlp(device)
-        seconds: list[float] = []
-        losses: list[float] = []
-        for step in range(steps):
-            start = time.perf_counter()
-            x, y = mlp_batch(tokens, MLP_WIDTH, 9000 + 100 * rank + step, device)
-            loss, _ = mlp_train_step(model, optimizer, x, y, 1)
-            del x, y
-            torch.cuda.synchronize()
-            seconds.append(time.perf_counter() - start)
-            losses.append(float(loss))
-            if step == 0:
-                results["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
-                results.save()
-                results["waited_s"] = barrier.wait("step1")
-        del model, optimizer
-        results.update(
-            s_per_iter=per_iteration(seconds),
-            seconds_per_step=seconds,
-            losses=losses,
-            finite=all(math.isfinite(v) for v in losses),
-            stage="done",
-        )
-        if lms:
-            stats = torch.cuda.lms_stats()
+        clock = time.monotonic()
+        samples: list[dict[str, Any]] = []
+
+        def sample(at: str) -> None:
+            if lms:
+                samples.append(lms_sample(at, time.monotonic() - clock))
+                results["lms_limit_samples"] = samples
+
+        with memory_cap(cap) if cap else nullcontext():
+            if lms:
+                torch.cuda.set_enabled_lms(True)
+                if host_limit_mb:
+                    set_host_limit(host_limit_mb * MiB)
+                torch.cuda.reset_accumulated_lms_stats()
+                results["host_limit_bytes"] = host_limit_setting()
+                sample("start")
+            model, optimizer = build_mlp(device)
+            seconds: list[float] = []
+            losses: list[float] = []
+            for step in range(steps):
+                if step == 0 and waves > 1:
+                    for earlier in range(wave):
+                        barrier.wait(f"wave{earlier}")
+
+                def after_forward(step: int = step) -> None:
+                    sample(f"step {step} forward")
+                    if step == 0 and waves > 1:
+                        results.save()
+                        for later in range(wave, waves):
+                            barrier.wait(f"wave{later}")
+                        sample("step 0 after the waves")
+
+                start = time.perf_counter()
+                x, y = mlp_batch(tokens, MLP_WIDTH, 9000 + 100 * rank + step, device)
+                loss, _ = mlp_train_step(model, optimizer, x, y, 1, after_forward)
+                del x, y
+                torch.cuda.synchronize()
+                seconds.append(time.perf_counter() - start)
+                losses.append(float(loss))
+                sample(f"step {step} end")
+                if step == 0:
+                    results["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+                    results.save()
+                    results["waited_s"] = barrier.wait("step1")
+                    sample("step 0 after the wait")
+            del model, optimizer
             results.update(
-                lms_settings=lms_settings(),
-                lms=lms_summary(stats),
-                pageout_bytes=stats["pageout_bytes"],
-                pageout_bytes_per_iter=stats["pageout_bytes"] / steps,
-                stall_ms=stats["stall_ms"],
+                s_per_iter=per_iteration(seconds),
+                seconds_per_step=seconds,
+                losses=losses,
+                finite=all(math.isfinite(v) for v in losses),
             )
+            if lms:
+                stats = torch.cuda.lms_stats()
+                results.update(
+                    lms_settings=lms_settings(),
+                    lms=lms_summary(stats),
+                    pageout_bytes=stats["pageout_bytes"],
+                    pageout_bytes_per_iter=stats["pageout_bytes"] / steps,
+                    stall_ms=stats["stall_ms"],
+                )
+        results["stage"] = "done"
         results.save()
         return 0
     except BaseException as exc:
@@ -792,6 +930,23 @@ def run_ddp(cap_share: float, steps: int, out_dir: Path) -> int:
 # ---------------------------------------------------------------------------------------
 
 
+HOST_LIMIT_HELP = "LMS's host-memory budget in MiB (set_host_limit_lms); 0: the default"
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -805,6 +960,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = sub.add_parser("nocap", help="a need of FACTOR x the device, no cap")
     p.add_argument("--factor", type=float, required=True)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--host-limit-mb", type=non_negative_int, default=0, help=HOST_LIMIT_HELP)
+    p.add_argument(
+        "--no-reference",
+        dest="reference",
+        action="store_false",
+        help="no micro-batched run without LMS to compare with",
+    )
     p.add_argument("--out", type=Path, required=True)
 
     p = sub.add_parser("share", help="one of several processes sharing one GPU")
@@ -813,6 +975,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fraction", type=float, required=True)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--no-lms", dest="lms", action="store_false")
+    p.add_argument(
+        "--cap-share", type=float, default=0.0, help="cap the allocator at this share of the device"
+    )
+    p.add_argument("--host-limit-mb", type=non_negative_int, default=0, help=HOST_LIMIT_HELP)
+    p.add_argument("--wave", type=non_negative_int, default=0)
+    p.add_argument("--waves", type=positive_int, default=1)
     p.add_argument("--barrier", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
 
@@ -820,7 +988,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cap-share", type=float, default=0.5)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--out-dir", type=Path, required=True)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.command == "share":
+        if args.wave >= args.waves:
+            parser.error(f"--wave {args.wave} is not below --waves {args.waves}")
+        if not 0.0 <= args.cap_share <= 1.0:
+            parser.error(f"--cap-share {args.cap_share} is not a share of the device")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -828,10 +1002,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "family":
         return run_family(args.family, args.cap_share, args.out, args.tiny)
     if args.command == "nocap":
-        return run_nocap(args.factor, args.steps, args.out)
+        return run_nocap(args.factor, args.steps, args.out, args.host_limit_mb, args.reference)
     if args.command == "share":
         return run_share(
-            args.rank, args.processes, args.fraction, args.steps, args.lms, args.barrier, args.out
+            args.rank,
+            args.processes,
+            args.fraction,
+            args.steps,
+            args.lms,
+            args.barrier,
+            args.out,
+            cap_share=args.cap_share,
+            host_limit_mb=args.host_limit_mb,
+            wave=args.wave,
+            waves=args.waves,
         )
     return run_ddp(args.cap_share, args.steps, args.out_dir)
 

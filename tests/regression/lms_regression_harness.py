@@ -147,7 +147,16 @@ def lms_summary(stats: dict[str, Any]) -> dict[str, Any]:
     out = {k: stats[k] for k in keys}
     for gauge in ("managed_bytes", "pagedout_bytes", "host_bytes"):
         out[f"{gauge}_peak"] = stats[gauge]["peak"]
+    # The host-memory budget, where this LMS build has one.
+    for key in HOST_BUDGET_STATS:
+        if key in stats:
+            out[key] = stats[key]
     return out
+
+
+# lms_stats() keys of the host-memory budget (torch.cuda.set_host_limit_lms): the budget in
+# force, the pinned memory of all LMS processes of the host, the page-outs it refused.
+HOST_BUDGET_STATS = ("host_budget_bytes", "host_ledger_bytes", "host_refusals")
 
 
 def host_bytes() -> int:
@@ -246,15 +255,6 @@ def ensure_lms_api() -> str:
     if not hasattr(torch.cuda, "set_enabled_lms"):
         import torch_lms  # noqa: F401  (installs the torch.cuda LMS API)
     return "patched" if hasattr(torch._C, "_cuda_lms_setEnabled") else "extension"
-
-
-def host_memory_bytes() -> int:
-    """Total host memory (``MemTotal`` of /proc/meminfo), in bytes."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemTotal line")
 
 
 def tensors_of(run: RunResult) -> list[tuple[str, torch.Tensor]]:

@@ -5,17 +5,23 @@ Each model family (``lms_families.py``) is trained with default LMS settings und
 uncapped run without LMS: bit for bit where two uncapped runs are bit-identical to each
 other (recorded as ``reference_repeatable``), otherwise within ten times the spread of
 those two runs.
-Further rows: no cap at all with a need of 1.1x and 1.5x the device memory (``-k nocap``),
-DistributedDataParallel on two GPUs (``-k ddp``) and several processes sharing one GPU
-(``-k share``).
+Further rows: no cap at all with a need of 1.25x and 2x the device memory (``-k nocap``),
+DistributedDataParallel on two GPUs (``-k ddp``), several processes sharing one GPU
+(``-k share``), and LMS's host-memory budget (``-k host``): a budget below what one process
+must page out ends its run with torch.OutOfMemoryError instead of the kernel's OOM killer,
+and four processes sharing one GPU and one budget: those it cannot hold fail so, the others
+finish.
 
 It runs when ``LMS_MATRIX=1`` is set (``scripts/gpu/run-matrix.sh`` does), so that the
 quick regression run of ``tests/regression`` stays quick.
 
 Every run trains in a process of its own (``lms_matrix_worker.py``), so a device fault in
 one run cannot take the rest of the matrix with it; the results it writes are recorded with
-the test (``LMS_RESULTS_DIR``: ``regression-results.json``). ``lms_matrix_summary.py``
-turns them into a markdown table.
+the test (``LMS_RESULTS_DIR``: ``regression-results.json``), and what became of each worker
+process (finished, a clean out-of-memory error of host or device memory, killed by a
+signal: ``lms_matrix_plan.classify``). ``lms_matrix_summary.py`` turns them into a markdown
+table. The host memory the rows beyond the device need, and the host budget of the shared
+one, are computed in ``lms_matrix_plan.py`` (checked on a CPU).
 """
 
 from __future__ import annotations
@@ -32,10 +38,11 @@ from typing import Any, Callable
 import pytest
 
 pytest.importorskip("torch.nn", reason="PyTorch is not installed")
+import lms_matrix_plan as plan
 import torch
-from lms_families import FAMILIES
-from lms_matrix_worker import LARGE_ALLOCATION_BYTES
-from lms_regression_harness import MiB, host_memory_bytes
+from lms_families import FAMILIES, mlp_need_bytes, mlp_tokens_for
+from lms_matrix_worker import LARGE_ALLOCATION_BYTES, MLP_LAYERS, MLP_WIDTH
+from lms_regression_harness import MiB, ensure_lms_api
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "lms_matrix_worker.py"
@@ -98,7 +105,7 @@ def run_worker(args: list[str], timeout_s: float) -> subprocess.CompletedProcess
 
 
 def read_results(path: Path, proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    tail = f"exit status {proc.returncode}; stderr tail:\n{proc.stderr[-3000:]}"
+    tail = f"{plan.exit_description(proc.returncode)}; stderr tail:\n{proc.stderr[-3000:]}"
     if not path.exists():
         pytest.fail(f"the worker wrote no results ({path.name}); {tail}")
     data: dict[str, Any] = json.loads(path.read_text())
@@ -206,72 +213,113 @@ def test_capped(name: str, cap: str, record: Record, tmp_path: Path) -> None:
         assert data["optimizer_state_bytes"] > room
 
 
-def host_memory_needed(factor: float, device_bytes: int) -> int:
-    """Host memory a no-cap row needs: (factor + 0.1) x the device memory, so that the
-    pinned page-outs and the process itself fit beside each other (1.6x for 1.5x)."""
-    return int((factor + 0.1) * device_bytes)
+def skip_without_host_memory(need: plan.HostNeed, row: str) -> None:
+    """Skips a row that needs more host memory than this machine has: its pinned page-outs
+    would end in the kernel's OOM killer (or, with a host budget, a host out-of-memory
+    error), which is not what the row is about."""
+    host = plan.usable_host_memory()
+    if host < need.total_bytes:
+        pytest.skip(
+            f"host memory {host / plan.GiB:.0f} GiB is less than {row} needs: {need.describe()}"
+        )
 
 
-@pytest.mark.parametrize("factor", [1.1, 1.5], ids=["1.1x", "1.5x"])
+def require_host_budget() -> None:
+    """Skips a row of the host-memory budget on an LMS build without one."""
+    if not hasattr(torch.cuda, "set_host_limit_lms"):
+        pytest.skip("this LMS build has no host-memory budget (torch.cuda.set_host_limit_lms)")
+
+
+def check_finished(outcome: plan.Outcome, data: dict[str, Any]) -> None:
+    """Fails with what became of the worker unless it finished."""
+    if outcome.kind != plan.FINISHED:
+        pytest.fail(
+            f"the worker did not finish ({outcome.label}): {outcome.detail}\n"
+            f"{data.get('error', data['_tail'])}"
+        )
+
+
+def nocap_need(factor: float, device_bytes: int) -> tuple[int, int]:
+    """Tokens and need of the no-cap DeepMLP at ``factor`` x the device (as the worker
+    computes them)."""
+    tokens = mlp_tokens_for(int(factor * device_bytes), MLP_WIDTH, MLP_LAYERS)
+    return tokens, mlp_need_bytes(tokens, MLP_WIDTH, MLP_LAYERS)
+
+
+NOCAP_KEYS = (
+    "device",
+    "lms_backend",
+    "tokens",
+    "largest_alloc_bytes",
+    "largest_alloc_source",
+    "need_bytes",
+    "need_over_device",
+    "live_after_forward_bytes",
+    "peak_over_device",
+    "peak_over_limit",
+    "limit_at_start_bytes",
+    "deficit_at_start_bytes",
+    "deficit_bytes",
+    "host_limit_bytes",
+    "s_per_iter",
+    "pageout_bytes_per_iter",
+    "pagein_bytes_per_iter",
+    "stall_ms",
+    "stall_ms_per_iter",
+    "reference",
+    "losses",
+    "reference_losses",
+    "max_relative_difference",
+    "bit_identical",
+    "reference_repeatable",
+    "lms_settings",
+    "lms",
+    "stage",
+    "error_type",
+    "error_message",
+    "lms_at_error",
+)
+
+
+@pytest.mark.parametrize("factor", [1.25, 2.0], ids=["1.25x", "2x"])
 def test_nocap(factor: float, record: Record, tmp_path: Path) -> None:
     """No memory cap: training needs ``factor`` times the device memory (a DeepMLP whose
     token count is computed from the device's total memory, so it adapts to the GPU).
 
     No run without LMS can hold the full batch, so the reference is the same batch in
     micro-batches without LMS: the same mathematics, not the same rounding; the LMS run
-    must match it closely (relative difference 1e-3 or less).
+    must match it closely (relative difference 1e-3 or less). The tensors alive after the
+    forward pass must pass the device, and LMS must have paged out.
+
+    Host memory (``plan.nocap_host_need``): the page-outs need pinned host memory for what
+    must be off the device at the peak, the deficit: the need less the device, less the 5%
+    headroom every LMS process leaves and the CUDA contexts of the worker and the test
+    session, i.e. about (factor - 1 + 0.05) x device, with 15% slack (the 1.1x run of
+    2026-11-23 held 0.96 of its deficit); plus 3 GiB for the worker (its micro-batched
+    reference runs on the device, its CPU copies are 64 MiB each) and 6 GiB for the system
+    and the test session. On an 80 GB H100 (79.2 GiB): 98 + 9 = 107 GiB at 2x, which a
+    128 GiB host has; the earlier rule, (factor + 0.1) x device, asked 166 GiB.
+
+    Time on an H100 (estimate): 1.25x about 45 s; 2x about 1.5-2 minutes (some 85 GiB out
+    and back in per step over PCIe, and as much pinned host memory to allocate once).
     """
     device_bytes = torch.cuda.get_device_properties(0).total_memory
-    host = host_memory_bytes()
-    needed = host_memory_needed(factor, device_bytes)
-    if host < needed:
-        pytest.skip(
-            f"host memory {host / 2**30:.0f} GiB is less than {factor + 0.1:.1f}x the device "
-            f"memory ({needed / 2**30:.0f} GiB): page-outs need pinned host memory"
-        )
+    need = plan.nocap_host_need(factor, device_bytes)
+    skip_without_host_memory(need, f"the no-cap row at {factor}x the device")
     record("family", "deep_mlp")
     record("cap", f"none ({factor}x device)")
+    record("host_need_bytes", need.total_bytes)
     out = tmp_path / "result.json"
     proc = run_worker(
         ["nocap", "--factor", str(factor), "--steps", "2", "--out", str(out)], FAMILY_TIMEOUT_S
     )
     data = read_results(out, proc)
+    outcome = plan.classify(proc.returncode, data)
     data["bit_identical"] = None
     data["reference_repeatable"] = None
-    record_all(
-        record,
-        data,
-        (
-            "device",
-            "lms_backend",
-            "tokens",
-            "largest_alloc_bytes",
-            "largest_alloc_source",
-            "need_bytes",
-            "need_over_device",
-            "live_after_forward_bytes",
-            "peak_over_device",
-            "peak_over_limit",
-            "deficit_bytes",
-            "s_per_iter",
-            "pageout_bytes_per_iter",
-            "pagein_bytes_per_iter",
-            "stall_ms",
-            "stall_ms_per_iter",
-            "reference",
-            "losses",
-            "reference_losses",
-            "max_relative_difference",
-            "bit_identical",
-            "reference_repeatable",
-            "lms_settings",
-            "lms",
-            "stage",
-            "error_type",
-            "lms_at_error",
-        ),
-    )
-    check_done(data)
+    record_all(record, data, NOCAP_KEYS)
+    record("worker_outcomes", [outcome.label])
+    check_finished(outcome, data)
     assert data["live_after_forward_bytes"] > device_bytes, (
         "the tensors alive after the forward pass fit the device: the row proves nothing"
     )
@@ -282,6 +330,100 @@ def test_nocap(factor: float, record: Record, tmp_path: Path) -> None:
         f"{data['max_relative_difference']:.3g} (losses {data['losses']} vs "
         f"{data['reference_losses']})"
     )
+
+
+# The row of a host budget too low for one process: its need over the device.
+TOO_LOW_FACTOR = 1.25
+
+
+def test_host_budget_too_low(record: Record, tmp_path: Path) -> None:
+    """One process, no cap, a need of 1.25x the device, LMS on with a host budget
+    (``set_host_limit_lms``) of half its deficit (``plan.too_low_host_limit``: half of
+    what must be off the device at the peak): LMS cannot page out what does not fit, and
+    the run must end with a torch.OutOfMemoryError naming host memory, raised in the
+    process and recorded by the worker (type and message), which then exits by itself
+    (status 1), not killed by a signal; LMS counts the refused page-outs
+    (``host_refusals`` > 0). The budget must be below the deficit the worker measured
+    under its limit in force, or the row proves nothing.
+
+    The control is the same run without a host budget: it trains (pages out, finite
+    losses, no refusals). Both run 2 steps without the micro-batched reference (the no-cap
+    row compares with it).
+
+    Host memory: that of the no-cap row at 1.25x (the control). Time on an H100
+    (estimate): about 1 minute (the refused run stops in its first forward pass).
+    """
+    require_host_budget()
+    device_bytes = torch.cuda.get_device_properties(0).total_memory
+    need = plan.nocap_host_need(TOO_LOW_FACTOR, device_bytes)
+    skip_without_host_memory(need, f"the control at {TOO_LOW_FACTOR}x the device")
+    _, need_bytes = nocap_need(TOO_LOW_FACTOR, device_bytes)
+    host_limit = plan.too_low_host_limit(need_bytes, device_bytes)
+    record("family", "deep_mlp")
+    record("cap", f"none ({TOO_LOW_FACTOR}x device), host budget 1/2 of the deficit")
+    record("host_limit_bytes", host_limit)
+    record("host_need_bytes", need.total_bytes)
+    common = ["nocap", "--factor", str(TOO_LOW_FACTOR), "--steps", "2", "--no-reference"]
+    low_out = tmp_path / "host-limit.json"
+    low = run_worker(
+        [*common, "--host-limit-mb", str(host_limit // MiB), "--out", str(low_out)],
+        FAMILY_TIMEOUT_S,
+    )
+    low_data = read_results(low_out, low)
+    low_outcome = plan.classify(low.returncode, low_data)
+    control_out = tmp_path / "control.json"
+    control = run_worker([*common, "--out", str(control_out)], FAMILY_TIMEOUT_S)
+    control_data = read_results(control_out, control)
+    control_outcome = plan.classify(control.returncode, control_data)
+    for key in (
+        "device",
+        "lms_backend",
+        "need_bytes",
+        "need_over_device",
+        "largest_alloc_bytes",
+        "limit_at_start_bytes",
+        "deficit_at_start_bytes",
+        "stage",
+        "error_type",
+        "error_message",
+        "lms_at_error",
+    ):
+        if key in low_data:
+            record(key, low_data[key])
+    record("deficit_bytes", low_data.get("deficit_at_start_bytes"))
+    record("exit_code", low.returncode)
+    record("worker_outcomes", [low_outcome.label])
+    record("host_refusals", plan.host_refusals(low_data))
+    record("control_outcome", control_outcome.label)
+    for key in ("s_per_iter", "pageout_bytes_per_iter", "stall_ms", "lms", "losses"):
+        if key in control_data:
+            record(f"control_{key}", control_data[key])
+
+    assert low_outcome.clean, f"the run with a host budget was {low_outcome.detail}"
+    deficit = low_data.get("deficit_at_start_bytes")
+    assert isinstance(deficit, int) and deficit > host_limit, (
+        f"the host budget {host_limit / plan.GiB:.1f} GiB is not below the deficit the worker "
+        f"measured ({deficit}): the row proves nothing"
+    )
+    assert low_outcome.kind == plan.HOST_OOM, (
+        f"the run with a host budget of half its deficit did not end with a "
+        f"torch.OutOfMemoryError naming host memory: {low_outcome.detail}\n"
+        f"{low_data.get('error', low_data['_tail'])}"
+    )
+    assert "host memory" in low_data["error_message"].lower()
+    assert low.returncode == 1, f"the worker recorded the error and exited {low.returncode}"
+    assert low_data.get("host_limit_bytes") == host_limit, (
+        f"get_host_limit_lms() gave {low_data.get('host_limit_bytes')} after "
+        f"set_host_limit_lms({host_limit})"
+    )
+    refusals = plan.host_refusals(low_data)
+    assert refusals is not None and refusals > 0, f"host_refusals {refusals}"
+
+    assert control_outcome.clean, f"the control without a host budget was {control_outcome.detail}"
+    check_finished(control_outcome, control_data)
+    assert control_data["lms"]["pageout_bytes"] > 0, "the control did not page out"
+    assert control_data["finite"], f"control losses {control_data['losses']}"
+    assert not plan.host_refusals(control_data), "the control's page-outs were refused"
 
 
 @pytest.mark.skipif(
@@ -333,75 +475,236 @@ def test_ddp_two_gpus(record: Record, tmp_path: Path) -> None:
         check_against_reference(data)
 
 
+SHARE_KEYS = (
+    "wave",
+    "need_bytes",
+    "need_over_device",
+    "largest_alloc_bytes",
+    "cap_bytes",
+    "s_per_iter",
+    "pageout_bytes",
+    "pageout_bytes_per_iter",
+    "stall_ms",
+    "peak_reserved_bytes",
+    "waited_s",
+    "lms_settings",
+    "lms",
+    "lms_limit_samples",
+    "stage",
+    "error_type",
+    "error_message",
+    "lms_at_error",
+)
+
+
+def record_share(
+    record: Record, results: list[dict[str, Any]], outcomes: list[plan.Outcome]
+) -> None:
+    """Records every process's values (one list per key) and what became of each."""
+    record("exit_codes", [r["returncode"] for r in results])
+    record("worker_outcomes", [o.label for o in outcomes])
+    for key in SHARE_KEYS:
+        record(key, [r.get(key) for r in results])
+    # One host budget for the host: one value when every process had the same.
+    limits = [r.get("host_limit_bytes") for r in results]
+    record("host_limit_bytes", limits[0] if len(set(limits)) == 1 else limits)
+    # The LMS limit in force at the end of each process's run (its samples: over time).
+    record(
+        "limit_bytes_at_end",
+        [(r.get("lms_limit_samples") or [{}])[-1].get("limit_bytes") for r in results],
+    )
+
+
+def check_no_signals(outcomes: list[plan.Outcome], results: list[dict[str, Any]]) -> None:
+    """Fails, naming the signal (SIGKILL: the kernel's OOM killer), if one ended a process."""
+    killed = [(r, o) for r, o in zip(results, outcomes) if not o.clean]
+    assert not killed, "\n\n".join(
+        f"process {r.get('rank')} was {o.detail}; its log ends:\n{r['_tail']}" for r, o in killed
+    )
+
+
 @pytest.mark.parametrize(
-    ("processes", "fraction"), [(2, 0.6), (4, 0.4)], ids=["2x60pct", "4x40pct"]
+    ("processes", "fraction"), [(2, 0.6), (4, 0.5)], ids=["2x60pct", "4x50pct"]
 )
 def test_share_one_gpu(processes: int, fraction: float, record: Record, tmp_path: Path) -> None:
     """``processes`` processes on one GPU, each training a model that needs ``fraction`` of
-    the device (together more than the device), started together, LMS on with default
-    settings and no cap: all must finish.
+    the device (together 1.2x and 2x the device), started together, LMS on with default
+    settings and no cap: all must finish, none may be ended by a signal (the exit status of
+    each; SIGKILL is what the kernel's OOM killer sends when the page-outs pass the host's
+    memory), and each must have paged out.
 
     Without LMS this runs out of memory: after its first step every process keeps what it
     allocated while it waits for the others, so the needs are on the device at once. The
     same start without LMS (one step) is run as the control, and at least one of its
     processes must fail with torch.OutOfMemoryError.
+
+    The LMS limit of each process is sampled at the start, at the end of every forward pass
+    and step, and after the wait (``lms_limit_samples``, and ``limit_bytes_at_end``): the
+    device policy, each process's share of the device as the others grow and shrink.
+
+    Host memory (``plan.share_host_need``): the processes' deficit together (the needs less
+    the device, its 5% headroom and five CUDA contexts) with 15% slack, 3 GiB a process and
+    6 GiB for the system: 38 GiB for 2 x 60% and 119 GiB for 4 x 50% of an 80 GB H100.
+    Time on an H100 (estimate): 2 x 60% about 45 s, 4 x 50% about 1.5 minutes (3 steps with
+    LMS, then 1 without).
     """
     device_bytes = torch.cuda.get_device_properties(0).total_memory
-    host = host_memory_bytes()
-    needed = int((processes * fraction - 1 + 0.5) * device_bytes)
-    if host < needed:
-        pytest.skip(
-            f"host memory {host / 2**30:.0f} GiB is less than the {needed / 2**30:.0f} GiB the "
-            "processes' page-outs and the processes themselves need"
-        )
+    need = plan.share_host_need(processes, fraction, device_bytes)
+    skip_without_host_memory(need, f"{processes} processes at {fraction:.0%} of the device")
     record("family", "deep_mlp")
     record("cap", f"none ({processes} processes x {fraction:.0%} of the device)")
+    record("host_need_bytes", need.total_bytes)
     lms = launch_share(processes, fraction, steps=3, lms=True, folder=tmp_path / "lms")
     # The control runs whatever the LMS run gave, so that the results show both.
     control = launch_share(processes, fraction, steps=1, lms=False, folder=tmp_path / "nolms")
-    record("exit_codes", [r["returncode"] for r in lms])
-    for key in (
-        "need_bytes",
-        "need_over_device",
-        "largest_alloc_bytes",
-        "s_per_iter",
-        "pageout_bytes",
-        "pageout_bytes_per_iter",
-        "stall_ms",
-        "peak_reserved_bytes",
-        "waited_s",
-        "lms_settings",
-        "error_type",
-        "lms_at_error",
-    ):
-        record(key, [r.get(key) for r in lms])
+    outcomes = [plan.classify(r["returncode"], r) for r in lms]
+    record_share(record, lms, outcomes)
     needs = [r["need_bytes"] for r in lms if isinstance(r.get("need_bytes"), int)]
     if len(needs) == processes:
         record("deficit_bytes", sum(needs) - device_bytes)  # together beyond the device
+    control_outcomes = [plan.classify(r["returncode"], r) for r in control]
     record("without_lms_exit_codes", [r["returncode"] for r in control])
     record("without_lms_errors", [r.get("error_type") for r in control])
+    record("without_lms_outcomes", [o.label for o in control_outcomes])
 
-    failed = [r for r in lms if r["returncode"] != 0 or r.get("stage") != "done"]
+    check_no_signals(outcomes, lms)
+    failed = [(r, o) for r, o in zip(lms, outcomes) if o.kind != plan.FINISHED]
     assert not failed, "\n\n".join(
-        f"process {r.get('rank')} (exit {r['returncode']}, stage {r.get('stage')!r}): "
+        f"process {r.get('rank')} (exit {r['returncode']}): {o.detail}\n"
         f"{r.get('error', r['_tail'])}"
-        for r in failed
+        for r, o in failed
     )
     for r in lms:
         assert r["finite"], f"process {r['rank']}: losses {r['losses']}"
-    ooms = [r for r in control if r.get("error_type") == "OutOfMemoryError"]
+        assert r["pageout_bytes"] > 0, f"process {r['rank']} paged nothing out"
+    ooms = [o for o in control_outcomes if o.kind in (plan.DEVICE_OOM, plan.HOST_OOM)]
     assert ooms, (
         "without LMS every process finished: the processes' needs did not exceed the device"
     )
 
 
-def launch_share(
-    processes: int, fraction: float, steps: int, lms: bool, folder: Path
-) -> list[dict[str, Any]]:
-    """Starts the ``share`` workers together and returns each one's results.
+# The shared host budget: four processes of half the device each (2x the device together),
+# each capped at a fifth of the device, in two waves: the first process, then the other three.
+BUDGET_PROCESSES = 4
+BUDGET_FRACTION = 0.5
+BUDGET_CAP_SHARE = 0.2
+BUDGET_FIRST_WAVE = 1
 
-    A worker that dies without saying so (a crash) is marked failed at the barrier here, so
-    that the others do not wait for it.
+
+def test_share_host_budget(record: Record, tmp_path: Path) -> None:
+    """Four processes on one GPU whose needs add up to 2x the device (half of it each), LMS
+    on, and one host budget for all of them (``lms_host_limit_mb`` in the LMS settings
+    variable, the same value for every process: the budget is one for the host) that holds
+    the page-outs of only some: those it cannot hold must end with a torch.OutOfMemoryError
+    naming host memory and exit by themselves, the others finish; no process may be ended
+    by a signal; at least one must finish and at least one must hit the budget.
+
+    How the row makes that certain, whatever the timing: each process is capped at a fifth
+    of the device (``set_per_process_memory_fraction``), so its device is full at its own
+    cap whatever the others hold (together 80% of the device: never the device's limit), and
+    the host budget alone decides. The first process trains to the end of its forward pass
+    and waits there with its page-outs held; then the other three do the same. Started
+    together, equal processes would reach the budget at the same moment and all be refused;
+    and with no cap, a process waiting at its peak would keep its share of the device and
+    leave the later ones short of device memory rather than of host memory.
+
+    The budget (``plan.share_host_budget``): a process needs N (``mlp_need_bytes``: 42.5e9
+    bytes on an 80 GB H100) under a cap C (17.0e9). At the end of its forward pass at least
+    N - 2 x tensor - C (23.1e9) of it is on the host, and during its run at most
+    (N - 0.95 C) x 1.15 (30.3e9). The budget is the midpoint of 1 x 30.3e9, which the first
+    process fits, and 2 x 23.1e9, which one more process would pass: 38.2e9 (35.6 GiB). It
+    is more than one process's page-outs, so a process refused had the others' page-outs
+    counted against it.
+
+    Host memory: the budget, 3 GiB a process and 6 GiB for the system: 54 GiB. Time on an
+    H100 (estimate): about 1 minute (the refused processes stop in their first forward pass;
+    the first trains 3 steps).
+    """
+    require_host_budget()
+    device_bytes = torch.cuda.get_device_properties(0).total_memory
+    tokens = mlp_tokens_for(int(BUDGET_FRACTION * device_bytes), MLP_WIDTH, MLP_LAYERS)
+    need_bytes = mlp_need_bytes(tokens, MLP_WIDTH, MLP_LAYERS)
+    budget = plan.share_host_budget(
+        need_bytes,
+        tokens * MLP_WIDTH * 4,
+        int(BUDGET_CAP_SHARE * device_bytes),
+        BUDGET_FIRST_WAVE,
+    )
+    need = plan.share_budget_host_need(budget, BUDGET_PROCESSES)
+    skip_without_host_memory(need, "four processes under one host budget")
+    record("family", "deep_mlp")
+    record(
+        "cap",
+        f"{BUDGET_CAP_SHARE:.0%} of the device each ({BUDGET_PROCESSES} processes x "
+        f"{BUDGET_FRACTION:.0%}), host budget {budget.budget_mib} MiB",
+    )
+    record("host_budget", budget.describe())
+    record("host_need_bytes", need.total_bytes)
+    env = plan.host_limit_env(ensure_lms_api(), budget.budget_mib, worker_env())
+
+    def wave_args(rank: int) -> list[str]:
+        wave = 0 if rank < BUDGET_FIRST_WAVE else 1
+        return ["--cap-share", str(BUDGET_CAP_SHARE), "--waves", "2", "--wave", str(wave)]
+
+    results = launch_share(
+        BUDGET_PROCESSES,
+        BUDGET_FRACTION,
+        steps=3,
+        lms=True,
+        folder=tmp_path / "budget",
+        extra_args=wave_args,
+        env=env,
+    )
+    outcomes = [plan.classify(r["returncode"], r) for r in results]
+    record_share(record, results, outcomes)
+    record("host_refusals", [plan.host_refusals(r) for r in results])
+
+    check_no_signals(outcomes, results)
+    unexpected = [
+        (r, o) for r, o in zip(results, outcomes) if o.kind not in (plan.FINISHED, plan.HOST_OOM)
+    ]
+    assert not unexpected, "\n\n".join(
+        f"process {r.get('rank')} neither finished nor hit the host budget: {o.detail}\n"
+        f"{r.get('error', r['_tail'])}"
+        for r, o in unexpected
+    )
+    for r in results:
+        assert r.get("need_bytes") == need_bytes, f"process {r.get('rank')}: {r.get('need_bytes')}"
+        assert r.get("host_limit_bytes") == budget.budget_mib * MiB, (
+            f"process {r.get('rank')}: get_host_limit_lms() gave {r.get('host_limit_bytes')}, "
+            f"not the budget of the environment ({budget.budget_mib} MiB)"
+        )
+    finished = [r for r, o in zip(results, outcomes) if o.kind == plan.FINISHED]
+    refused = [r for r, o in zip(results, outcomes) if o.kind == plan.HOST_OOM]
+    assert finished and refused, (
+        f"{len(finished)} processes finished and {len(refused)} hit the host budget "
+        f"({budget.describe()}): the row proves nothing unless at least one of each"
+    )
+    for r in refused:
+        assert r["returncode"] == 1, f"process {r['rank']} exited {r['returncode']}"
+        assert "host memory" in r["error_message"].lower(), r["error_message"]
+        refusals = plan.host_refusals(r)
+        assert refusals is not None and refusals > 0, f"process {r['rank']}: refusals {refusals}"
+    for r in finished:
+        assert r["finite"], f"process {r['rank']}: losses {r['losses']}"
+
+
+def launch_share(
+    processes: int,
+    fraction: float,
+    steps: int,
+    lms: bool,
+    folder: Path,
+    extra_args: Callable[[int], list[str]] | None = None,
+    env: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Starts the ``share`` workers together and returns each one's results, with its exit
+    status (``returncode``: negative when a signal ended it) and the end of its log.
+
+    ``extra_args(rank)``: further worker arguments of each process; ``env``: the workers'
+    environment (default :func:`worker_env`). A worker that dies without saying so (a
+    crash, a signal) is marked failed at the barrier here, so that the others do not wait
+    for it.
     """
     folder.mkdir(parents=True)
     barrier = folder / "barrier"
@@ -425,11 +728,13 @@ def launch_share(
         ]
         if not lms:
             args.append("--no-lms")
+        if extra_args is not None:
+            args += extra_args(rank)
         with (folder / f"rank{rank}.log").open("w") as log:
             procs.append(
                 subprocess.Popen(
                     [sys.executable, str(WORKER), *args],
-                    env=worker_env(),
+                    env=worker_env() if env is None else env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +24,7 @@ import pytest
 
 pytest.importorskip("torch")
 import lms_families
+import lms_matrix_plan as plan
 import lms_matrix_summary
 import lms_matrix_worker as worker
 import torch
@@ -217,12 +220,20 @@ def test_first_difference_and_relative_difference() -> None:
 
 
 class FakeCuda:
-    """Stands in for the torch.cuda calls the worker makes; counts LMS being enabled."""
+    """Stands in for the torch.cuda calls the worker makes; counts LMS being enabled.
 
-    def __init__(self, total: int) -> None:
+    With ``host_budget``, it has the host-memory budget's API and statistics too (an LMS
+    build with it); without, those names are absent.
+    """
+
+    def __init__(self, total: int, host_budget: bool = True) -> None:
         self.total = total
+        self.host_budget = host_budget
         self.enabled: list[bool] = []
+        self.host_limits: list[int] = []
+        self.limits: list[int] = []
         self.fail_stats = False
+        self.host_refusals = 0
 
     def stats(self) -> dict[str, Any]:
         if self.fail_stats:
@@ -244,10 +255,14 @@ class FakeCuda:
             0,
         )
         counters["pageout_bytes"] = 3 * MiB
-        counters["limit_bytes"] = self.total
+        counters["limit_bytes"] = self.limits[-1] if self.limits else self.total
         gauges = {
             g: {"current": 0, "peak": 0} for g in ("managed_bytes", "pagedout_bytes", "host_bytes")
         }
+        if self.host_budget:
+            counters["host_budget_bytes"] = self.host_limits[-1] if self.host_limits else 0
+            counters["host_refusals"] = self.host_refusals
+            gauges["host_ledger_bytes"] = {"current": MiB, "peak": 2 * MiB}
         return {**counters, **gauges}
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -270,9 +285,21 @@ class FakeCuda:
             "get_prefetch_lms": lambda: 0,
             "get_speculative_lms": lambda: 0,
             "get_enabled_lms": lambda: bool(self.enabled and self.enabled[-1]),
+            "set_limit_lms": self.limits.append,
             "is_initialized": lambda: True,
         }.items():
             monkeypatch.setattr(cuda, name, value, raising=False)
+        if self.host_budget:
+            monkeypatch.setattr(cuda, "set_host_limit_lms", self.host_limits.append, raising=False)
+            monkeypatch.setattr(
+                cuda,
+                "get_host_limit_lms",
+                lambda: self.host_limits[-1] if self.host_limits else 0,
+                raising=False,
+            )
+        else:
+            monkeypatch.delattr(cuda, "set_host_limit_lms", raising=False)
+            monkeypatch.delattr(cuda, "get_host_limit_lms", raising=False)
         monkeypatch.setattr(worker, "worker_device", lambda: CPU)
         monkeypatch.setattr(worker, "rank_device", lambda rank: CPU)
         monkeypatch.setattr(worker, "ensure_lms_api", lambda: "stand-in")
@@ -388,6 +415,219 @@ def test_share_command_on_cpu(
     assert "pageout_bytes" not in json.loads(out.read_text())
 
 
+HOST_OOM_MESSAGE = (
+    "CUDA out of memory with Large Model Support: the host memory budget of 64.00 MiB is "
+    "exhausted (stand-in)"
+)
+
+
+def test_nocap_command_with_a_host_limit_and_no_reference(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(worker, "MLP_WIDTH", 16)
+    monkeypatch.setattr(worker, "MLP_LAYERS", 2)
+    out = tmp_path / "result.json"
+    assert worker.run_nocap(1.25, 2, out, host_limit_mb=64, reference=False) == 0
+    data = json.loads(out.read_text())
+    assert data["stage"] == "done", data.get("error")
+    assert fake_cuda.host_limits == [64 * MiB]
+    assert data["host_limit_bytes"] == 64 * MiB
+    assert data["lms_settings"]["host_limit_bytes"] == 64 * MiB
+    assert data["reference"] == "none" and data["reference_chunks"] is None
+    assert "reference_losses" not in data and "max_relative_difference" not in data
+    assert data["limit_at_start_bytes"] == 4 * MiB
+    assert data["deficit_at_start_bytes"] == data["need_bytes"] - 4 * MiB
+    assert data["lms"]["host_refusals"] == 0
+    assert data["lms"]["host_ledger_bytes"] == {"current": MiB, "peak": 2 * MiB}
+    assert plan.classify(0, data).kind == plan.FINISHED
+
+
+def raise_in_training(
+    monkeypatch: pytest.MonkeyPatch, exc: BaseException, when: Any = lambda: True
+) -> None:
+    """Makes the worker's training step raise ``exc`` in its forward pass while ``when()``."""
+    real = worker.mlp_train_step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if when():
+            raise exc
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker, "mlp_train_step", step)
+
+
+def test_nocap_command_records_a_host_out_of_memory_error(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(worker, "MLP_WIDTH", 16)
+    monkeypatch.setattr(worker, "MLP_LAYERS", 2)
+    fake_cuda.host_refusals = 3
+    raise_in_training(monkeypatch, torch.OutOfMemoryError(HOST_OOM_MESSAGE))
+    out = tmp_path / "result.json"
+    assert worker.run_nocap(1.25, 2, out, host_limit_mb=64, reference=False) == 1
+    data = json.loads(out.read_text())
+    assert (data["stage"], data["error_type"]) == ("lms", "OutOfMemoryError")
+    assert data["error_message"] == HOST_OOM_MESSAGE
+    assert data["lms_at_error"]["host_refusals"] == 3
+    assert data["host_limit_bytes"] == 64 * MiB  # saved before training
+    outcome = plan.classify(1, data)
+    assert outcome.kind == plan.HOST_OOM and outcome.clean
+    assert "host refusals 3" in outcome.detail
+
+
+def test_nocap_command_without_a_host_budget_in_this_build(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    fake = FakeCuda(total=4 * MiB, host_budget=False)
+    fake.install(monkeypatch)
+    monkeypatch.setattr(worker, "MLP_WIDTH", 16)
+    monkeypatch.setattr(worker, "MLP_LAYERS", 2)
+    out = tmp_path / "result.json"
+    assert not worker.has_host_budget()
+    assert worker.run_nocap(1.25, 1, out, host_limit_mb=64, reference=False) == 1
+    data = json.loads(out.read_text())
+    assert data["error_type"] == "RuntimeError"
+    assert "no host-memory budget" in data["error_message"]
+    assert plan.classify(1, data).kind == plan.ERROR
+    # Without a host limit the same build trains, and records no host figures.
+    out = tmp_path / "default.json"
+    assert worker.run_nocap(1.1, 1, out, reference=False) == 0
+    data = json.loads(out.read_text())
+    assert data["host_limit_bytes"] is None
+    assert "host_limit_bytes" not in data["lms_settings"]
+    assert "host_refusals" not in data["lms"]
+
+
+def test_share_command_records_the_limit_over_time_under_a_cap(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(worker, "MLP_WIDTH", 16)
+    monkeypatch.setattr(worker, "MLP_LAYERS", 2)
+    caps: list[int] = []
+
+    @contextlib.contextmanager
+    def cap(nbytes: int) -> Any:
+        caps.append(nbytes)
+        yield
+
+    monkeypatch.setattr(worker, "memory_cap", cap)
+    out = tmp_path / "rank0.json"
+    assert (
+        worker.run_share(
+            0, 1, 0.6, 2, True, tmp_path / "barrier", out, cap_share=0.25, host_limit_mb=8
+        )
+        == 0
+    )
+    data = json.loads(out.read_text())
+    assert data["stage"] == "done", data.get("error")
+    assert caps == [MiB] and data["cap_bytes"] == MiB
+    assert fake_cuda.host_limits == [8 * MiB] and data["host_limit_bytes"] == 8 * MiB
+    samples = data["lms_limit_samples"]
+    assert [x["at"] for x in samples] == [
+        "start",
+        "step 0 forward",
+        "step 0 end",
+        "step 0 after the wait",
+        "step 1 forward",
+        "step 1 end",
+    ]
+    assert all(x["limit_bytes"] == 4 * MiB and x["host_ledger_bytes"] == MiB for x in samples)
+    assert [x["t_s"] for x in samples] == sorted(x["t_s"] for x in samples)
+
+
+def run_share_threads(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    waves: list[int],
+    fail_ranks: Collection[int] = (),
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Runs ``run_share`` for each rank in a thread of its own (wave ``waves[rank]``); the
+    ranks in ``fail_ranks`` raise a host out-of-memory error in their first forward pass.
+
+    Returns the results and the order of events: ``f<rank>`` when a rank starts its first
+    forward pass, ``p<rank>`` when it reached the end of it."""
+    events: list[str] = []
+    started: set[int] = set()
+    lock = threading.Lock()
+    real = worker.mlp_train_step
+
+    def step(*args: Any) -> Any:
+        *inputs, after = args
+        rank = int(threading.current_thread().name)
+        if rank in started:
+            return real(*inputs, after)
+        with lock:
+            started.add(rank)
+            events.append(f"f{rank}")
+        time.sleep(0.05)  # a forward pass that takes a while
+        if rank in fail_ranks:
+            raise torch.OutOfMemoryError(HOST_OOM_MESSAGE)
+
+        def after_forward() -> None:
+            with lock:
+                events.append(f"p{rank}")
+            after()
+
+        return real(*inputs, after_forward)
+
+    monkeypatch.setattr(worker, "mlp_train_step", step)
+    codes: dict[int, int] = {}
+
+    def party(rank: int) -> None:
+        codes[rank] = worker.run_share(
+            rank,
+            len(waves),
+            0.3,
+            2,
+            True,
+            tmp_path / "barrier",
+            tmp_path / f"rank{rank}.json",
+            wave=waves[rank],
+            waves=max(waves) + 1,
+        )
+
+    threads = [threading.Thread(target=party, args=(r,), name=str(r)) for r in range(len(waves))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    results = []
+    for rank in range(len(waves)):
+        data = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        data["returncode"] = codes.get(rank)
+        results.append(data)
+    return results, events
+
+
+def test_share_waves_reach_the_end_of_the_forward_pass_in_order(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(worker, "MLP_WIDTH", 16)
+    monkeypatch.setattr(worker, "MLP_LAYERS", 2)
+    results, events = run_share_threads(monkeypatch, tmp_path, [0, 1, 1])
+    assert [r["returncode"] for r in results] == [0, 0, 0], [r.get("error") for r in results]
+    # Wave 1 starts its forward pass only once wave 0 is at the end of its own.
+    assert events.index("p0") < events.index("f1") and events.index("p0") < events.index("f2")
+    names = sorted(p.name for p in (tmp_path / "barrier").iterdir())
+    assert names == sorted(
+        f"{s}-{r}" for s in ("start", "wave0", "wave1", "step1") for r in range(3)
+    )
+    assert "step 0 after the waves" in [x["at"] for x in results[0]["lms_limit_samples"]]
+
+
+def test_share_waves_go_on_when_a_later_wave_fails(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(worker, "MLP_WIDTH", 16)
+    monkeypatch.setattr(worker, "MLP_LAYERS", 2)
+    fake_cuda.host_refusals = 1
+    results, _ = run_share_threads(monkeypatch, tmp_path, [0, 1, 1], fail_ranks={1, 2})
+    outcomes = [plan.classify(r["returncode"], r) for r in results]
+    assert [o.kind for o in outcomes] == [plan.FINISHED, plan.HOST_OOM, plan.HOST_OOM]
+    assert results[1]["error_message"] == HOST_OOM_MESSAGE
+    assert (tmp_path / "barrier" / "failed-1").exists()
+
+
 def test_file_barrier_waits_for_all_and_counts_failures(tmp_path: Path) -> None:
     folder = tmp_path / "barrier"
     done: list[int] = []
@@ -434,6 +674,245 @@ def test_launch_share_marks_crashed_workers(
     assert [r["returncode"] for r in results] == [3, 0]
     assert results[1]["stage"] == "done" and "stage" not in results[0]
     assert (tmp_path / "run" / "barrier" / "failed-0").exists()
+    assert plan.classify(3, results[0]).kind == plan.ERROR
+
+
+SIGNAL_SHARE_WORKER = """
+import json, os, signal, sys
+sys.path.insert(0, {regression!r})
+from lms_matrix_worker import parse_args
+args = parse_args(sys.argv[1:])
+args.out.write_text(json.dumps({{
+    "rank": args.rank, "stage": "training", "wave": args.wave, "waves": args.waves,
+    "cap_share": args.cap_share, "conf": os.environ.get("PYTORCH_LMS_CONF"),
+}}))
+if args.rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would
+"""
+
+
+def test_launch_share_passes_arguments_and_reports_a_signal(
+    families_test: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    script = tmp_path / "signal_worker.py"
+    regression = str(Path(families_test.__file__).resolve().parent)
+    script.write_text(SIGNAL_SHARE_WORKER.format(regression=regression))
+    monkeypatch.setattr(families_test, "WORKER", script)
+    monkeypatch.setattr(families_test, "SHARE_TIMEOUT_S", 60)
+    env = plan.host_limit_env("extension", 512, families_test.worker_env())
+    results = families_test.launch_share(
+        2,
+        0.5,
+        steps=1,
+        lms=True,
+        folder=tmp_path / "run",
+        extra_args=lambda rank: ["--cap-share", "0.2", "--waves", "2", "--wave", str(rank)],
+        env=env,
+    )
+    assert [r["returncode"] for r in results] == [0, -signal.SIGKILL]
+    assert [(r["wave"], r["waves"], r["cap_share"]) for r in results] == [(0, 2, 0.2), (1, 2, 0.2)]
+    assert results[0]["conf"].endswith("lms_host_limit_mb:512")
+    outcome = plan.classify(results[1]["returncode"], results[1])
+    assert (outcome.kind, outcome.label, outcome.clean) == (
+        plan.SIGNALLED,
+        "killed by SIGKILL",
+        False,
+    )
+    with pytest.raises(AssertionError, match="process 1 was killed by SIGKILL"):
+        families_test.check_no_signals([plan.classify(0, {}), outcome], results)
+
+
+# A stand-in for the worker in the rows beyond the device: what each run does comes from
+# FAKE_PLAN (JSON): "finished", "host_oom", "device_oom" or "sigkill", by the nocap run
+# ("limited" with a host limit, else "control") or by the share process ("lms/<rank>",
+# "nolms/<rank>").
+FAKE_ROW_WORKER = """
+import json, os, signal, sys
+from pathlib import Path
+MiB = 1 << 20
+command, argv = sys.argv[1], sys.argv[2:]
+flags = {a for a in argv if a in ("--no-lms", "--no-reference")}
+rest = [a for a in argv if a not in flags]
+opts = dict(zip(rest[::2], rest[1::2]))  # without torch: quick to start
+spec = json.loads(os.environ["FAKE_PLAN"])
+conf = os.environ.get("PYTORCH_LMS_CONF", "")
+env_limit = int(conf.rsplit(":", 1)[1]) * MiB if "lms_host_limit_mb" in conf else 0
+host_limit = int(opts.get("--host-limit-mb", 0)) * MiB
+if command == "nocap":
+    what = spec["limited" if host_limit else "control"]
+    data = {
+        "need_bytes": spec["need"], "deficit_at_start_bytes": spec["deficit"],
+        "host_limit_bytes": host_limit, "reference_run": "--no-reference" not in flags,
+        "live_after_forward_bytes": spec["device"] + 1, "max_relative_difference": 0.0,
+        "losses": [1.0], "reference_losses": [1.0], "finite": True,
+    }
+else:
+    lms = "--no-lms" not in flags
+    what = spec[("lms/" if lms else "nolms/") + opts["--rank"]]
+    data = {
+        "rank": int(opts["--rank"]), "need_bytes": spec["need"], "host_limit_bytes": env_limit,
+        "finite": True, "losses": [1.0], "pageout_bytes": 1 if lms else None,
+        "wave": int(opts.get("--wave", 0)),
+        "cap_bytes": int(float(opts.get("--cap-share", 0)) * spec["device"]) or None,
+        "lms_limit_samples": [{"at": "start", "limit_bytes": 7}],
+    }
+out = Path(opts["--out"])
+data["stage"] = "training"
+out.write_text(json.dumps(data))
+if what == "sigkill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if what == "finished":
+    data.update(stage="done", lms={"pageout_bytes": 1, "host_refusals": 0})
+    code = 0
+else:
+    host = what == "host_oom"
+    data.update(
+        error_type="OutOfMemoryError",
+        error="Traceback ...",
+        error_message="out of host memory: the LMS host budget is spent" if host
+        else "CUDA out of memory. Tried to allocate 1.00 GiB",
+        lms_at_error={"host_refusals": 2 if host else 0},
+    )
+    code = 1
+out.write_text(json.dumps(data))
+sys.exit(code)
+"""
+
+H100_BYTES = 85_017_493_504
+
+
+@pytest.fixture
+def fake_rows(families_test: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    """Runs the rows of test_families.py beyond the device against FAKE_ROW_WORKER on an
+    80 GB stand-in device with a host budget API and a 125 GiB host; returns
+    ``run(test, plan, **kwargs)``, which gives what the row recorded."""
+    script = tmp_path / "fake_row_worker.py"
+    script.write_text(FAKE_ROW_WORKER)
+    monkeypatch.setattr(families_test, "WORKER", script)
+    monkeypatch.setattr(families_test, "SHARE_TIMEOUT_S", 60)
+    props = SimpleNamespace(name="stand-in", total_memory=H100_BYTES)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
+    monkeypatch.setattr(torch.cuda, "set_host_limit_lms", lambda n: None, raising=False)
+    monkeypatch.setattr(plan, "usable_host_memory", lambda: 125 * plan.GiB)
+    monkeypatch.setattr(families_test, "ensure_lms_api", lambda: "extension")
+    monkeypatch.delenv("PYTORCH_LMS_CONF", raising=False)
+    count = iter(range(100))
+
+    def run(test: Any, spec: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        need = families_test.mlp_need_bytes(
+            families_test.mlp_tokens_for(
+                int(spec.pop("fraction") * H100_BYTES), worker.MLP_WIDTH, worker.MLP_LAYERS
+            ),
+            worker.MLP_WIDTH,
+            worker.MLP_LAYERS,
+        )
+        spec.update(need=need, device=H100_BYTES)
+        spec.setdefault("deficit", int(0.3 * H100_BYTES))
+        monkeypatch.setenv("FAKE_PLAN", json.dumps(spec))
+        recorded: dict[str, Any] = {}
+        folder = tmp_path / f"run{next(count)}"
+        folder.mkdir()
+        test(record=recorded.__setitem__, tmp_path=folder, **kwargs)
+        return recorded
+
+    return run
+
+
+def test_host_budget_too_low_row_logic(families_test: Any, fake_rows: Any) -> None:
+    test = families_test.test_host_budget_too_low
+    recorded = fake_rows(test, {"fraction": 1.25, "limited": "host_oom", "control": "finished"})
+    assert recorded["worker_outcomes"] == ["host OOM"] and recorded["exit_code"] == 1
+    assert recorded["control_outcome"] == "finished" and recorded["host_refusals"] == 2
+    limit = recorded["host_limit_bytes"]
+    assert limit % MiB == 0 and 12 * plan.GiB < limit < 14 * plan.GiB
+    with pytest.raises(AssertionError, match=r"did not end with a torch\.OutOfMemoryError"):
+        fake_rows(test, {"fraction": 1.25, "limited": "device_oom", "control": "finished"})
+    with pytest.raises(AssertionError, match="killed by SIGKILL"):
+        fake_rows(test, {"fraction": 1.25, "limited": "sigkill", "control": "finished"})
+    with pytest.raises(AssertionError, match="the row proves nothing"):
+        fake_rows(
+            test, {"fraction": 1.25, "limited": "host_oom", "control": "finished", "deficit": 1}
+        )
+    with pytest.raises(pytest.fail.Exception, match=r"did not finish \(host OOM\)"):
+        fake_rows(test, {"fraction": 1.25, "limited": "host_oom", "control": "host_oom"})
+
+
+def test_host_budget_rows_skip_without_the_api(
+    families_test: Any, fake_rows: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(torch.cuda, "set_host_limit_lms")
+    for test in (families_test.test_host_budget_too_low, families_test.test_share_host_budget):
+        with pytest.raises(pytest.skip.Exception, match="no host-memory budget"):
+            fake_rows(test, {"fraction": 0.5})
+
+
+def test_rows_skip_on_a_small_host(
+    families_test: Any, fake_rows: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plan, "usable_host_memory", lambda: 64 * plan.GiB)
+    with pytest.raises(pytest.skip.Exception, match=r"less than the no-cap row at 2\.0x"):
+        fake_rows(families_test.test_nocap, {"fraction": 2.0}, factor=2.0)
+    with pytest.raises(pytest.skip.Exception, match="4 processes at 50%"):
+        fake_rows(families_test.test_share_one_gpu, {"fraction": 0.5}, processes=4, fraction=0.5)
+
+
+def test_nocap_row_logic(families_test: Any, fake_rows: Any) -> None:
+    recorded = fake_rows(
+        families_test.test_nocap, {"fraction": 2.0, "control": "finished"}, factor=2.0
+    )
+    assert recorded["worker_outcomes"] == ["finished"]
+    assert recorded["host_need_bytes"] == plan.nocap_host_need(2.0, H100_BYTES).total_bytes
+    with pytest.raises(
+        pytest.fail.Exception, match=r"did not finish \(host OOM\): torch\.OutOfMemoryError"
+    ):
+        fake_rows(families_test.test_nocap, {"fraction": 2.0, "control": "host_oom"}, factor=2.0)
+
+
+def share_spec(fraction: float, lms: list[str], nolms: list[str]) -> dict[str, Any]:
+    spec: dict[str, Any] = {"fraction": fraction}
+    spec.update({f"lms/{r}": what for r, what in enumerate(lms)})
+    spec.update({f"nolms/{r}": what for r, what in enumerate(nolms)})
+    return spec
+
+
+def test_share_one_gpu_row_logic(families_test: Any, fake_rows: Any) -> None:
+    test = families_test.test_share_one_gpu
+    ok = share_spec(0.5, ["finished"] * 4, ["device_oom"] + ["finished"] * 3)
+    recorded = fake_rows(test, ok, processes=4, fraction=0.5)
+    assert recorded["worker_outcomes"] == ["finished"] * 4
+    assert recorded["without_lms_outcomes"][0] == "device OOM"
+    assert recorded["limit_bytes_at_end"] == [7] * 4
+    assert recorded["host_limit_bytes"] == 0  # one value: the same for all
+    killed = share_spec(0.5, ["finished", "sigkill", "finished", "sigkill"], ["device_oom"] * 4)
+    with pytest.raises(AssertionError) as failure:
+        fake_rows(test, killed, processes=4, fraction=0.5)
+    assert "process 1 was killed by SIGKILL" in str(failure.value)
+    assert "process 3 was killed by SIGKILL" in str(failure.value)
+    refused = share_spec(0.6, ["finished", "host_oom"], ["device_oom"] * 2)
+    with pytest.raises(AssertionError, match=r"process 1 \(exit 1\): torch\.OutOfMemoryError"):
+        fake_rows(test, refused, processes=2, fraction=0.6)
+    no_control_oom = share_spec(0.6, ["finished"] * 2, ["finished"] * 2)
+    with pytest.raises(AssertionError, match="without LMS every process finished"):
+        fake_rows(test, no_control_oom, processes=2, fraction=0.6)
+
+
+def test_share_host_budget_row_logic(families_test: Any, fake_rows: Any) -> None:
+    test = families_test.test_share_host_budget
+    expected = ["finished", "host_oom", "host_oom", "host_oom"]
+    recorded = fake_rows(test, share_spec(0.5, expected, []))
+    assert recorded["worker_outcomes"] == ["finished", "host OOM", "host OOM", "host OOM"]
+    assert recorded["host_refusals"] == [0, 2, 2, 2]
+    budget = recorded["host_limit_bytes"]  # from the environment, the same for all
+    assert round(budget / plan.GiB, 1) == 35.6
+    assert recorded["cap_bytes"] == [int(0.2 * H100_BYTES)] * 4
+    assert recorded["wave"] == [0, 1, 1, 1]  # the first process, then the other three
+    for outcomes in (["finished"] * 4, ["host_oom"] * 4):
+        with pytest.raises(AssertionError, match="the row proves nothing unless"):
+            fake_rows(test, share_spec(0.5, outcomes, []))
+    with pytest.raises(AssertionError, match="neither finished nor hit the host budget"):
+        fake_rows(test, share_spec(0.5, ["finished", "device_oom", "host_oom", "host_oom"], []))
+    with pytest.raises(AssertionError, match="process 2 was killed by SIGKILL"):
+        fake_rows(test, share_spec(0.5, ["finished", "host_oom", "sigkill", "host_oom"], []))
 
 
 SLOW_WORKER = """
@@ -497,8 +976,55 @@ def test_worker_command_line() -> None:
     share = ["share", "--rank", "1", "--processes", "4", "--fraction", "0.4", "--no-lms"]
     args = worker.parse_args([*share, "--barrier", "b", "--out", "o"])
     assert (args.rank, args.processes, args.fraction, args.lms, args.steps) == (1, 4, 0.4, False, 3)
-    assert worker.parse_args(["nocap", "--factor", "1.5", "--out", "o"]).steps == 2
+    assert (args.cap_share, args.host_limit_mb, args.wave, args.waves) == (0.0, 0, 0, 1)
+    args = worker.parse_args(["nocap", "--factor", "1.5", "--out", "o"])
+    assert (args.steps, args.host_limit_mb, args.reference) == (2, 0, True)
+    args = worker.parse_args(
+        ["nocap", "--factor", "1.25", "--host-limit-mb", "13184", "--no-reference", "--out", "o"]
+    )
+    assert (args.factor, args.host_limit_mb, args.reference) == (1.25, 13184, False)
+    budget = ["--cap-share", "0.2", "--host-limit-mb", "36470", "--waves", "2", "--wave", "1"]
+    args = worker.parse_args([*share, *budget, "--barrier", "b", "--out", "o"])
+    assert (args.cap_share, args.host_limit_mb, args.wave, args.waves) == (0.2, 36470, 1, 2)
     assert worker.parse_args(["ddp", "--out-dir", "d"]).cap_share == 0.5
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--wave", "2", "--waves", "2"],
+        ["--waves", "0"],
+        ["--wave", "-1"],
+        ["--host-limit-mb", "-5"],
+        ["--cap-share", "1.5"],
+    ],
+)
+def test_worker_command_line_refuses(bad: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    share = ["share", "--rank", "0", "--processes", "2", "--fraction", "0.5"]
+    with pytest.raises(SystemExit):
+        worker.parse_args([*share, *bad, "--barrier", "b", "--out", "o"])
+    assert "error" in capsys.readouterr().err
+
+
+def test_worker_main_passes_the_options_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(worker, "run_nocap", lambda *a: calls.append(("nocap", *a)) or 0)
+    monkeypatch.setattr(worker, "run_share", lambda *a, **k: calls.append(("share", *a, k)) or 0)
+    assert worker.main(["nocap", "--factor", "2", "--host-limit-mb", "7", "--out", "o"]) == 0
+    assert calls[-1] == ("nocap", 2.0, 2, Path("o"), 7, True)
+    share = ["share", "--rank", "3", "--processes", "4", "--fraction", "0.5", "--waves", "2"]
+    assert worker.main([*share, "--wave", "1", "--barrier", "b", "--out", "o"]) == 0
+    assert calls[-1] == (
+        "share",
+        3,
+        4,
+        0.5,
+        3,
+        True,
+        Path("b"),
+        Path("o"),
+        {"cap_share": 0.0, "host_limit_mb": 0, "wave": 1, "waves": 2},
+    )
 
 
 def test_per_iteration_leaves_out_the_first_step() -> None:
@@ -536,7 +1062,22 @@ SYNTHETIC = {
             "reference_repeatable": [True, False],
         },
         {"test": "tests/regression/test_models.py::test_gpt", "outcome": "passed"},
-        {"test": "tests/regression/test_families.py::test_nocap[1.5x]", "outcome": "skipped"},
+        {"test": "tests/regression/test_families.py::test_nocap[2x]", "outcome": "skipped"},
+        {
+            "test": "tests/regression/test_families.py::test_share_host_budget",
+            "outcome": "passed",
+            "family": "deep_mlp",
+            "cap": "20% of the device each",
+            "host_limit_bytes": 36 * 1024**3,
+            "worker_outcomes": ["finished", "host OOM", "host OOM", "host OOM"],
+        },
+        {
+            "test": "tests/regression/test_families.py::test_nocap[1.25x]",
+            "outcome": "failed",
+            "family": "deep_mlp",
+            "host_limit_bytes": 0,
+            "worker_outcomes": ["killed by SIGKILL"],
+        },
     ],
 }
 
@@ -548,14 +1089,16 @@ def test_summary_renders_a_markdown_table() -> None:
     header = [c.strip() for c in lines[2].strip("|").split("|")]
     assert header == list(lms_matrix_summary.COLUMNS)
     rows = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
-    assert len(rows) == 3  # test_gpt is no matrix row
+    assert len(rows) == 5  # test_gpt is no matrix row
     assert rows[0] == (
         "| cnn2d | 1/2 | 0.457 | 0.123 | 3.00 GiB | 3.50 GiB | 0.28 GiB | 812 | yes | yes "
-        "| passed |"
+        "|  |  | passed |"
     )
     assert "| 1.00 GiB / 2.00 GiB |" in rows[1]
-    assert "| n/a | yes / no | failed |" in rows[1]
-    assert rows[2].startswith("| test_nocap[1.5x] |") and rows[2].endswith("| skipped |")
+    assert "| n/a | yes / no |  |  | failed |" in rows[1]
+    assert rows[2].startswith("| test_nocap[2x] |") and rows[2].endswith("| skipped |")
+    assert rows[3].endswith("| 36.00 GiB | finished / host OOM / host OOM / host OOM | passed |")
+    assert rows[4].endswith("| default | killed by SIGKILL | failed |")
 
 
 def test_summary_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
