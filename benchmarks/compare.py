@@ -35,9 +35,20 @@ Writes into ``--out``: compare-MODEL.csv (one row per measurement), compare-MODE
 compare-MODEL.json (device, torch and CUDA versions, date, bandwidth, every measurement,
 every search probe) and compare-MODEL.png (needs matplotlib; skipped with a message without).
 
+``--regime nocap`` measures what users meet instead: a model bigger than the GPU and no cap at
+all (no memory fraction is set anywhere). The uncapped LMS-off baseline at a batch that fits
+(and, with ``--linearity-check``, a second batch) gives a linear memory model, peak = S + a x
+batch; the device limit D is the memory free when the run starts (``torch.cuda.mem_get_info``);
+each factor f (default 1.25, 1.5, 2) trains at the batch B_f = floor((f x D - S) / a), whose
+need S + B_f x a (an estimate) exceeds D by the deficit. ``lms``, ``offload``, ``save_on_cpu``
+and ``checkpoint`` train there uncapped, against the same rooflines, with the compute time
+extrapolated from the fitting run. It writes nocap-MODEL.csv, -goals.csv, .json and .png, and
+compares LMS's efficiency with the capped results at the same deficit over limit
+(``--capped-results``).
+
 ``--rescore FOLDER`` needs no GPU: it recomputes the goals of the runs recorded in FOLDER's
-compare-MODEL.json files with this version's goals and rewrites their compare-MODEL-goals.csv
-and compare-MODEL.png (the JSON and the measurement CSV stay as the run wrote them).
+compare-MODEL.json and nocap-MODEL.json files with this version's goals and rewrites their
+goals CSV and chart (the JSON and the measurement CSV stay as the run wrote them).
 """
 
 from __future__ import annotations
@@ -47,14 +58,15 @@ import contextlib
 import csv
 import json
 import math
+import os
 import statistics
 import sys
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 HERE = Path(__file__).resolve().parent
 for _path in (HERE, HERE.parent / "examples"):
@@ -83,6 +95,7 @@ from _search import (  # noqa: E402
 )
 
 MODELS = ("resnet152", "vit_l", "gpt")
+REGIMES = ("capped", "nocap")
 CAPPED_METHODS = ("lms", "lms_reactive", "offload", "save_on_cpu", "checkpoint", "no_lms")
 # Methods measured at batch B under every cap (no_lms is measured at its own largest batch).
 PEER_METHODS = ("lms", "lms_reactive", "offload", "save_on_cpu", "checkpoint")
@@ -112,6 +125,65 @@ CHECKPOINT_RATIO_TARGET = f">= {CHECKPOINT_RATIO_GOAL:.2f}x"
 TRAINS_TARGET = "LMS trains"
 BATCH_RATIO_TARGET = f">= {BATCH_RATIO_GOAL:.0f}x"
 OVERHEAD_TARGET = f"<= {OVERHEAD_GOAL:.0%}"
+# The goals of the no-cap regime (--regime nocap), per factor.
+# LMS time against the deficit roofline (deficit_efficiency), the deficit estimated.
+NOCAP_EFFICIENCY_GOAL = 0.85
+# Bytes LMS pages out per iteration over the (estimated) deficit.
+NOCAP_OUT_VS_DEFICIT_GOAL = 1.25
+# No-cap efficiency over the capped efficiency of the same model at the same deficit over
+# limit (interpolated between the capped factors): a floor, no worse than capped.
+NOCAP_VS_CAPPED_GOAL = 1.0
+NOCAP_EFFICIENCY_TARGET = f">= {NOCAP_EFFICIENCY_GOAL:.0%}"
+NOCAP_OUT_VS_DEFICIT_TARGET = f"<= {NOCAP_OUT_VS_DEFICIT_GOAL:.2f}x"
+NOCAP_VS_CAPPED_TARGET = f">= {NOCAP_VS_CAPPED_GOAL:.2f}x capped"
+
+# Per-regime defaults of the options whose parser default is None.
+NOCAP_METHODS = ("lms", "offload", "save_on_cpu", "checkpoint")
+LMS_METHODS = ("lms", "lms_reactive")
+REGIME_DEFAULTS: dict[str, dict[str, Any]] = {
+    "capped": {
+        "factors": [1.5, 2.0, 4.0, 8.0],
+        "warmup": 6,
+        "iterations": 5,
+        "methods": PEER_METHODS,
+        "search": True,
+        "overhead": True,
+        "linearity_check": False,
+    },
+    # 4 + 3: LMS's first iteration pins its host memory and the learned schedule is adopted
+    # in the third; three steady iterations at the large batches of this regime keep a model's
+    # rows within one 10-minute call.
+    "nocap": {
+        "factors": [1.25, 1.5, 2.0],
+        "warmup": 4,
+        "iterations": 3,
+        "methods": NOCAP_METHODS,
+        "search": False,
+        "overhead": False,
+        "linearity_check": True,
+    },
+}
+# The second fitting batch of --linearity-check: the largest the one-batch model puts at
+# FIT_FILL of the device limit, at most FIT_MAX_MULTIPLE times the first batch.
+FIT_FILL = 0.7
+FIT_MAX_MULTIPLE = 4
+# A no-cap deficit over limit this close (relative) to the ends of the capped results' range
+# is compared with the end point.
+CAPPED_RATIO_TOLERANCE = 0.05
+# LMS keeps this share of the device free (extension/README.md): its host memory is about the
+# deficit plus this.
+LMS_DEVICE_HEADROOM = 0.05
+# Host memory left to the system when a no-cap row's pinned host memory is checked.
+HOST_MARGIN_BYTES = 4 << 30
+# The time estimate of a no-cap row (estimate_row_seconds): building, settling, the first
+# step's pinning at PIN_BYTES_PER_S (a cautious guess), and NOCAP_PRIOR_SLOWDOWN over the
+# serial roofline until rows of the run measure it; the final save's reserve.
+ROW_SETUP_S = 10.0
+PIN_BYTES_PER_S = 3e9
+NOCAP_PRIOR_SLOWDOWN = 2.0
+NOCAP_OBSERVED_MARGIN = 1.25
+CHECKPOINT_RECOMPUTE = 4 / 3
+FINAL_RESERVE_S = 15.0
 
 
 # ---------------------------------------------------------------------------------------
@@ -235,6 +307,26 @@ class Measurement:
     # --profile-iterations: stream_profile.StreamBreakdown.record() of iterations run after
     # the timed ones under torch.profiler (not part of the timing).
     profile: dict[str, Any] | None = None
+    # The first step's time (time to the first step: LMS pins its host memory in it) and the
+    # other untimed steps'; the whole row's wall time (build, steps, profile, clean-up).
+    first_iteration_s: float | None = None
+    warmup_times: list[float] = field(default_factory=list)
+    row_s: float | None = None
+    # The caching allocator's retries (num_alloc_retries: cache released after a failed
+    # allocation) over the whole row and over the timed iterations.
+    alloc_retries: int | None = None
+    alloc_retries_timed: int | None = None
+    # Peak pinned host memory (LMS rows: LMS's host_bytes; others: PyTorch's pinned host
+    # allocator, rounded blocks) and peak resident host memory of the process (VmHWM) during
+    # the row; host_memory_source says where each came from.
+    host_pinned_peak_bytes: int | None = None
+    host_rss_peak_bytes: int | None = None
+    host_memory_source: str = ""
+    lms_limit_bytes: int | None = None  # LMS's limit in force at the end of the row
+    # No cap (--regime nocap, rows at a factor's batch): the need at this batch estimated
+    # by the linear memory model, and the device limit D; deficit_bytes = need - limit.
+    need_bytes: int | None = None
+    limit_bytes: int | None = None
 
     def finish_timing(self) -> None:
         if self.iteration_times:
@@ -319,36 +411,47 @@ def evaluate_goals(rows: Sequence[Measurement], factors: Sequence[float]) -> lis
     return goals
 
 
-def _efficiency_goal(lms: Measurement | None, f: float) -> Goal:
+def _efficiency_goal(
+    lms: Measurement | None,
+    f: float,
+    name: str = "lms_efficiency",
+    goal: float = EFFICIENCY_GOAL,
+    target: str = EFFICIENCY_TARGET,
+    above_note: str = "",
+) -> Goal:
     """LMS's time against the deficit roofline (its ``deficit_efficiency``)."""
-    name = "lms_efficiency"
     if lms is None or lms.status != "ok" or lms.deficit_efficiency is None:
         note = _status_note(lms)
         if lms is not None and lms.status == "ok":
             note = "no deficit roofline: the row records no deficit"
-        return Goal(name, f, None, EFFICIENCY_TARGET, None, "not measured", note)
+        return Goal(name, f, None, target, None, "not measured", note)
     e = lms.deficit_efficiency
     note = ""
     if e > 1.0:
         note = (
             "above the roofline: the measured copy bandwidth or the uncapped time "
-            "underestimates what this run achieved"
+            "underestimates what this run achieved" + above_note
         )
-    gap = f"{(e - EFFICIENCY_GOAL) * 100:+.1f} points"
-    return Goal(name, f, e, EFFICIENCY_TARGET, e >= EFFICIENCY_GOAL, gap, note)
+    gap = f"{(e - goal) * 100:+.1f} points"
+    return Goal(name, f, e, target, e >= goal, gap, note)
 
 
-def _out_vs_deficit_goal(lms: Measurement | None, f: float) -> Goal:
+def _out_vs_deficit_goal(
+    lms: Measurement | None,
+    f: float,
+    name: str = "lms_out_vs_deficit",
+    goal: float = OUT_VS_DEFICIT_GOAL,
+    target: str = OUT_VS_DEFICIT_TARGET,
+) -> Goal:
     """Bytes LMS pages out per iteration over the deficit."""
-    name = "lms_out_vs_deficit"
     if lms is None or lms.status != "ok" or lms.out_bytes_per_iter is None or not lms.deficit_bytes:
         note = _status_note(lms)
         if lms is not None and lms.status == "ok":
             note = "no deficit or no page-out bytes recorded"
-        return Goal(name, f, None, OUT_VS_DEFICIT_TARGET, None, "not measured", note)
+        return Goal(name, f, None, target, None, "not measured", note)
     ratio = lms.out_bytes_per_iter / lms.deficit_bytes
-    gap = f"{OUT_VS_DEFICIT_GOAL - ratio:+.2f}x"
-    return Goal(name, f, ratio, OUT_VS_DEFICIT_TARGET, ratio <= OUT_VS_DEFICIT_GOAL, gap)
+    gap = f"{goal - ratio:+.2f}x"
+    return Goal(name, f, ratio, target, ratio <= goal, gap)
 
 
 def _speed_goal(
@@ -523,6 +626,407 @@ def _status_note(m: Measurement | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# No cap: batches, estimates and goals (no torch)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """Peak allocated memory of an uncapped, LMS-off training step as a linear function of the
+    batch: ``intercept_bytes + per_sample_bytes x batch``."""
+
+    intercept_bytes: float  # S: what does not grow with the batch
+    per_sample_bytes: float  # a
+    source: str  # how it was obtained, in words
+    points: tuple[tuple[int, int], ...]  # the measured (batch, peak allocated bytes)
+
+    def bytes_at(self, batch: int) -> float:
+        return self.intercept_bytes + self.per_sample_bytes * batch
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "intercept_bytes": self.intercept_bytes,
+            "per_sample_bytes": self.per_sample_bytes,
+            "source": self.source,
+            "points": [list(p) for p in self.points],
+        }
+
+
+def one_batch_memory_model(batch: int, peak: int, static: int) -> MemoryModel:
+    """The memory model of one uncapped run: S = ``static`` (what its first step leaves
+    allocated: parameters, optimizer state), a = (``peak`` - S) / ``batch``. Raises ValueError
+    where that gives no positive per-sample size."""
+    if batch < 1:
+        raise ValueError(f"the fitting batch must be >= 1, got {batch}")
+    if static < 0 or peak <= static:
+        raise ValueError(
+            f"the peak ({peak / GiB:.2f} GiB) must exceed the static memory "
+            f"({static / GiB:.2f} GiB) for a per-sample size"
+        )
+    return MemoryModel(
+        float(static),
+        (peak - static) / batch,
+        f"one batch: S = memory after the first step, a = (peak - S) / {batch}",
+        ((batch, peak),),
+    )
+
+
+def fitted_memory_model(first: MemoryModel, batch: int, peak: int) -> MemoryModel:
+    """The line through ``first``'s measured point and (``batch``, ``peak``): slope a and
+    intercept S fitted. Where the two points give no usable line (the same batch, a peak that
+    does not grow with the batch, a negative intercept) ``first`` stays, the second point
+    recorded and the reason in its source."""
+    b0, p0 = first.points[0]
+    points = tuple(sorted({(b0, p0), (batch, peak)}))
+    if batch == b0:
+        return replace(first, source=f"{first.source}; second batch equal to the first: not fitted")
+    slope = (peak - p0) / (batch - b0)
+    intercept = p0 - slope * b0
+    if slope <= 0 or intercept < 0:
+        why = "the peak does not grow with the batch" if slope <= 0 else "negative intercept"
+        return replace(
+            first,
+            source=f"{first.source}; fit of batches {b0} and {batch} not used: {why} "
+            f"(slope {slope / GiB:.4f} GiB, intercept {intercept / GiB:.3f} GiB)",
+            points=points,
+        )
+    return MemoryModel(
+        intercept,
+        slope,
+        f"fit of batches {points[0][0]} and {points[1][0]} (one-batch a was "
+        f"{first.per_sample_bytes / GiB:.4f} GiB, S {first.intercept_bytes / GiB:.3f} GiB)",
+        points,
+    )
+
+
+def second_fit_batch(
+    model: MemoryModel,
+    limit_bytes: int,
+    fill: float = FIT_FILL,
+    most: int = FIT_MAX_MULTIPLE,
+) -> int | None:
+    """The batch of the linearity check: the largest that ``model`` (one batch b0) puts at
+    ``fill`` of the device limit, at most ``most`` x b0; b0 // 2 where that is not above b0;
+    None for b0 = 1 with no room for more."""
+    b0 = model.points[0][0]
+    room = math.floor((fill * limit_bytes - model.intercept_bytes) / model.per_sample_bytes)
+    batch = min(most * b0, room)
+    if batch > b0:
+        return batch
+    return b0 // 2 if b0 >= 2 else None
+
+
+@dataclass(frozen=True)
+class NocapPlan:
+    """A factor's batch in the no-cap regime, with its estimated need and the deficit."""
+
+    factor: float
+    batch: int
+    need_bytes: int  # the memory model at this batch: an estimate, not measured
+    limit_bytes: int  # the device limit D
+
+    @property
+    def deficit_bytes(self) -> int:
+        return self.need_bytes - self.limit_bytes
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "factor": self.factor,
+            "batch": self.batch,
+            "need_bytes": self.need_bytes,
+            "need_is_estimate": True,
+            "limit_bytes": self.limit_bytes,
+            "deficit_bytes": self.deficit_bytes,
+            "need_over_limit": self.need_bytes / self.limit_bytes,
+        }
+
+
+def nocap_plan(model: MemoryModel, limit_bytes: int, factor: float) -> NocapPlan:
+    """The batch whose need is ``factor`` x the device limit D (rounded down):
+    B = floor((f x D - S) / a), need = S + B x a, deficit = need - D. Raises ValueError with
+    the reason where no batch has such a need: S >= f x D, B < 1, or B's need fits D."""
+    if not factor > 1:
+        raise ValueError(f"a factor must be > 1, got {factor}")
+    if limit_bytes <= 0 or model.per_sample_bytes <= 0:
+        raise ValueError("the device limit and the per-sample bytes must be positive")
+    target = factor * limit_bytes
+    static, a = model.intercept_bytes, model.per_sample_bytes
+    if static >= target:
+        raise ValueError(
+            f"{factor:g}x: the memory that does not grow with the batch ({static / GiB:.2f} GiB: "
+            f"parameters, optimizer state) is already {factor:g} x the device limit "
+            f"({target / GiB:.2f} GiB) or more: no batch has that need"
+        )
+    batch = math.floor((target - static) / a)
+    if batch < 1:
+        raise ValueError(
+            f"{factor:g}x needs a batch below 1: one sample needs {a / GiB:.2f} GiB and "
+            f"{factor:g} x the device limit leaves {(target - static) / GiB:.2f} GiB for samples"
+        )
+    need = static + batch * a
+    if need <= limit_bytes:
+        raise ValueError(
+            f"{factor:g}x: batch {batch} needs {need / GiB:.2f} GiB, which fits the device "
+            f"limit ({limit_bytes / GiB:.2f} GiB): the factor is too close to 1 for samples of "
+            f"{a / GiB:.2f} GiB"
+        )
+    return NocapPlan(factor, batch, int(need), limit_bytes)
+
+
+FIT_METHODS = ("baseline", "baseline_fit")
+
+
+def nocap_compute_s_per_sample(rows: Sequence[Measurement]) -> tuple[float, int] | None:
+    """(seconds per sample, batch) of the uncapped LMS-off fitting run with the largest batch
+    (``baseline`` or ``baseline_fit``): the compute roofline of the no-cap rows, B_f x it.
+    None without one that trained."""
+    fits = [
+        m
+        for m in rows
+        if m.method in FIT_METHODS and m.factor is None and m.status == "ok" and m.iteration_s
+    ]
+    if not fits:
+        return None
+    best = max(fits, key=lambda m: m.batch)
+    assert best.iteration_s is not None
+    return best.iteration_s / best.batch, best.batch
+
+
+HOST_COPY_METHODS = ("offload", "save_on_cpu")
+
+
+def nocap_host_bytes(
+    method: str, plan: NocapPlan, per_sample_bytes: float, saved_per_sample: float | None = None
+) -> int:
+    """The pinned host memory a no-cap row is estimated to need: LMS about the deficit plus
+    the device share it keeps free; offload and save_on_cpu every saved tensor, B x the bytes
+    autograd saves per sample (``saved_per_sample``, measured) or B x a where that is larger
+    or not measured (saved tensors can add up to more than the peak); checkpointing none."""
+    if method in LMS_METHODS:
+        return int(plan.deficit_bytes + LMS_DEVICE_HEADROOM * plan.limit_bytes)
+    if method in HOST_COPY_METHODS:
+        return int(plan.batch * max(per_sample_bytes, saved_per_sample or 0.0))
+    return 0
+
+
+def estimate_row_seconds(
+    compute_s: float,
+    out_bytes: float,
+    in_bytes: float,
+    pinned_bytes: float,
+    bw: Bandwidth,
+    steps: int,
+    slowdown: float = 1.0,
+) -> float:
+    """A row's wall time: ``slowdown`` x (ROW_SETUP_S + ``steps`` x max(compute, the copies
+    one direction after the other) + pinning ``pinned_bytes`` at PIN_BYTES_PER_S)."""
+    if steps < 1 or slowdown <= 0 or compute_s < 0 or pinned_bytes < 0:
+        raise ValueError("need steps >= 1, slowdown > 0, compute and pinned bytes >= 0")
+    step = max(compute_s, serial_copy_seconds(out_bytes, in_bytes, bw))
+    return slowdown * (ROW_SETUP_S + steps * step + pinned_bytes / PIN_BYTES_PER_S)
+
+
+def nocap_row_estimate(
+    method: str,
+    plan: NocapPlan,
+    per_sample_bytes: float,
+    compute_s_per_sample: float,
+    bw: Bandwidth,
+    steps: int,
+    saved_per_sample: float | None = None,
+) -> float:
+    """estimate_row_seconds of ``method`` at ``plan``'s batch (slowdown 1): LMS moves its host
+    estimate each way, offload and save_on_cpu every saved tensor, checkpointing recomputes."""
+    compute = compute_s_per_sample * plan.batch
+    host = nocap_host_bytes(method, plan, per_sample_bytes, saved_per_sample)
+    if method == "checkpoint":
+        compute *= CHECKPOINT_RECOMPUTE
+    return estimate_row_seconds(compute, host, host, host, bw, steps)
+
+
+def interpolate_capped_efficiency(
+    points: Sequence[tuple[float, float]],
+    ratio: float,
+    tolerance: float = CAPPED_RATIO_TOLERANCE,
+) -> tuple[float | None, str]:
+    """The capped efficiency at deficit over limit ``ratio``, from capped rows' (deficit over
+    limit, efficiency) ``points``: the point's where one matches, linear between the two
+    around it, the end point's where ``ratio`` is within ``tolerance`` (relative) outside the
+    range; otherwise None. Returns it with how it was obtained (or why not), in words."""
+    pts = sorted(points)
+    if not pts:
+        return None, "no capped LMS row trained"
+    lo, hi = pts[0][0], pts[-1][0]
+    if ratio < lo * (1 - tolerance) or ratio > hi * (1 + tolerance):
+        span = f"{lo:.2f}" if lo == hi else f"{lo:.2f} to {hi:.2f}"
+        return None, (
+            f"deficit/limit {ratio:.2f} is outside the capped results' {span}: "
+            "not comparable without extrapolating"
+        )
+    r = min(max(ratio, lo), hi)
+    for x, e in pts:
+        if math.isclose(x, r, rel_tol=1e-9, abs_tol=1e-12):
+            near = "" if r == ratio else f" (this run {ratio:.2f}, within {tolerance:.0%})"
+            return e, f"capped at deficit/limit {x:.2f}: {e:.1%}{near}"
+    for (x0, e0), (x1, e1) in zip(pts, pts[1:]):
+        if x0 < r < x1:
+            e = e0 + (e1 - e0) * (r - x0) / (x1 - x0)
+            return e, (
+                f"interpolated at deficit/limit {r:.2f} between capped {x0:.2f} ({e0:.1%}) "
+                f"and {x1:.2f} ({e1:.1%})"
+            )
+    raise AssertionError("unreachable: ratio inside the range")  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class CappedPoint:
+    factor: float
+    deficit_over_limit: float  # deficit / cap of the capped row
+    efficiency: float  # its deficit_efficiency
+
+
+@dataclass(frozen=True)
+class CappedReference:
+    """The capped results a no-cap run is compared with: LMS's deficit efficiency per
+    deficit over limit; ``reason`` says why they are not comparable, where they are not."""
+
+    source: str
+    device: str = ""
+    workload: str = ""
+    points: tuple[CappedPoint, ...] = ()
+    reason: str = ""
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "device": self.device,
+            "workload": self.workload,
+            "points": [asdict(p) for p in self.points],
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any] | None) -> CappedReference | None:
+        if not record:
+            return None
+        try:
+            return cls(
+                source=str(record.get("source", "")),
+                device=str(record.get("device", "")),
+                workload=str(record.get("workload", "")),
+                points=tuple(CappedPoint(**p) for p in record.get("points") or ()),
+                reason=str(record.get("reason", "")),
+            )
+        except TypeError as exc:
+            raise ValueError(f"capped_reference: {exc}") from None
+
+
+def _vs_capped_goal(
+    lms: Measurement | None, f: float, reference: CappedReference | None, device: str
+) -> Goal:
+    """The no-cap LMS deficit efficiency over the capped one at the same deficit over limit."""
+    name, target = "nocap_vs_capped", NOCAP_VS_CAPPED_TARGET
+    if lms is None or lms.status != "ok" or lms.deficit_efficiency is None:
+        note = _status_note(lms)
+        if lms is not None and lms.status == "ok":
+            note = "no deficit roofline: the row records no deficit"
+        return Goal(name, f, None, target, None, "not measured", note)
+    if reference is None:
+        return Goal(name, f, None, target, None, "not comparable", "no capped results")
+    if reference.reason:
+        return Goal(name, f, None, target, None, "not comparable", reference.reason)
+    if not lms.limit_bytes or lms.deficit_bytes is None:
+        return Goal(
+            name, f, None, target, None, "not comparable", "the row records no device limit"
+        )
+    ratio = lms.deficit_bytes / lms.limit_bytes
+    capped, how = interpolate_capped_efficiency(
+        [(p.deficit_over_limit, p.efficiency) for p in reference.points], ratio
+    )
+    if capped is None:
+        return Goal(name, f, None, target, None, "not comparable", how)
+    e = lms.deficit_efficiency
+    note = f"no cap {e:.1%} against {how}"
+    if reference.device and device and reference.device != device:
+        note += f"; the capped run was on {reference.device}"
+    value = e / capped
+    gap = f"{(e - capped) * 100:+.1f} points"
+    return Goal(name, f, value, target, value >= NOCAP_VS_CAPPED_GOAL, gap, note)
+
+
+def evaluate_nocap_goals(
+    rows: Sequence[Measurement],
+    factors: Sequence[float],
+    reference: CappedReference | None,
+    device: str = "",
+) -> list[Goal]:
+    """The no-cap goals per factor, from the ``lms`` row at its batch: ``nocap_efficiency``,
+    ``nocap_out_vs_deficit`` and ``nocap_vs_capped`` (against ``reference``; ``device`` is
+    this run's, named in the note where the capped run's differs)."""
+    goals: list[Goal] = []
+    for f in factors:
+        lms = _find(rows, "lms", f)
+        goals.append(
+            _efficiency_goal(
+                lms,
+                f,
+                "nocap_efficiency",
+                NOCAP_EFFICIENCY_GOAL,
+                NOCAP_EFFICIENCY_TARGET,
+                ", or the estimated need overstates the deficit",
+            )
+        )
+        goals.append(
+            _out_vs_deficit_goal(
+                lms,
+                f,
+                "nocap_out_vs_deficit",
+                NOCAP_OUT_VS_DEFICIT_GOAL,
+                NOCAP_OUT_VS_DEFICIT_TARGET,
+            )
+        )
+        goals.append(_vs_capped_goal(lms, f, reference, device))
+    return goals
+
+
+def parse_kib_fields(text: str) -> dict[str, int]:
+    """``/proc/self/status`` or ``/proc/meminfo`` lines ``Name:   123 kB`` as bytes by name
+    (other lines skipped)."""
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        name, sep, rest = line.partition(":")
+        parts = rest.split()
+        if sep and len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+            values[name.strip()] = int(parts[0]) * 1024
+    return values
+
+
+def read_kib_fields(path: str) -> dict[str, int]:
+    """parse_kib_fields of a file; empty where it cannot be read (not Linux)."""
+    try:
+        with open(path) as f:
+            return parse_kib_fields(f.read())
+    except OSError:
+        return {}
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo, or None where there is none."""
+    return read_kib_fields("/proc/meminfo").get("MemAvailable")
+
+
+def reset_rss_peak() -> bool:
+    """Resets the process's peak resident memory (VmHWM) to its current value (Linux's
+    /proc/self/clear_refs); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------------------
 # Tables and files
 # ---------------------------------------------------------------------------------------
 
@@ -555,6 +1059,40 @@ MEASUREMENT_COLUMNS = (
 )
 GOAL_COLUMNS = ("model", "goal", "factor", "value", "target", "met", "gap", "note")
 ENV_COLUMNS = ("device", "torch", "cuda", "lms_backend", "date")
+# The no-cap CSV (nocap-MODEL.csv): the rows' batch, estimated need, device limit and deficit,
+# the first step apart, host memory and the allocator's retries; no caps, no batch searches.
+NOCAP_MEASUREMENT_COLUMNS = (
+    "model",
+    "method",
+    "factor",
+    "batch",
+    "status",
+    "need_gib",
+    "limit_gib",
+    "deficit_gib",
+    "first_iteration_ms",
+    "iteration_ms",
+    "samples_per_s",
+    "out_gib_per_iter",
+    "in_gib_per_iter",
+    "out_vs_deficit",
+    "stall_ms_per_iter",
+    "lms_schedule",
+    "peak_allocated_gib",
+    "host_pinned_peak_gib",
+    "host_rss_peak_gib",
+    "alloc_retries",
+    "alloc_retries_timed",
+    "roofline_ms",
+    "efficiency",
+    "deficit_roofline_ms",
+    "deficit_efficiency",
+    "serial_roofline_ms",
+    "serial_efficiency",
+    "row_s",
+    "detail",
+)
+NOCAP_ENV_COLUMNS = (*ENV_COLUMNS, "driver", "engine_commit", "engine_dirty")
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -604,6 +1142,31 @@ def measurement_record(m: Measurement) -> dict[str, str]:
         "oom_retries": str(m.oom_retries),
         "detail": m.detail.replace("\n", " ")[:300],
     }
+
+
+def _gib(value: float | None) -> str:
+    return _num(None if value is None else value / GiB, ".3f")
+
+
+def _ms(value: float | None) -> str:
+    return _num(None if value is None else value * 1000, ".2f")
+
+
+def nocap_measurement_record(m: Measurement) -> dict[str, str]:
+    """The row of nocap-MODEL.csv (NOCAP_MEASUREMENT_COLUMNS)."""
+    base = measurement_record(m)
+    extra = {
+        "need_gib": _gib(m.need_bytes),
+        "limit_gib": _gib(m.limit_bytes),
+        "first_iteration_ms": _ms(m.first_iteration_s),
+        "host_pinned_peak_gib": _gib(m.host_pinned_peak_bytes),
+        "host_rss_peak_gib": _gib(m.host_rss_peak_bytes),
+        "alloc_retries": "" if m.alloc_retries is None else str(m.alloc_retries),
+        "alloc_retries_timed": "" if m.alloc_retries_timed is None else str(m.alloc_retries_timed),
+        "row_s": _num(m.row_s, ".1f"),
+    }
+    merged = {**base, **extra}
+    return {k: merged[k] for k in NOCAP_MEASUREMENT_COLUMNS}
 
 
 def goal_record(model: str, g: Goal) -> dict[str, str]:
@@ -685,12 +1248,63 @@ def measurements_markdown(records: Sequence[dict[str, str]]) -> str:
     return markdown_table(headers, rows)
 
 
+def nocap_measurements_markdown(records: Sequence[dict[str, str]]) -> str:
+    """The rows of nocap-MODEL.csv as a table (the log's summary)."""
+    headers = (
+        "model",
+        "method",
+        "need / limit",
+        "batch",
+        "need GiB (est.)",
+        "limit GiB",
+        "deficit GiB",
+        "first step ms",
+        "ms/iter",
+        "samples/s",
+        "GiB out/in per iter",
+        "stall ms/iter",
+        "vs deficit: both ways / one at a time",
+        "host pinned GiB",
+        "retries",
+        "status",
+    )
+    rows = []
+    for r in records:
+        moved = ""
+        if r["out_gib_per_iter"] or r["in_gib_per_iter"]:
+            moved = f"{r['out_gib_per_iter'] or '0'} / {r['in_gib_per_iter'] or '0'}"
+        both, serial = r["deficit_efficiency"], r["serial_efficiency"]
+        vs_deficit = f"{float(both):.0%} / {float(serial):.0%}" if both and serial else ""
+        status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r['detail'][:60]}"
+        rows.append(
+            (
+                r["model"],
+                r["method"],
+                f"{r['factor']}x" if r["factor"] else "fits",
+                r["batch"],
+                r["need_gib"],
+                r["limit_gib"],
+                r["deficit_gib"],
+                r["first_iteration_ms"],
+                r["iteration_ms"],
+                r["samples_per_s"],
+                moved,
+                r["stall_ms_per_iter"],
+                vs_deficit,
+                r["host_pinned_peak_gib"],
+                r["alloc_retries"],
+                status,
+            )
+        )
+    return markdown_table(headers, rows)
+
+
 def goals_markdown(records: Sequence[dict[str, str]]) -> str:
     headers = ("model", "goal", "oversubscription", "value", "target", "met", "gap", "note")
     rows = []
     for r in records:
         value = r["value"]
-        if value and r["goal"] == "lms_efficiency":
+        if value and r["goal"] in ("lms_efficiency", "nocap_efficiency"):
             value = f"{float(value):.1%}"
         elif value and r["goal"] == "overhead_when_fitting":
             value = f"{float(value):+.2%}"
@@ -702,18 +1316,41 @@ def goals_markdown(records: Sequence[dict[str, str]]) -> str:
     return markdown_table(headers, rows)
 
 
+def _replace_atomically(path: Path, write: Callable[[Any], None]) -> None:
+    """Writes ``path`` through a temporary file beside it, renamed over it when complete: a
+    run killed while writing leaves the previous complete file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", newline="") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
 def write_csv(
-    path: Path, columns: Sequence[str], rows: Sequence[dict[str, str]], env: dict[str, Any]
+    path: Path,
+    columns: Sequence[str],
+    rows: Sequence[dict[str, str]],
+    env: dict[str, Any],
+    env_columns: Sequence[str] = ENV_COLUMNS,
 ) -> None:
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*columns, *ENV_COLUMNS])
+    def write(f: Any) -> None:
+        writer = csv.DictWriter(f, fieldnames=[*columns, *env_columns])
         writer.writeheader()
         for row in rows:
-            writer.writerow({**row, **{k: str(env.get(k, "")) for k in ENV_COLUMNS}})
+            writer.writerow({**row, **{k: str(env.get(k, "")) for k in env_columns}})
+
+    _replace_atomically(path, write)
+
+
+CAPPED_XLABEL = "oversubscription (uncapped peak / cap)"
+NOCAP_XLABEL = "no cap: estimated need / device limit"
 
 
 def plot_results(
-    rows: Sequence[Measurement], bw: Bandwidth | None, png: Path, title: str
+    rows: Sequence[Measurement],
+    bw: Bandwidth | None,
+    png: Path,
+    title: str,
+    xlabel: str = CAPPED_XLABEL,
 ) -> Path | None:
     """Throughput, and efficiency against the deficit roofline (what the efficiency goal
     measures, drawn as a line), per method and oversubscription factor; None without
@@ -754,7 +1391,7 @@ def plot_results(
     ax_eff.axhline(EFFICIENCY_GOAL, color="red", linestyle=":", label=f"goal: {EFFICIENCY_TARGET}")
     for ax in (ax_tp, ax_eff):
         ax.set_xticks(range(len(factors)), [f"{f:g}x" for f in factors])
-        ax.set_xlabel("oversubscription (uncapped peak / cap)")
+        ax.set_xlabel(xlabel)
     ax_tp.set_ylabel("samples/s (0: did not train)")
     ax_eff.set_ylabel("deficit roofline time / measured time (0: did not train)")
     ax_tp.set_title("throughput")
@@ -771,7 +1408,9 @@ def plot_results(
     ax_eff.legend(fontsize="small")
     fig.suptitle(title, fontsize="small")
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    tmp = png.with_name(f".{png.stem}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, png)
     plt.close(fig)
     return png
 
@@ -801,7 +1440,15 @@ def goals_help() -> str:
         f"largest_batch_ratio: largest batch with LMS {BATCH_RATIO_TARGET} the largest "
         "without; "
         f"overhead_when_fitting: LMS on with everything fitting {OVERHEAD_TARGET} slower "
-        "than off."
+        "than off. "
+        "No-cap goals (--regime nocap, nocap-MODEL-goals.csv, per factor): "
+        f"nocap_efficiency: LMS at {NOCAP_EFFICIENCY_TARGET} of the roofline max(compute "
+        "extrapolated to the batch, the estimated deficit out and in); "
+        f"nocap_out_vs_deficit: bytes LMS pages out per iteration {NOCAP_OUT_VS_DEFICIT_TARGET} "
+        "the estimated deficit; "
+        f"nocap_vs_capped: that efficiency {NOCAP_VS_CAPPED_TARGET}'s efficiency at the same "
+        "deficit over limit (the committed capped results, interpolated between their factors; "
+        "'not comparable', with the reason, where they do not cover it)."
     )
 
 
@@ -815,16 +1462,35 @@ def measurement_from_record(record: dict[str, Any]) -> Measurement:
         raise ValueError(f"measurement {record.get('method', '?')!r}: {exc}") from None
 
 
-def rescore(path: Path) -> tuple[Path, str, list[Goal]]:
-    """Recomputes the goals of the run recorded in ``path`` (a compare-MODEL.json) and
-    rewrites compare-MODEL-goals.csv beside it, and the chart (compare-MODEL.png) where
-    matplotlib is installed; returns (that CSV, the model, the goals).
+@dataclass
+class RunRecord:
+    """A run's JSON (compare-MODEL.json or nocap-MODEL.json), read back."""
 
-    The rooflines are recomputed as the run computed them, from its bandwidths and its
-    baseline's time per sample (without a measured baseline the run wrote no goals, and
-    neither does this); the goals are evaluated at its factors; the CSV gets the run's
-    environment columns. Raises ValueError for a file that is not such a record.
-    """
+    data: dict[str, Any]
+    config: dict[str, Any]
+    env: dict[str, Any]
+    bw: Bandwidth
+    rows: list[Measurement]
+
+    @property
+    def regime(self) -> str:
+        return str(self.data.get("regime") or self.config.get("regime") or "capped")
+
+    @property
+    def model(self) -> str:
+        return str(self.config.get("model") or (self.rows[0].model if self.rows else ""))
+
+    @property
+    def factors(self) -> list[float]:
+        factors = self.config.get("factors") or sorted(
+            {m.factor for m in self.rows if m.factor is not None}
+        )
+        return [float(f) for f in factors]
+
+
+def load_run(path: Path) -> RunRecord:
+    """Reads a run's JSON; raises ValueError for a file that is not such a record (OSError
+    where it cannot be read)."""
     try:
         data = json.loads(path.read_text())
         config: dict[str, Any] = data["config"]
@@ -835,36 +1501,130 @@ def rescore(path: Path) -> tuple[Path, str, list[Goal]]:
         raise ValueError(f"{path}: not a compare.py run record ({exc!r})") from None
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from None
-    model = str(config.get("model") or (rows[0].model if rows else ""))
-    factors = config.get("factors") or sorted({m.factor for m in rows if m.factor is not None})
+    return RunRecord(data, config, env, bw, rows)
+
+
+def capped_reference(
+    path: Path, workload: str, amp: bool, optimizer: str | None
+) -> CappedReference:
+    """LMS's deficit efficiencies in the capped run recorded in ``path`` (compare-MODEL.json),
+    recomputed as --rescore does, for a no-cap run of ``workload`` (with ``amp`` and
+    ``optimizer``); not comparable, with the reason, where the file is missing or unreadable
+    or trained another workload or precision."""
+    source = str(path)
+    if not path.is_file():
+        return CappedReference(source, reason=f"no capped results at {path}")
+    try:
+        run = load_run(path)
+    except (OSError, ValueError) as exc:
+        return CappedReference(source, reason=f"capped results unreadable: {exc}"[:300])
+    device = str(run.env.get("device", ""))
+    theirs = str(run.data.get("workload", ""))
+    mismatch = []
+    if theirs != workload:
+        mismatch.append(f"the capped run trained {theirs!r}, this run {workload!r}")
+    if bool(run.config.get("amp")) != amp:
+        mismatch.append(
+            f"the capped run {'used' if run.config.get('amp') else 'did not use'} --amp, "
+            f"this run {'does' if amp else 'does not'}"
+        )
+    if run.config.get("optimizer") != optimizer:
+        mismatch.append(
+            f"optimizer {run.config.get('optimizer') or 'default'} in the capped run, "
+            f"{optimizer or 'default'} here"
+        )
+    if mismatch:
+        return CappedReference(source, device, theirs, reason="; ".join(mismatch))
+    if run.regime != "capped":
+        return CappedReference(source, device, theirs, reason=f"{path} is a {run.regime} run")
+    base = _find(run.rows, "baseline", None)
+    if base is None or base.status != "ok" or not base.iteration_s:
+        return CappedReference(source, device, theirs, reason="the capped run has no baseline")
+    fill_roofline(run.rows, base.iteration_s / base.batch, run.bw)
+    points = tuple(
+        CappedPoint(float(m.factor), m.deficit_bytes / m.cap_bytes, m.deficit_efficiency)
+        for m in run.rows
+        if m.method == "lms"
+        and m.factor is not None
+        and m.status == "ok"
+        and m.deficit_bytes
+        and m.cap_bytes
+        and m.deficit_efficiency is not None
+    )
+    reason = "" if points else "no capped LMS row trained"
+    return CappedReference(source, device, theirs, points, reason)
+
+
+def rescore(path: Path, capped_results: Path | None = None) -> tuple[Path, str, list[Goal]]:
+    """Recomputes the goals of the run recorded in ``path`` (a compare-MODEL.json or a
+    nocap-MODEL.json) and rewrites its goals CSV (STEM-goals.csv) beside it, and the chart
+    (STEM.png) where matplotlib is installed; returns (that CSV, the model, the goals).
+
+    The rooflines are recomputed as the run computed them, from its bandwidths and its
+    baseline's time per sample (no cap: the fitting run with the largest batch); without a
+    measured baseline the run wrote no goals, and neither does this. The goals are evaluated
+    at its factors; a no-cap run is compared with the capped reference it recorded, or with
+    the capped compare-MODEL.json in ``capped_results`` where that is given. The CSV gets the
+    run's environment columns. Raises ValueError for a file that is not such a record.
+    """
+    run = load_run(path)
+    model, rows, bw, env = run.model, run.rows, run.bw, run.env
     goals: list[Goal] = []
-    base = _find(rows, "baseline", None)
-    if base is not None and base.status == "ok" and base.iteration_s:
-        fill_roofline(rows, base.iteration_s / base.batch, bw)
-        goals = evaluate_goals(rows, [float(f) for f in factors])
+    title = f"{run.data.get('workload', model)}, batch {run.data.get('batch', '?')}"
+    if run.regime == "nocap":
+        env_columns, xlabel = NOCAP_ENV_COLUMNS, NOCAP_XLABEL
+        title = f"{title}, no cap"
+        compute = nocap_compute_s_per_sample(rows)
+        if compute is not None:
+            fill_roofline(rows, compute[0], bw)
+            if capped_results is not None:
+                reference: CappedReference | None = capped_reference(
+                    capped_results / f"compare-{model}.json",
+                    str(run.data.get("workload", "")),
+                    bool(run.config.get("amp")),
+                    run.config.get("optimizer"),
+                )
+            else:
+                reference = CappedReference.from_record(run.data.get("capped_reference"))
+            goals = evaluate_nocap_goals(rows, run.factors, reference, str(env.get("device", "")))
+    else:
+        env_columns, xlabel = ENV_COLUMNS, CAPPED_XLABEL
+        base = _find(rows, "baseline", None)
+        if base is not None and base.status == "ok" and base.iteration_s:
+            fill_roofline(rows, base.iteration_s / base.batch, bw)
+            goals = evaluate_goals(rows, run.factors)
     out = path.with_name(f"{path.stem}-goals.csv")
-    write_csv(out, GOAL_COLUMNS, [goal_record(model, g) for g in goals], env)
+    write_csv(out, GOAL_COLUMNS, [goal_record(model, g) for g in goals], env, env_columns)
     if goals:
         # The chart draws the efficiency goal: redrawn with it, titled as the run titled it.
-        title = f"{data.get('workload', model)}, batch {data.get('batch', '?')}"
-        plot_results(rows, bw, path.with_suffix(".png"), f"{title} — {env.get('device', '')}")
+        plot_results(
+            rows, bw, path.with_suffix(".png"), f"{title} — {env.get('device', '')}", xlabel
+        )
     return out, model, goals
 
 
 def run_rescore(args: argparse.Namespace) -> int:
-    """``--rescore``: rescores a compare-MODEL.json or every one in a folder (with
-    ``--model``, only that model's) and prints the goals."""
+    """``--rescore``: rescores a compare-MODEL.json or nocap-MODEL.json, or every one in a
+    folder (with ``--model``, only that model's), and prints the goals."""
     target: Path = args.rescore
-    paths = sorted(target.glob("compare-*.json")) if target.is_dir() else [target]
+    if target.is_dir():
+        paths = sorted([*target.glob("compare-*.json"), *target.glob("nocap-*.json")])
+    else:
+        paths = [target]
     if args.model is not None:
-        paths = [p for p in paths if p.name == f"compare-{args.model}.json"]
+        names = (f"compare-{args.model}.json", f"nocap-{args.model}.json")
+        paths = [p for p in paths if p.name in names]
     if not paths:
-        which = f"compare-{args.model}.json" if args.model else "compare-*.json"
+        which = (
+            f"compare-{args.model}.json or nocap-{args.model}.json"
+            if args.model
+            else "compare-*.json or nocap-*.json"
+        )
         print(f"compare.py: --rescore: no {which} in {target}", file=sys.stderr)
         return 2
     for path in paths:
         try:
-            out, model, goals = rescore(path)
+            out, model, goals = rescore(path, args.capped_results)
         except (OSError, ValueError) as exc:
             print(f"compare.py: --rescore: {exc}", file=sys.stderr)
             return 2
@@ -899,30 +1659,66 @@ def parse_methods(text: str) -> tuple[str, ...]:
     return methods
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except None: those options say in their help what the
+    default depends on (the regime, the model)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+def _regime_default(option: str) -> str:
+    capped, nocap = REGIME_DEFAULTS["capped"][option], REGIME_DEFAULTS["nocap"][option]
+
+    def text(value: Any) -> str:
+        if isinstance(value, bool):
+            return "on" if value else "off"
+        if isinstance(value, (list, tuple)):
+            return ",".join(format(v, "g") if isinstance(v, float) else str(v) for v in value)
+        return str(value)
+
+    return f"(default: capped {text(capped)}, nocap {text(nocap)})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="compare.py",
-        description="Compare Large Model Support with save_on_cpu, activation checkpointing "
-        "and no LMS under the same GPU memory caps, against a bandwidth roofline.",
+        description="Compare Large Model Support with stream-overlapped offloading, save_on_cpu, "
+        "activation checkpointing and no LMS, against a bandwidth roofline: under GPU memory "
+        "caps (--regime capped), or with no cap at batches whose memory need is a factor of "
+        "the device's (--regime nocap).",
         epilog=goals_help(),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument(
         "--model", choices=MODELS, default=None, help="model group (required unless --rescore)"
+    )
+    parser.add_argument(
+        "--regime",
+        choices=REGIMES,
+        default="capped",
+        help="capped: cap = uncapped peak / factor (set_per_process_memory_fraction), every "
+        "method at the baseline batch; nocap: no memory fraction set anywhere, each factor "
+        "trains at the batch whose estimated need is factor x the memory free at the start "
+        "(linear memory model of the uncapped baseline), writes nocap-MODEL.* and compares "
+        "with the capped results (--capped-results); no batch search, no overhead rows",
     )
     parser.add_argument("--out", type=Path, default=Path("out/benchmarks"), help="output folder")
     parser.add_argument(
         "--factors",
         type=parse_factors,
-        default=parse_factors("1.5,2,4,8"),
-        help="oversubscription factors (cap = uncapped peak / factor)",
+        default=None,
+        help="oversubscription factors: capped, cap = uncapped peak / factor; nocap, need = "
+        "factor x device limit " + _regime_default("factors"),
     )
     parser.add_argument(
         "--batch",
         type=positive_int,
         default=None,
-        help="batch B of the uncapped and capped runs (default: per model: "
-        "resnet152 8, vit_l 32, gpt 8)",
+        help="batch B of the uncapped and capped runs, or the first fitting batch of nocap "
+        "(default: per model: resnet152 8, vit_l 32, gpt 8)",
     )
     parser.add_argument(
         "--image-size",
@@ -953,28 +1749,53 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--warmup",
         type=nonneg_int,
-        default=6,
+        default=None,
         help="untimed iterations per measurement (LMS's learned schedule takes a few "
-        "iterations to recognize the loop: fewer warm-up iterations time the learning)",
+        "iterations to recognize the loop: fewer warm-up iterations time the learning; "
+        "nocap: LMS's first iteration pins its host memory and the schedule is adopted in the "
+        "third, so 4 leave the timed ones steady) " + _regime_default("warmup"),
     )
     parser.add_argument(
-        "--iterations", type=positive_int, default=5, help="timed iterations per measurement"
+        "--iterations",
+        type=positive_int,
+        default=None,
+        help="timed iterations per measurement (nocap: fewer, at its large batches, to keep a "
+        "model within one 10-minute call) " + _regime_default("iterations"),
     )
     add_limit_share_option(parser, default=None)
     add_lms_tuning_options(parser)
     parser.add_argument(
         "--methods",
         type=parse_methods,
-        default=PEER_METHODS,
-        help="methods measured under each cap (comma-separated; split a run across calls "
-        "with it): " + ", ".join(PEER_METHODS),
+        default=None,
+        help="methods measured under each cap or at each nocap batch (comma-separated; split "
+        f"a run across calls with it): {', '.join(PEER_METHODS)} " + _regime_default("methods"),
     )
     parser.add_argument(
         "--overhead",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=None,
         help="measure LMS on with everything fitting, and LMS off again (lms_fits, "
-        "baseline_repeat); calls that split a run measure it once",
+        "baseline_repeat); calls that split a run measure it once (capped only) "
+        + _regime_default("overhead"),
+    )
+    parser.add_argument(
+        "--linearity-check",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="nocap: measure a second fitting batch (the largest the first puts at "
+        f"{FIT_FILL * 100:.0f}%% of the device, at most {FIT_MAX_MULTIPLE}x the first; else "
+        "half of it) and derive the batches from the line through both peaks instead of from the "
+        "first batch and its static memory " + _regime_default("linearity_check"),
+    )
+    parser.add_argument(
+        "--capped-results",
+        type=Path,
+        default=None,
+        metavar="FOLDER",
+        help="nocap: the folder whose compare-MODEL.json the nocap_vs_capped goal compares "
+        "with (default: benchmarks/results/compare, the committed capped results); with "
+        "--rescore, compare again with this folder instead of the reference the run recorded",
     )
     parser.add_argument(
         "--oom-retries",
@@ -1002,8 +1823,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--search",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="search the largest trainable batches",
+        default=None,
+        help="search the largest trainable batches (capped only) " + _regime_default("search"),
     )
     parser.add_argument(
         "--search-budget-s",
@@ -1033,13 +1854,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-budget-gib",
         type=positive_float,
         default=96.0,
-        help="pinned host memory LMS may use: bounds the LMS batch search",
+        help="pinned host memory LMS may use: bounds the LMS batch search; nocap: a row "
+        "estimated to pin more than this (or more than the host's available memory less "
+        f"{HOST_MARGIN_BYTES // GiB} GiB) is skipped: LMS about its deficit, offload and "
+        "save_on_cpu every activation",
     )
     parser.add_argument(
         "--time-budget-s",
         type=positive_float,
         default=500.0,
-        help="stop starting measurements after this long (what is left is reported as skipped)",
+        help="stop starting measurements after this long (what is left is reported as "
+        "skipped); nocap starts a row only where its estimated time (the baseline's time per "
+        "sample x its batch, the copies, the rows so far) fits in what is left",
     )
     parser.add_argument(
         "--rescore",
@@ -1047,8 +1873,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help="no GPU, no measurement: recompute the goals of the runs recorded in PATH (a "
-        "compare-MODEL.json, or a folder of them; with --model only that model's) with this "
-        "version's goals, rewrite each one's compare-MODEL-goals.csv and compare-MODEL.png "
+        "compare-MODEL.json or nocap-MODEL.json, or a folder of them; with --model only that "
+        "model's) with this version's goals, rewrite each one's STEM-goals.csv and STEM.png "
         "(with matplotlib) beside it and print them",
     )
     # Internal: one search probe, run by the search in a subprocess.
@@ -1061,9 +1887,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Checks across arguments; raises ValueError with the problem."""
+    """Checks across arguments and fills the defaults of --regime (REGIME_DEFAULTS) where an
+    option was not given; raises ValueError with the problem."""
     if args.model is None and args.rescore is None:
         raise ValueError("--model is required (except with --rescore)")
+    if args.regime == "nocap" and args.rescore is None:
+        if args.lms_limit_frac is not None:
+            raise ValueError(
+                "--lms-limit-frac sets the LMS limit as a share of the memory cap, and "
+                "--regime nocap sets no cap: LMS runs with its default limit there (the "
+                "device's memory less its headroom), as a user would run it"
+            )
+        if args.search:
+            raise ValueError(
+                "--search belongs to --regime capped: nocap derives its batches from the "
+                "device's memory and searches none"
+            )
+        if args.overhead:
+            raise ValueError(
+                "--overhead belongs to --regime capped: measure LMS's overhead when "
+                "everything fits there"
+            )
+        if args.probe_batch is not None:
+            raise ValueError("the batch search probes belong to --regime capped")
+    if args.regime == "capped" and args.rescore is None:
+        if args.linearity_check:
+            raise ValueError("--linearity-check belongs to --regime nocap")
+        if args.capped_results is not None:
+            raise ValueError("--capped-results is what --regime nocap (or --rescore) compares with")
+    for option, value in REGIME_DEFAULTS[args.regime].items():
+        if getattr(args, option) is None:
+            setattr(args, option, list(value) if isinstance(value, list) else value)
     if not 0 <= args.search_tolerance < 1:
         raise ValueError(f"--search-tolerance must be in [0, 1), got {args.search_tolerance}")
     if args.model == "vit_l" and args.image_size is not None and args.image_size % 16:
@@ -1231,8 +2085,16 @@ def train_measure(
     out-of-memory or other training errors: they become the row's status)."""
     import models
     import torch
-    from _lms_setup import apply_lms, is_oom, lms_stats, memory_cap, settle
+    from _lms_setup import (
+        apply_lms,
+        is_oom,
+        lms_stats,
+        memory_cap,
+        release_pinned_host_cache,
+        settle,
+    )
 
+    nocap = getattr(args, "regime", "capped") == "nocap"
     device = torch.device("cuda", torch.cuda.current_device())
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if args.amp else contextlib.nullcontext()
     counter: Any = None
@@ -1252,8 +2114,14 @@ def train_measure(
     optimizer: Any = None
     retries_left = args.oom_retries if lms is not None else 0
     settle()
+    if nocap:
+        release_pinned_host_cache()  # rows share a process: the last row's pinned cache goes
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
+    row_start_stats = torch.cuda.memory_stats()
+    rss_reset = reset_rss_peak()
+    with contextlib.suppress(Exception):  # a torch without pinned-memory statistics
+        torch.cuda.reset_peak_host_memory_stats()
     try:
         with memory_cap(m.cap_bytes):
             if lms is not None:
@@ -1305,19 +2173,31 @@ def train_measure(
                         log(f"    step {step}: out of memory, retrying ({retries_left} left)")
                         continue
                     raise
+                elapsed = time.perf_counter() - start
                 if step == 0:
                     m.static_bytes = torch.cuda.memory_allocated() - base
+                    m.first_iteration_s = elapsed
                 if step >= warmup:
-                    m.iteration_times.append(time.perf_counter() - start)
+                    m.iteration_times.append(elapsed)
+                else:
+                    m.warmup_times.append(elapsed)
                 step += 1
             after = lms_stats()
             allocator_after = torch.cuda.memory_stats()
             m.peak_allocated_bytes = torch.cuda.max_memory_allocated() - base
+            retries = "num_alloc_retries"
+            m.alloc_retries = allocator_after.get(retries, 0) - row_start_stats.get(retries, 0)
+            m.alloc_retries_timed = allocator_after.get(retries, 0) - allocator_before.get(
+                retries, 0
+            )
+            record_host_memory(m, after if lms is not None else None, rss_reset)
             if args.profile_iterations and m.method in PROFILED_METHODS:
                 try:
                     m.profile = profile_steps(one_step, step, args.profile_iterations, log)
                 except Exception as exc:  # the row's figures stand without a profile
                     log(f"      profile failed: {type(exc).__name__}: {exc}")
+        if lms is not None and after is not None and "limit_bytes" in after:
+            m.lms_limit_bytes = int(after["limit_bytes"])
         if lms is not None and before is not None and after is not None:
             m.out_bytes_per_iter = (after["pageout_bytes"] - before["pageout_bytes"]) / iterations
             m.in_bytes_per_iter = (after["pagein_bytes"] - before["pagein_bytes"]) / iterations
@@ -1376,6 +2256,8 @@ def train_measure(
         if lms is not None:
             apply_lms(LmsSettings(enabled=False))
             settle()
+        if nocap:
+            release_pinned_host_cache()
         # Rows share a process: memory a row leaves allocated (seen after a failed row)
         # shrinks every later row's room under its cap. Say so where it happens.
         left = torch.cuda.memory_allocated() - base
@@ -1384,6 +2266,75 @@ def train_measure(
             m.detail = f"{m.detail}; {note}" if m.detail else note
             log(f"    {note}")
     return m
+
+
+def measure_saved_bytes(
+    args: argparse.Namespace, workload: Any, batch: int, device: Any = None
+) -> int:
+    """The bytes autograd saves for the backward pass in one training step at ``batch``
+    (every tensor its saved-tensor hooks see, counted as save_on_cpu packs them), uncapped,
+    LMS off: what offload and save_on_cpu keep in pinned host memory. ``device``: the current
+    CUDA device where None."""
+    import torch
+    from _lms_setup import settle
+
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    amp = (
+        torch.autocast(device.type, dtype=torch.bfloat16) if args.amp else contextlib.nullcontext()
+    )
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    settle()
+    model: Any = None
+    try:
+        with device:
+            model = workload.build()
+        model.train()
+        inputs, targets = workload.make_batch(batch, device, 0)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack), amp:
+            loss = workload.loss(model(inputs), targets)
+        loss.backward()
+        del inputs, targets, loss
+    finally:
+        model = None
+        settle()
+    return total
+
+
+def record_host_memory(m: Measurement, lms_after: dict[str, Any] | None, rss_reset: bool) -> None:
+    """Fills ``m``'s host memory peaks: pinned (LMS's ``host_bytes`` peak with LMS statistics
+    ``lms_after``, else PyTorch's pinned host allocator where this torch reports it) and
+    resident (VmHWM, since the row's start where ``rss_reset``, else since the process's)."""
+    import torch
+
+    sources = []
+    gauge = (lms_after or {}).get("host_bytes")
+    if isinstance(gauge, dict) and "peak" in gauge:
+        m.host_pinned_peak_bytes = int(gauge["peak"])
+        sources.append("pinned: LMS host_bytes peak")
+    else:
+        stats = getattr(torch.cuda, "host_memory_stats", None)
+        try:
+            peak = stats().get("allocated_bytes.peak") if stats is not None else None
+        except Exception:  # a torch without the statistics: the row stands without them
+            peak = None
+        if peak is not None:
+            m.host_pinned_peak_bytes = int(peak)
+            sources.append("pinned: PyTorch host allocator peak (rounded blocks)")
+    rss = read_kib_fields("/proc/self/status").get("VmHWM")
+    if rss is not None:
+        m.host_rss_peak_bytes = rss
+        sources.append("RSS: VmHWM " + ("of the row" if rss_reset else "since the process began"))
+    m.host_memory_source = "; ".join(sources)
 
 
 def profile_steps(
@@ -1425,6 +2376,13 @@ def describe(m: Measurement) -> str:
         parts.append(f"peak {m.peak_allocated_bytes / GiB:.2f} GiB")
     if m.oom_retries:
         parts.append(f"{m.oom_retries} OOM retries")
+    if m.need_bytes is not None:
+        if m.first_iteration_s is not None:
+            parts.append(f"first step {m.first_iteration_s:.1f} s")
+        if m.host_pinned_peak_bytes:
+            parts.append(f"host pinned {m.host_pinned_peak_bytes / GiB:.1f} GiB")
+        if m.alloc_retries:
+            parts.append(f"{m.alloc_retries} allocator retries")
     return ", ".join(parts)
 
 
@@ -1529,11 +2487,19 @@ def run_benchmark(args: argparse.Namespace) -> int:
     workload = make_workload(args)
     batch = args.batch or workload.default_batch
     env = environment()
+    memory: DeviceMemory | None = None
+    if args.regime == "nocap":
+        # Before this process allocates anything: what other processes and this process's
+        # context already use is not the run's.
+        free, total = torch.cuda.mem_get_info()
+        memory = DeviceMemory(int(total), int(free))
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"compare-{args.model}"
     print(
         f"== {workload.description}, batch {batch}, on {env.get('device')} "
-        f"(torch {env['torch']}, CUDA {env['cuda']}, LMS: {backend or 'unavailable'})"
+        f"(torch {env['torch']}, CUDA {env['cuda']}, LMS: {backend or 'unavailable'}, "
+        f"regime {args.regime}; engine {env.get('engine_commit')}"
+        f"{' with local changes' if env.get('engine_dirty') is True else ''})"
     )
 
     print("== pinned copy bandwidth")
@@ -1542,6 +2508,36 @@ def run_benchmark(args: argparse.Namespace) -> int:
         f"   D2H {bw.d2h / 1e9:.1f} GB/s, H2D {bw.h2d / 1e9:.1f} GB/s, "
         f"both directions {bw.bidirectional / 1e9:.1f} GB/s"
     )
+
+    if memory is not None:
+
+        def stop(signum: int, frame: Any) -> None:
+            raise SystemExit(f"compare.py: stopped by signal {signum}")
+
+        signal.signal(signal.SIGTERM, stop)
+        folder = args.capped_results or DEFAULT_CAPPED_RESULTS
+        runner = NocapRun(
+            args,
+            description=workload.description,
+            batch=batch,
+            env=env,
+            memory=memory,
+            bw=bw,
+            train=lambda m, lms: train_measure(
+                args, workload, m, warmup=args.warmup, iterations=args.iterations, lms=lms
+            ),
+            lms_backend=backend,
+            lms_reason=lms_reason,
+            deadline=deadline,
+            saved_bytes=lambda b: measure_saved_bytes(args, workload, b),
+            reference=capped_reference(
+                folder / f"compare-{args.model}.json",
+                workload.description,
+                args.amp,
+                args.optimizer,
+            ),
+        )
+        return runner.run()
 
     rows: list[Measurement] = []
     searches: dict[str, Any] = {}
@@ -1641,6 +2637,360 @@ def run_benchmark(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_CAPPED_RESULTS = HERE / "results" / "compare"
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """The device's memory when the run starts (``torch.cuda.mem_get_info``)."""
+
+    total_bytes: int
+    free_bytes: int
+
+    @property
+    def used_at_start_bytes(self) -> int:
+        """What other processes and this process's CUDA context already held."""
+        return self.total_bytes - self.free_bytes
+
+    @property
+    def limit_bytes(self) -> int:
+        """D: the memory this process can use."""
+        return self.free_bytes
+
+    def record(self) -> dict[str, int]:
+        return {
+            "total_bytes": self.total_bytes,
+            "used_at_start_bytes": self.used_at_start_bytes,
+            "limit_bytes": self.limit_bytes,
+        }
+
+
+TrainFn = Callable[[Measurement, Optional[LmsSettings]], Any]
+RUNNING_DETAIL = "started, not finished: the run was stopped during this row"
+
+
+class NocapRun:
+    """The no-cap regime (``--regime nocap``): the fitting runs, then each factor's methods at
+    its batch, uncapped. The GPU work is ``train`` (fills a Measurement, as train_measure
+    does), so that the same sequence, its time and host-memory checks and its files run
+    with fake training in the tests.
+
+    Every row is written out when it starts (status ``running``: a run killed during it says
+    so) and when it ends. A row starts only where its estimated time (nocap_row_estimate, times
+    the slowdown the rows so far measured against their estimates) and FINAL_RESERVE_S fit in
+    what is left of ``--time-budget-s``, and where its estimated pinned host memory
+    (nocap_host_bytes) fits under ``--host-budget-gib`` and the host's available memory.
+    """
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        *,
+        description: str,
+        batch: int,
+        env: dict[str, Any],
+        memory: DeviceMemory,
+        bw: Bandwidth,
+        train: TrainFn,
+        lms_backend: str,
+        lms_reason: str = "",
+        reference: CappedReference | None = None,
+        saved_bytes: Callable[[int], int | None] | None = None,
+        host_available: Callable[[], int | None] = host_available_bytes,
+        clock: Callable[[], float] = time.monotonic,
+        deadline: Deadline | None = None,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.args = args
+        self.description = description
+        self.batch = batch
+        self.env = env
+        self.memory = memory
+        self.bw = bw
+        self.train = train
+        self.lms_backend = lms_backend
+        self.lms_reason = lms_reason
+        self.reference = reference
+        self.saved_bytes = saved_bytes
+        self.saved_per_sample: float | None = None
+        self.host_available = host_available
+        self.clock = clock
+        self.log = log
+        # The run's --time-budget-s, counted from the start of the process's work.
+        self.deadline = deadline or Deadline(args.time_budget_s, clock)
+        self.rows: list[Measurement] = []
+        self.model: MemoryModel | None = None
+        self.plans: list[dict[str, Any]] = []
+        # Per method: measured row time over its estimate at slowdown 1.
+        self.observed: dict[str, list[float]] = {}
+        self.estimates: list[dict[str, Any]] = []
+        self.stem = f"nocap-{args.model}"
+
+    @property
+    def steps(self) -> int:
+        return int(self.args.warmup + self.args.iterations)
+
+    def slowdown(self, method: str) -> float:
+        """What a row's estimate is multiplied by: NOCAP_OBSERVED_MARGIN x the largest ratio
+        measured for ``method`` in this run; before any, the prior NOCAP_PRIOR_SLOWDOWN or the
+        largest ratio of another method, whichever is larger."""
+        own = self.observed.get(method)
+        if own:
+            return NOCAP_OBSERVED_MARGIN * max(own)
+        others = [r for m, rs in self.observed.items() if m not in FIT_METHODS for r in rs]
+        return max([NOCAP_PRIOR_SLOWDOWN, *others])
+
+    def host_room(self) -> int:
+        """Pinned host memory a row may need: --host-budget-gib, and no more than the host's
+        available memory less HOST_MARGIN_BYTES."""
+        room = int(self.args.host_budget_gib * GiB)
+        available = self.host_available()
+        if available is not None:
+            room = min(room, available - HOST_MARGIN_BYTES)
+        return room
+
+    def extra(self) -> dict[str, Any]:
+        compute = nocap_compute_s_per_sample(self.rows)
+        return {
+            "device_memory": self.memory.record(),
+            "memory_model": None if self.model is None else self.model.record(),
+            "plans": self.plans,
+            "compute": None
+            if compute is None
+            else {
+                "s_per_sample": compute[0],
+                "from_batch": compute[1],
+                "source": "uncapped LMS-off fitting run with the largest batch",
+            },
+            "saved_bytes_per_sample": self.saved_per_sample,
+            "capped_reference": None if self.reference is None else self.reference.record(),
+            "time_estimates": self.estimates,
+        }
+
+    def save(self, final: bool) -> None:
+        compute = nocap_compute_s_per_sample(self.rows)
+        goals: list[Goal] = []
+        if compute is not None:
+            fill_roofline(self.rows, compute[0], self.bw)
+            goals = evaluate_nocap_goals(
+                self.rows, self.args.factors, self.reference, str(self.env.get("device", ""))
+            )
+        write_outputs(
+            self.args,
+            self.stem,
+            self.env,
+            self.bw,
+            self.rows,
+            goals,
+            {},
+            self.description,
+            self.batch,
+            final=final,
+            regime="nocap",
+            extra=self.extra(),
+        )
+
+    def row(
+        self,
+        method: str,
+        factor: float | None,
+        batch: int,
+        lms: LmsSettings | None,
+        *,
+        estimate_s: float = 0.0,
+        plan: NocapPlan | None = None,
+        host_bytes: int = 0,
+    ) -> Measurement:
+        """Measures one row (or records why it was skipped), writing the files before and
+        after. ``estimate_s`` is its estimate at slowdown 1 (0: always start it)."""
+        m = Measurement(self.args.model, method, factor, None, batch)
+        if plan is not None:
+            m.need_bytes, m.limit_bytes = plan.need_bytes, plan.limit_bytes
+            m.deficit_bytes = plan.deficit_bytes
+        self.rows.append(m)
+        label = f"{method} x{factor:g}" if factor else method
+        expected = estimate_s * self.slowdown(method) if estimate_s else 0.0
+        left = self.deadline.left() - FINAL_RESERVE_S
+        room = self.host_room() if host_bytes else 0
+        if lms is not None and not self.lms_backend:
+            m.status, m.detail = "skipped", f"LMS unavailable: {self.lms_reason}"
+        elif host_bytes and host_bytes > room:
+            m.status, m.detail = (
+                "skipped",
+                f"host memory: needs about {host_bytes / GiB:.1f} GiB of pinned host memory, "
+                f"{max(room, 0) / GiB:.1f} GiB allowed (--host-budget-gib, available memory)",
+            )
+        elif expected > left:
+            m.status, m.detail = (
+                "skipped",
+                f"time budget: needs about {expected:.0f} s, {max(left, 0.0):.0f} s left",
+            )
+        else:
+            self._measure(m, lms, estimate_s, expected)
+        self.log(f"   {label:<22} batch {batch:<6} {describe(m)}")
+        self.save(final=False)
+        return m
+
+    def _measure(
+        self, m: Measurement, lms: LmsSettings | None, estimate_s: float, expected: float
+    ) -> None:
+        m.status, m.detail = "running", RUNNING_DETAIL
+        self.save(final=False)
+        m.detail = ""
+        began = self.clock()
+        try:
+            self.train(m, lms)
+        except BaseException:
+            m.status, m.detail = "stopped", "stopped during this row (time limit or signal)"
+            m.iteration_times.clear()
+            m.iteration_s = m.samples_per_s = None
+            raise
+        finally:
+            m.row_s = self.clock() - began
+        if m.status == "running":
+            m.status = "ok"
+        if estimate_s > 0:
+            self.observed.setdefault(m.method, []).append(m.row_s / estimate_s)
+            self.estimates.append(
+                {
+                    "method": m.method,
+                    "factor": m.factor,
+                    "batch": m.batch,
+                    "estimate_s": round(expected, 1),
+                    "measured_s": round(m.row_s, 1),
+                }
+            )
+
+    def run(self) -> int:
+        """The whole regime; the files are written after every row and at the end."""
+        memory = self.memory
+        self.log(
+            f"== no cap: device {memory.total_bytes / GiB:.2f} GiB, used at start "
+            f"{memory.used_at_start_bytes / GiB:.2f} GiB, limit D {memory.limit_bytes / GiB:.2f} "
+            f"GiB; capped reference: {self._reference_text()}"
+        )
+        try:
+            return self._run()
+        finally:
+            self.save(final=True)
+
+    def _reference_text(self) -> str:
+        ref = self.reference
+        if ref is None:
+            return "none"
+        if ref.reason:
+            return f"not comparable ({ref.reason})"
+        points = ", ".join(f"{p.deficit_over_limit:.2f}: {p.efficiency:.0%}" for p in ref.points)
+        return f"{ref.source} (deficit/limit: efficiency {points})"
+
+    def _saved_per_sample(self) -> float | None:
+        """Bytes autograd saves per sample at the fitting batch (``saved_bytes``), which
+        offload and save_on_cpu keep in pinned host memory; None where it failed."""
+        assert self.saved_bytes is not None
+        try:
+            total = self.saved_bytes(self.batch)
+        except Exception as exc:  # the host estimate falls back to the memory model
+            self.log(f"   saved-tensor bytes not measured: {type(exc).__name__}: {exc}")
+            return None
+        if not total:
+            return None
+        self.saved_per_sample = total / self.batch
+        self.log(
+            f"   autograd saves {total / GiB:.2f} GiB at batch {self.batch} "
+            f"({self.saved_per_sample / GiB:.4f} GiB per sample): what offload and "
+            "save_on_cpu pin"
+        )
+        return self.saved_per_sample
+
+    def _run(self) -> int:
+        args, limit = self.args, self.memory.limit_bytes
+        self.log(f"== uncapped, LMS off: fitting batch {self.batch}")
+        base = self.row("baseline", None, self.batch, None)
+        if (
+            base.status != "ok"
+            or base.peak_allocated_bytes is None
+            or base.iteration_s is None
+            or base.static_bytes is None
+        ):
+            self.log(
+                f"compare.py: the uncapped baseline failed ({base.detail}); nothing to scale "
+                "from: lower --batch or --image-size"
+            )
+            return 1
+        try:
+            model = one_batch_memory_model(self.batch, base.peak_allocated_bytes, base.static_bytes)
+        except ValueError as exc:
+            self.log(f"compare.py: no memory model from the baseline: {exc}")
+            return 1
+        if args.linearity_check:
+            second = second_fit_batch(model, limit)
+            if second is None:
+                model = replace(model, source=f"{model.source}; no second batch to fit")
+            else:
+                estimate = estimate_row_seconds(
+                    base.iteration_s / self.batch * second, 0, 0, 0, self.bw, self.steps
+                )
+                fit = self.row("baseline_fit", None, second, None, estimate_s=estimate)
+                if fit.status == "ok" and fit.peak_allocated_bytes is not None:
+                    model = fitted_memory_model(model, second, fit.peak_allocated_bytes)
+                else:
+                    model = replace(
+                        model,
+                        source=f"{model.source}; second batch {second} not measured ({fit.status})",
+                    )
+        self.model = model
+        compute = nocap_compute_s_per_sample(self.rows)
+        assert compute is not None  # the baseline trained
+        self.log(
+            f"== memory model: {model.intercept_bytes / GiB:.3f} GiB + "
+            f"{model.per_sample_bytes / GiB:.4f} GiB x batch ({model.source}); compute "
+            f"{compute[0] * 1000:.2f} ms per sample (batch {compute[1]})"
+        )
+        saved = None
+        if self.saved_bytes is not None and any(m in HOST_COPY_METHODS for m in args.methods):
+            saved = self._saved_per_sample()
+        plans: dict[float, NocapPlan] = {}
+        for f in args.factors:
+            try:
+                plans[f] = nocap_plan(model, limit, f)
+            except ValueError as exc:
+                self.plans.append({"factor": f, "error": str(exc)})
+                self.log(f"== {f:g}x: no batch: {exc}")
+                continue
+            plan = plans[f]
+            self.plans.append(plan.record())
+            self.log(
+                f"== {f:g}x: batch {plan.batch}, need {plan.need_bytes / GiB:.2f} GiB "
+                f"(estimate), deficit {plan.deficit_bytes / GiB:.2f} GiB"
+            )
+        # Method by method, LMS first (the order of --methods): where the time runs out, the
+        # rivals' rows are the ones skipped.
+        for method in args.methods:
+            steps = self.steps + (args.profile_iterations if method in PROFILED_METHODS else 0)
+            lms = None
+            if method in LMS_METHODS:
+                lms = lms_settings(args, None, schedule=method == "lms")
+            for f in args.factors:
+                if f not in plans:
+                    reason = next(p["error"] for p in self.plans if p["factor"] == f)
+                    self.rows.append(Measurement(args.model, method, f, None, 0, "skipped", reason))
+                    self.save(final=False)
+                    continue
+                plan = plans[f]
+                self.row(
+                    method,
+                    f,
+                    plan.batch,
+                    lms,
+                    estimate_s=nocap_row_estimate(
+                        method, plan, model.per_sample_bytes, compute[0], self.bw, steps, saved
+                    ),
+                    plan=plan,
+                    host_bytes=nocap_host_bytes(method, plan, model.per_sample_bytes, saved),
+                )
+        return 0
+
+
 def run_searches(
     args: argparse.Namespace,
     f: float,
@@ -1731,42 +3081,55 @@ def write_outputs(
     description: str,
     batch: int,
     final: bool = True,
+    *,
+    regime: str = "capped",
+    extra: dict[str, Any] | None = None,
 ) -> None:
-    """Writes the CSVs and the JSON (every time: a run stopped early keeps what it measured);
-    the PNG and the printed tables only when ``final``."""
+    """Writes the CSVs and the JSON (every time, each file replaced whole: a run stopped early
+    keeps what it measured); the PNG and the printed tables only when ``final``. ``regime``
+    nocap writes the no-cap columns; ``extra`` adds keys to the JSON."""
     out: Path = args.out
-    records = [measurement_record(m) for m in rows]
+    nocap = regime == "nocap"
+    if nocap:
+        records = [nocap_measurement_record(m) for m in rows]
+        columns, env_columns = NOCAP_MEASUREMENT_COLUMNS, NOCAP_ENV_COLUMNS
+    else:
+        records = [measurement_record(m) for m in rows]
+        columns, env_columns = MEASUREMENT_COLUMNS, ENV_COLUMNS
     goal_records = [goal_record(args.model, g) for g in goals]
-    write_csv(out / f"{stem}.csv", MEASUREMENT_COLUMNS, records, env)
-    write_csv(out / f"{stem}-goals.csv", GOAL_COLUMNS, goal_records, env)
+    write_csv(out / f"{stem}.csv", columns, records, env, env_columns)
+    write_csv(out / f"{stem}-goals.csv", GOAL_COLUMNS, goal_records, env, env_columns)
     config = {
         k: (str(v) if isinstance(v, Path) else v)
         for k, v in vars(args).items()
         if not k.startswith("probe_")
     }
-    (out / f"{stem}.json").write_text(
-        json.dumps(
-            {
-                "environment": env,
-                "workload": description,
-                "batch": batch,
-                "config": config,
-                "bandwidth_bytes_per_s": asdict(bw),
-                "measurements": [asdict(m) for m in rows],
-                "goals": [asdict(g) for g in goals],
-                "searches": searches,
-            },
-            indent=2,
-            default=str,
-        )
-        + "\n"
-    )
+    record = {
+        "environment": env,
+        "regime": regime,
+        "workload": description,
+        "batch": batch,
+        "config": config,
+        **(extra or {}),
+        "bandwidth_bytes_per_s": asdict(bw),
+        "measurements": [asdict(m) for m in rows],
+        "goals": [asdict(g) for g in goals],
+        "searches": searches,
+    }
+    text = json.dumps(record, indent=2, default=str) + "\n"
+    _replace_atomically(out / f"{stem}.json", lambda f: f.write(text))
     if not final:
         return
+    title = f"{description}, batch {batch}" + (", no cap" if nocap else "")
     png = plot_results(
-        rows, bw, out / f"{stem}.png", f"{description}, batch {batch} — {env.get('device', '')}"
+        rows,
+        bw,
+        out / f"{stem}.png",
+        f"{title} — {env.get('device', '')}",
+        NOCAP_XLABEL if nocap else CAPPED_XLABEL,
     )
-    print("\n" + measurements_markdown(records))
+    table = nocap_measurements_markdown(records) if nocap else measurements_markdown(records)
+    print("\n" + table)
     if goal_records:
         print("\n" + goals_markdown(goal_records))
     print(

@@ -15,8 +15,9 @@ import contextlib
 import gc
 import importlib
 import os
+import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,16 @@ def lms_stats() -> dict[str, Any] | None:
     return dict(torch.cuda.lms_stats())
 
 
+def release_pinned_host_cache() -> None:
+    """Returns the pinned host memory that PyTorch's caching host allocator keeps cached
+    (``pin_memory=True`` tensors that died) to the system, where this PyTorch can."""
+    import torch
+
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        empty()
+
+
 def settle() -> None:
     """Waits for the device, frees what died and returns cached device (and LMS host) memory."""
     import torch
@@ -211,11 +222,63 @@ def versions(device: bool = True) -> dict[str, Any]:
     return env
 
 
+# Untracked files under these folders (results a run writes, or is about to commit) do not
+# make the checkout dirty for provenance().
+PROVENANCE_UNTRACKED_OK = ("benchmarks/results/", "out/")
+UNKNOWN = "unknown"
+
+
+def porcelain_dirty(porcelain: str, untracked_ok: Sequence[str] = PROVENANCE_UNTRACKED_OK) -> bool:
+    """Whether ``git status --porcelain`` output shows a change: any tracked file changed, or
+    an untracked file outside the ``untracked_ok`` folders."""
+    for line in porcelain.splitlines():
+        if not line.strip():
+            continue
+        path = line[3:].strip().strip('"')
+        if line.startswith("?? ") and any(path.startswith(ok) for ok in untracked_ok):
+            continue
+        return True
+    return False
+
+
+def _run_text(argv: Sequence[str], timeout_s: float = 20.0) -> str | None:
+    """The standard output of ``argv``, or None where it cannot run or fails."""
+    try:
+        done = subprocess.run(
+            list(argv), capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def provenance(repo: Path = REPO_ROOT) -> dict[str, Any]:
+    """What the results of this checkout were measured with: the engine commit (``git
+    rev-parse HEAD`` of ``repo``), whether the checkout had changes (``engine_dirty``; untracked
+    files under PROVENANCE_UNTRACKED_OK do not count) and the NVIDIA driver version
+    (nvidia-smi). Each is "unknown" where it cannot be found (no git, not a checkout, no
+    nvidia-smi); never raises."""
+    git = ["git", "-c", "safe.directory=*", "-C", str(repo)]
+    head = _run_text([*git, "rev-parse", "HEAD"])
+    commit = head.strip() if head and head.strip() else UNKNOWN
+    status = _run_text([*git, "status", "--porcelain"]) if commit != UNKNOWN else None
+    dirty: bool | str = UNKNOWN if status is None else porcelain_dirty(status)
+    smi = _run_text(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    drivers = [line.strip() for line in (smi or "").splitlines() if line.strip()]
+    return {
+        "engine_commit": commit,
+        "engine_dirty": dirty,
+        "driver": drivers[0] if drivers else UNKNOWN,
+    }
+
+
 def environment() -> dict[str, Any]:
-    """Device, versions and LMS backend, for result files."""
+    """Device, versions, LMS backend and provenance (engine commit, dirty flag, driver), for
+    result files."""
     import torch
 
     env = versions()
+    env.update(provenance())
     env["pytorch_lms_conf"] = os.environ.get("PYTORCH_LMS_CONF")
     if torch.cuda.is_available():
         env["cudnn"] = torch.backends.cudnn.version()

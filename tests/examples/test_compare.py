@@ -426,9 +426,9 @@ def test_plot_results_png(tmp_path: Path) -> None:
 def test_parser_and_checks() -> None:
     parser = compare.build_parser()
     args = parser.parse_args(["--model", "gpt", "--factors", "4,1.5,2,2"])
+    compare.check_args(args)
     assert args.factors == [1.5, 2.0, 4.0]
     assert args.warmup == 6 and args.iterations == 5 and args.search
-    compare.check_args(args)
     for bad in (
         ["--factors", "1"],
         ["--factors", "x"],
@@ -514,6 +514,7 @@ def test_no_gpu_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
 def test_methods_option_and_deficit_columns() -> None:
     parser = compare.build_parser()
     args = parser.parse_args(["--model", "gpt"])
+    compare.check_args(args)
     assert args.methods == compare.PEER_METHODS
     assert args.factors == [1.5, 2.0, 4.0, 8.0]
     args = parser.parse_args(["--model", "gpt", "--methods", "lms,offload"])
