@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import hashlib
 import importlib
 import os
 import subprocess
@@ -256,20 +257,50 @@ def provenance(repo: Path = REPO_ROOT) -> dict[str, Any]:
     """What the results of this checkout were measured with: the engine commit (``git
     rev-parse HEAD`` of ``repo``), whether the checkout had changes (``engine_dirty``; untracked
     files under PROVENANCE_UNTRACKED_OK do not count) and the NVIDIA driver version
-    (nvidia-smi). Each is "unknown" where it cannot be found (no git, not a checkout, no
-    nvidia-smi); never raises."""
+    (nvidia-smi). ``LMS_ENGINE_COMMIT`` (and ``LMS_ENGINE_DIRTY``: 1 or 0) in the environment
+    override git, for a copy of the checkout whose .git is not the sender's. The hash of the
+    engine's sources (``engine_sources_sha256``) is recorded either way. Each is "unknown"
+    where it cannot be found (no git, not a checkout, no nvidia-smi); never raises."""
     git = ["git", "-c", "safe.directory=*", "-C", str(repo)]
-    head = _run_text([*git, "rev-parse", "HEAD"])
-    commit = head.strip() if head and head.strip() else UNKNOWN
-    status = _run_text([*git, "status", "--porcelain"]) if commit != UNKNOWN else None
-    dirty: bool | str = UNKNOWN if status is None else porcelain_dirty(status)
+    given = os.environ.get("LMS_ENGINE_COMMIT", "").strip()
+    if given:
+        # A copy of the checkout (a GPU host the tree was sent to) may carry a stale .git:
+        # the sender says which commit it sent, and whether its tree had changes.
+        commit = given
+        dirty: bool | str = os.environ.get("LMS_ENGINE_DIRTY", UNKNOWN).strip().lower() in (
+            "1",
+            "true",
+            "yes",
+        )
+        if "LMS_ENGINE_DIRTY" not in os.environ:
+            dirty = UNKNOWN
+    else:
+        head = _run_text([*git, "rev-parse", "HEAD"])
+        commit = head.strip() if head and head.strip() else UNKNOWN
+        status = _run_text([*git, "status", "--porcelain"]) if commit != UNKNOWN else None
+        dirty = UNKNOWN if status is None else porcelain_dirty(status)
     smi = _run_text(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     drivers = [line.strip() for line in (smi or "").splitlines() if line.strip()]
     return {
         "engine_commit": commit,
         "engine_dirty": dirty,
+        "engine_sources_sha256": engine_sources_sha256(repo),
         "driver": drivers[0] if drivers else UNKNOWN,
     }
+
+
+def engine_sources_sha256(repo: Path = REPO_ROOT) -> str:
+    """One hash of every file under ``engine/`` (path and contents, in path order): names the
+    engine that ran whatever git says, so a result can be matched to a commit by hashing
+    that commit's ``engine/``. "unknown" where the folder is missing."""
+    root = repo / "engine"
+    if not root.is_dir():
+        return UNKNOWN
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(path.relative_to(repo).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def environment() -> dict[str, Any]:

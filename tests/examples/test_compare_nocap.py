@@ -738,15 +738,40 @@ def test_provenance_without_git_or_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -
         raise FileNotFoundError("no such program")
 
     monkeypatch.setattr(_lms_setup.subprocess, "run", missing)
-    assert _lms_setup.provenance() == {
-        "engine_commit": "unknown",
-        "engine_dirty": "unknown",
-        "driver": "unknown",
-    }
+    monkeypatch.delenv("LMS_ENGINE_COMMIT", raising=False)
+    found = _lms_setup.provenance()
+    assert len(found.pop("engine_sources_sha256")) == 64  # from the files, not git
+    assert found == {"engine_commit": "unknown", "engine_dirty": "unknown", "driver": "unknown"}
+
+
+def test_provenance_from_the_sender(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A copy whose .git is stale: the commit and dirty flag the sender gives win."""
+    monkeypatch.setenv("LMS_ENGINE_COMMIT", "ac61784")
+    monkeypatch.setenv("LMS_ENGINE_DIRTY", "0")
+    found = _lms_setup.provenance(tmp_path)
+    assert found["engine_commit"] == "ac61784" and found["engine_dirty"] is False
+    assert found["engine_sources_sha256"] == "unknown"  # no engine/ in tmp_path
+    monkeypatch.setenv("LMS_ENGINE_DIRTY", "1")
+    assert _lms_setup.provenance(tmp_path)["engine_dirty"] is True
+    monkeypatch.delenv("LMS_ENGINE_DIRTY")
+    assert _lms_setup.provenance(tmp_path)["engine_dirty"] == "unknown"
+
+
+def test_engine_sources_hash_follows_the_files(tmp_path: Path) -> None:
+    (tmp_path / "engine" / "c10").mkdir(parents=True)
+    (tmp_path / "engine" / "c10" / "a.cpp").write_text("int a;\n")
+    first = _lms_setup.engine_sources_sha256(tmp_path)
+    assert first == _lms_setup.engine_sources_sha256(tmp_path)
+    (tmp_path / "engine" / "c10" / "a.cpp").write_text("int b;\n")
+    assert _lms_setup.engine_sources_sha256(tmp_path) != first
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_provenance_of_a_checkout(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_provenance_of_a_checkout(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LMS_ENGINE_COMMIT", raising=False)
+
     def git(*argv: str) -> None:
         subprocess.run(["git", "-C", str(tmp_path), *argv], check=True, capture_output=True)
 
