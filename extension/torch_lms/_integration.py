@@ -50,6 +50,8 @@ API_NAMES: tuple[str, ...] = (
     "get_prefetch_budget_lms",
     "set_graph_prefetch_lms",
     "get_graph_prefetch_lms",
+    "set_host_limit_lms",
+    "get_host_limit_lms",
     "reset_lms_schedule",
     "reclaim_inactive",
     "lms_stats",

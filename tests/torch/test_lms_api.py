@@ -62,6 +62,9 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "pin_failures": 0,
         "cache_releases": 0,
         "limit_bytes": 2048 * MiB,
+        "host_budget_bytes": 96 * 1024 * MiB,
+        "host_ledger_bytes": 40 * MiB,
+        "host_refusals": 2,
     }
     for gauge in ("managed_bytes", "active_bytes", "inactive_bytes", "pagedout_bytes"):
         stats[gauge] = {"current": 4 * MiB, "peak": 12 * MiB}
@@ -87,6 +90,7 @@ class FakeBindings:
             "graph_prefetch": 1,
             "lookahead": 0,
             "budget": 0,
+            "host_limit": 0,
         }
         self.limits: dict[int, int] = {}
 
@@ -149,6 +153,13 @@ class FakeBindings:
 
     def _cuda_lms_getGraphPrefetch(self) -> bool:
         return bool(self.values["graph_prefetch"])
+
+    def _cuda_lms_setHostLimit(self, limit: int) -> None:
+        self._record("setHostLimit", limit)
+        self.values["host_limit"] = limit
+
+    def _cuda_lms_getHostLimit(self) -> int:
+        return self.values["host_limit"]
 
     def _cuda_lms_resetSchedule(self) -> None:
         self._record("resetSchedule")
@@ -216,6 +227,12 @@ def test_settings_reach_the_bindings(lms: ModuleType) -> None:
     assert lms.get_graph_prefetch_lms() is True
     lms.set_graph_prefetch_lms(False)
     assert lms.get_graph_prefetch_lms() is False
+    assert lms.get_host_limit_lms() == 0  # derived from the host's memory
+    lms.set_host_limit_lms(64 * 1024 * MiB)
+    assert lms.fake.calls[-1] == ("setHostLimit", (64 * 1024 * MiB,))
+    assert lms.get_host_limit_lms() == 64 * 1024 * MiB
+    lms.set_host_limit_lms(0)
+    assert lms.get_host_limit_lms() == 0
     lms.reset_lms_schedule()
     assert lms.fake.calls[-1] == ("resetSchedule", ())
     assert lms.reclaim_inactive() == 8 * MiB
@@ -249,6 +266,9 @@ def test_numpy_integers_are_sizes(lms: ModuleType) -> None:
         (lambda m: m.set_lookahead_lms(2**31), ValueError, "operators must be <= 2147483647"),
         (lambda m: m.set_prefetch_budget_lms(-1), ValueError, "budget_bytes must be >= 0"),
         (lambda m: m.set_graph_prefetch_lms(1), TypeError, "enable must be a bool, got int"),
+        (lambda m: m.set_host_limit_lms(-1), ValueError, "limit_bytes must be >= 0, got -1"),
+        (lambda m: m.set_host_limit_lms(2.5e9), TypeError, "limit_bytes must be an int, got float"),
+        (lambda m: m.set_host_limit_lms(True), TypeError, "limit_bytes must be an int, got bool"),
         (lambda m: m.lms_storage_state([1, 2]), TypeError, "tensor must be a torch.Tensor"),
         (lambda m: m._lms_access(None), TypeError, "tensor must be a torch.Tensor"),
         (lambda m: m.set_limit_lms(MiB, device="cpu"), ValueError, "Expected a cuda device"),
@@ -297,6 +317,7 @@ def test_summary_lines_format(lms: ModuleType) -> None:
     assert "Stalled: 1.2 ms" in text or "Stalled: 1.3 ms" in text
     assert "1 at limit" in text and "1 explicit" in text
     assert "Prefetched: 4 (3 hits)" in text
+    assert "Host budget: 98304 MiB, LMS processes hold 40960 KiB, refused 2" in text
     # memory_summary() runs str.format over its lines: the section must survive it.
     assert "|".join(lines).format() == "|".join(lines)
 
@@ -512,3 +533,24 @@ def test_graph_capture_flag_is_reset_when_the_capture_fails(lms: ModuleType) -> 
     with pytest.raises(RuntimeError, match="capture failed"):
         module.CUDAGraphNode()._record(None, [])
     assert not lms.capturing_with_resident_inputs()
+
+
+def test_every_conf_key_is_parsed_listed_and_documented() -> None:
+    """The PYTORCH_CUDA_ALLOC_CONF keys that the engine's one parser accepts are those its
+    error message lists, its header documents, and lms.py's docstring names."""
+    import re
+
+    engine = LMS_PY.parents[3] / "engine/c10/cuda"
+    source = (engine / "LargeModelSupport.cpp").read_text()
+    parsed = set(re.findall(r'key == "(lms[a-z_]*)"', source))
+    assert "lms_host_limit_mb" in parsed
+    listed = re.search(r"kKeys =\s*((?:\"[^\"]*\"\s*)+);", source)
+    assert listed is not None
+    listed_keys = set(re.findall(r"lms[a-z_]*", "".join(re.findall(r'"([^"]*)"', listed.group(1)))))
+    assert listed_keys == parsed
+    header = (engine / "LargeModelSupport.h").read_text()
+    documented = set(re.findall(r"^//\s+(lms[a-z_]*):", header, re.M))
+    assert documented == parsed
+    docstring = load_lms().__doc__ or ""
+    named = set(re.findall(r"``(lms[a-z_]*)``", docstring)) | {"lms"}
+    assert parsed <= named, parsed - named

@@ -83,6 +83,10 @@ thread_local bool t_no_reclaim = false;
 // An operator on this thread could not make its inputs resident; its next
 // LMS allocation raises this (see setPendingError()).
 thread_local std::exception_ptr t_pending_error;
+// The last reclaim on this thread stopped because the host pool gave no
+// pinned memory (HostPool::lastRefusal() says why): an out-of-memory error
+// that follows names host memory, the tier that ran out.
+thread_local bool t_host_refused = false;
 
 // Keeps the allocator's failure path from reclaiming on this thread for a
 // scope (see t_no_reclaim).
@@ -295,9 +299,10 @@ struct DeviceEngine {
   size_t peak_bytes = 0;
   uint64_t peak_phase = 0;
   uint64_t peak_retry = 0; // no search for victims before this clock
-  // Schedule statistics at the last resetAccumulatedStats().
+  // Schedule and host pool statistics at the last resetAccumulatedStats().
   int64_t detections_base = 0;
   int64_t fallbacks_base = 0;
+  int64_t host_refusals_base = 0;
   size_t user_limit = 0;
   // The device as last read from the driver: its size, and the bytes held by
   // anything other than this process's caching allocator (other processes,
@@ -729,6 +734,7 @@ void clearPrefetched(DeviceEngine& e, Record& r);
 // one used furthest in the future while a learned schedule is active, else
 // the least recently used. Returns the bytes freed.
 size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
+  t_host_refused = false;
   // Storages paged out early are on their way already: releasing their
   // memory costs at most the rest of a copy that is under way, where a new
   // victim's copy would queue behind them.
@@ -780,6 +786,7 @@ size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
     if (!ok) {
       // Out of pinned host memory: keep the victim resident and stop; the
       // caller's allocation decides whether that is an error.
+      t_host_refused = true;
       e.reclaim_list.push_back(victim);
       e.settled.notify_all();
       break;
@@ -2164,6 +2171,14 @@ bool isGraphPrefetchEnabled() {
   return g_graph_prefetch.load();
 }
 
+void setHostLimit(size_t bytes) {
+  hostPool().setLimit(bytes);
+}
+
+size_t getHostLimit() {
+  return hostPool().getLimit();
+}
+
 size_t pageInAhead(c10::ArrayRef<c10::StorageImpl*> storages) {
   if (!isEnabled() || !g_graph_prefetch.load()) {
     return 0;
@@ -2312,6 +2327,8 @@ bool parseConfigOption(std::string_view key, std::string_view value) {
     setPrefetchBudget(mebibytes(key, value));
   } else if (key == "lms_graph_prefetch") {
     setGraphPrefetchEnabled(parseBool(key, value));
+  } else if (key == "lms_host_limit_mb") {
+    setHostLimit(mebibytes(key, value));
   } else {
     return false;
   }
@@ -2325,7 +2342,7 @@ void parseConfig(const char* conf, bool only_lms_keys, const char* source) {
   constexpr const char* kKeys =
       "lms, lms_limit_mb, lms_size_mb, lms_prefetch, lms_speculative_mb, "
       "lms_schedule, lms_lookahead, lms_prefetch_budget_mb, "
-      "lms_graph_prefetch";
+      "lms_graph_prefetch, lms_host_limit_mb";
   // Same syntax as the caching allocator: "key:value,key:value".
   std::string_view rest(conf);
   while (!rest.empty()) {
@@ -2529,6 +2546,14 @@ LmsStats getStats(c10::DeviceIndex device) {
   const HostPool::Usage host = hostPool().usage();
   s.host_bytes.current = host.held_bytes;
   s.host_bytes.peak = host.peak_held_bytes;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    s.host_refusals = host.budget_refusals - e.host_refusals_base;
+  }
+  const HostPool::BudgetStatus budget = hostPool().budgetStatus();
+  s.host_budget_bytes =
+      budget.budget == kNoHostLimit ? 0 : static_cast<int64_t>(budget.budget);
+  s.host_ledger_bytes = static_cast<int64_t>(budget.held.all);
   s.limit_bytes = g_backend.load() != nullptr ? effectiveLimit(e) : 0;
   if (s.schedule_active != 0) {
     s.schedule_prefetch_budget_bytes = static_cast<int64_t>(
@@ -2576,6 +2601,7 @@ void resetAccumulatedStats(c10::DeviceIndex device) {
     fresh.over_limit_bytes = e.stats.over_limit_bytes;
     fresh.operator_output_bytes = e.stats.operator_output_bytes;
     e.stats = fresh;
+    e.host_refusals_base = hostPool().usage().budget_refusals;
     std::lock_guard<std::mutex> schedule_lock(g_schedule_mutex);
     e.detections_base = theSchedule().detections();
     e.fallbacks_base = theSchedule().fallbacks();
@@ -2749,6 +2775,23 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
         text, sizeof(text), "%.2f MiB", static_cast<double>(bytes) / kMiB);
     return std::string(text);
   };
+  if (t_host_refused &&
+      HostPool::lastRefusal().cause != HostRefusal::Cause::None) {
+    // The device is full and the storages that could make room cannot be
+    // paged out: the host tier below it has none. Say so, rather than give
+    // the device-side advice.
+    return "CUDA out of memory with Large Model Support: host memory ran "
+           "out. Tried to allocate " +
+        mib(static_cast<int64_t>(size)) + " on device " +
+        std::to_string(int(device)) +
+        ", which needs inactive storages paged out to pinned host memory. " +
+        describeHostRefusal(HostPool::lastRefusal()) + " Device " +
+        std::to_string(int(device)) + ": " +
+        mib(static_cast<int64_t>(allocated)) + " allocated to tensors (" +
+        mib(s.inactive_bytes.current) + " inactive), " +
+        mib(s.pagedout_bytes.current) + " paged out to host, LMS limit " +
+        mib(static_cast<int64_t>(limit)) + ".";
+  }
   const size_t pools = backend().privatePoolBytes(device);
   const std::string pool_note = pools == 0
       ? std::string()

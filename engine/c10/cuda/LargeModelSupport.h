@@ -144,6 +144,21 @@ C10_CUDA_API void resetSchedule();
 C10_CUDA_API void setGraphPrefetchEnabled(bool enabled);
 C10_CUDA_API bool isGraphPrefetchEnabled();
 
+// Host budget, in bytes: the most pinned host memory that the LMS processes
+// of this host may hold together (page-outs go there). Past it, a page-out
+// is refused and the allocation that needed the room raises
+// c10::OutOfMemoryError naming host memory, where pinning more would have
+// the kernel's OOM killer end a process. 0 (the default) derives it from
+// what the host can give, read at most every 100 ms: /proc/meminfo's
+// MemAvailable plus what LMS processes have pinned already, within the
+// memory limit of the process's cgroup, less a reserve for the rest of the
+// system (LargeModelSupportHostPool.h). The LMS processes of a host share
+// their pinned bytes through a ledger in /dev/shm ($PYTORCH_LMS_HOST_LEDGER
+// names another file). A value set here replaces the derived budget, also
+// above what the host can give.
+C10_CUDA_API void setHostLimit(size_t bytes);
+C10_CUDA_API size_t getHostLimit();
+
 // Applies one PYTORCH_CUDA_ALLOC_CONF option. Returns false when `key` is not
 // an LMS option; throws c10::Error for a bad value. Keys:
 //   lms:True|False            enable
@@ -155,6 +170,7 @@ C10_CUDA_API bool isGraphPrefetchEnabled();
 //   lms_lookahead:<count>     schedule lookahead in operators (0: derived)
 //   lms_prefetch_budget_mb:<MiB>  schedule prefetch budget (0: derived)
 //   lms_graph_prefetch:True|False page-ins planned by compiled graphs
+//   lms_host_limit_mb:<MiB>   host budget for pinned memory (0: derived)
 C10_CUDA_API bool parseConfigOption(
     std::string_view key,
     std::string_view value);
@@ -328,6 +344,12 @@ struct LmsStats {
   // Times cached free blocks were returned to the device because this
   // process held more than its share of it (see the limit below).
   int64_t cache_releases = 0;
+  // Host memory (process-wide): the host budget in force (setHostLimit; 0
+  // when none could be derived), the pinned bytes all LMS processes of the
+  // host hold as the ledger says, and pinned allocations the budget refused.
+  int64_t host_budget_bytes = 0;
+  int64_t host_ledger_bytes = 0;
+  int64_t host_refusals = 0;
   // Gauges, in bytes.
   LmsStat managed_bytes; // every LMS storage, resident or not
   LmsStat active_bytes; // pinned by running operators

@@ -3,12 +3,18 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -148,6 +154,125 @@ void* populateAndRegister(size_t size, bool& registered) {
       cudaGetErrorString(err));
   return nullptr; // unsupported here: registered stays false
 }
+
+constexpr size_t kMiB = 1024 * 1024;
+constexpr size_t kGiB = 1024 * kMiB;
+// How long a reading of the host's memory is trusted. Pinning costs
+// milliseconds, reading /proc/meminfo and the cgroup files tens of
+// microseconds: read at most every 100 ms, the budget costs the allocation
+// path nothing that shows, and the ledger counts what LMS processes pin in
+// between exactly.
+constexpr std::chrono::milliseconds kHostSampleInterval{100};
+// Limits at or above this are no limit (cgroup v1 writes 2^63 - 4096 for
+// none).
+constexpr size_t kHugeLimit = size_t(1) << 62;
+constexpr char kLedgerMagic[8] = {'L', 'M', 'S', 'H', 'O', 'S', 'T', '\0'};
+constexpr size_t kLedgerBytes =
+    sizeof(HostLedgerHeader) + kHostLedgerSlots * sizeof(HostLedgerSlot);
+static_assert(sizeof(HostLedgerHeader) == 32 && sizeof(HostLedgerSlot) == 32);
+
+// Why this thread's last allocate() gave no buffer.
+thread_local HostRefusal t_refusal;
+
+std::string mib(size_t bytes) {
+  char text[32];
+  std::snprintf(
+      text, sizeof(text), "%.2f MiB", static_cast<double>(bytes) / kMiB);
+  return text;
+}
+
+size_t saturatingAdd(size_t a, size_t b) {
+  return a > kNoHostLimit - b ? kNoHostLimit : a + b;
+}
+
+size_t saturatingSub(size_t a, size_t b) {
+  return a > b ? a - b : 0;
+}
+
+// A whole file of /proc or /sys (small); empty when it cannot be read.
+std::string readFile(const std::string& path) {
+  std::string text;
+  FILE* f = std::fopen(path.c_str(), "re");
+  if (f == nullptr) {
+    return text;
+  }
+  char buffer[4096];
+  size_t n = 0;
+  while ((n = std::fread(buffer, 1, sizeof(buffer), f)) > 0) {
+    text.append(buffer, n);
+  }
+  std::fclose(f);
+  return text;
+}
+
+// A number of bytes at the start of `text` (strtoull, no locale); false when
+// there is none.
+bool parseBytes(const char* text, size_t* out) {
+  while (*text == ' ' || *text == '\t') {
+    ++text;
+  }
+  if (*text < '0' || *text > '9') {
+    return false;
+  }
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long long v = std::strtoull(text, &end, 10);
+  if (errno != 0 || end == text) {
+    return false;
+  }
+  *out = static_cast<size_t>(v);
+  return true;
+}
+
+// The value of `key` in a file of "key value" lines (/proc/meminfo with
+// "key:", memory.stat without).
+bool fieldOf(const std::string& text, const std::string& key, size_t* out) {
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t eol = std::min(text.find('\n', at), text.size());
+    if (text.compare(at, key.size(), key) == 0 && at + key.size() < eol &&
+        (text[at + key.size()] == ' ' || text[at + key.size()] == ':')) {
+      const size_t from = at + key.size() + 1;
+      const std::string line = text.substr(from, eol - from);
+      return parseBytes(line.c_str(), out);
+    }
+    at = eol + 1;
+  }
+  return false;
+}
+
+// One cgroup level's limit and the room it leaves (false: no limit there).
+bool cgroupLevel(const std::string& dir, bool v2, size_t* limit, size_t* room) {
+  const std::string max_text =
+      readFile(dir + (v2 ? "/memory.max" : "/memory.limit_in_bytes"));
+  if (!parseBytes(max_text.c_str(), limit) || *limit >= kHugeLimit) {
+    return false; // "max", missing (the root of v2), or a huge number
+  }
+  size_t usage = 0;
+  if (!parseBytes(
+          readFile(dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes"))
+              .c_str(),
+          &usage)) {
+    return false;
+  }
+  size_t inactive_file = 0;
+  (void)fieldOf(
+      readFile(dir + "/memory.stat"),
+      v2 ? "inactive_file" : "total_inactive_file",
+      &inactive_file);
+  *room = saturatingSub(*limit, saturatingSub(usage, inactive_file));
+  return true;
+}
+
+bool isDirectory(const std::string& path, uint64_t* inode) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return false;
+  }
+  *inode = static_cast<uint64_t>(st.st_ino);
+  return true;
+}
+
 } // namespace
 
 // Pinned host memory of `size` bytes (rounded by roundSize), portable to
@@ -193,6 +318,450 @@ void HostPool::freePinned(void* ptr, size_t size, bool registered) {
   }
   C10_CUDA_CHECK(cudaFreeHost(ptr));
 }
+
+bool readMemInfo(const std::string& path, HostMemory& out) {
+  const std::string text = readFile(path);
+  size_t total_kib = 0;
+  size_t available_kib = 0;
+  if (!fieldOf(text, "MemTotal", &total_kib) ||
+      !fieldOf(text, "MemAvailable", &available_kib) || total_kib == 0) {
+    return false;
+  }
+  out.total = total_kib * 1024;
+  out.available = available_kib * 1024;
+  return true;
+}
+
+void readCgroup(
+    const std::string& proc_cgroup,
+    const std::string& cgroup_mount,
+    HostMemory& out) {
+  // Lines "hierarchy:controllers:path". The memory controller's own line
+  // (cgroup v1, or a hybrid host) wins over the unified one ("0::path").
+  const std::string text = readFile(proc_cgroup);
+  std::string path;
+  bool v2 = false;
+  bool found = false;
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t eol = std::min(text.find('\n', at), text.size());
+    const std::string line = text.substr(at, eol - at);
+    at = eol + 1;
+    const size_t first = line.find(':');
+    const size_t second =
+        first == std::string::npos ? first : line.find(':', first + 1);
+    if (second == std::string::npos) {
+      continue;
+    }
+    const std::string controllers = line.substr(first + 1, second - first - 1);
+    const std::string where = line.substr(second + 1);
+    bool memory = false;
+    for (size_t from = 0; from <= controllers.size();) {
+      const size_t comma =
+          std::min(controllers.find(',', from), controllers.size());
+      memory = memory || controllers.compare(from, comma - from, "memory") == 0;
+      from = comma + 1;
+    }
+    if (memory) {
+      path = where;
+      v2 = false;
+      found = true;
+      break;
+    }
+    if (controllers.empty() && line.compare(0, first, "0") == 0) {
+      path = where;
+      v2 = true;
+      found = true;
+    }
+  }
+  if (!found) {
+    return;
+  }
+  const std::string base = v2 ? cgroup_mount : cgroup_mount + "/memory";
+  if (path.empty() || path.front() != '/') {
+    path = "/" + path;
+  }
+  uint64_t inode = 0;
+  if (!isDirectory(base + path, &inode)) {
+    // A container that sees its own cgroup at the mount, without a cgroup
+    // namespace: /proc/self/cgroup names the host's path.
+    path = "/";
+    if (!isDirectory(base, &inode)) {
+      return;
+    }
+  }
+  out.cgroup_id = inode;
+  // A limit anywhere above the process's cgroup binds it too.
+  while (true) {
+    size_t limit = 0;
+    size_t room = 0;
+    if (cgroupLevel(base + (path == "/" ? "" : path), v2, &limit, &room) &&
+        room < out.cgroup_room) {
+      out.cgroup_limit = limit;
+      out.cgroup_room = room;
+      out.cgroup_path = path;
+    }
+    if (path == "/") {
+      break;
+    }
+    const size_t slash = path.find_last_of('/');
+    path = slash == 0 ? "/" : path.substr(0, slash);
+  }
+}
+
+size_t hostReserve(size_t total) {
+  return std::max(std::min(2 * kGiB, total / 8), total / 20);
+}
+
+// ---------------------------------------------------------------------------
+// HostLedger
+// ---------------------------------------------------------------------------
+
+namespace {
+
+size_t slotOffset(int slot) {
+  return sizeof(HostLedgerHeader) +
+      static_cast<size_t>(slot) * sizeof(HostLedgerSlot);
+}
+
+} // namespace
+
+HostLedger::HostLedger(std::string path, uint64_t cgroup_id)
+    : path_(std::move(path)), cgroup_id_(cgroup_id) {
+  owner_pid_ = static_cast<int64_t>(::getpid());
+  (void)open();
+}
+
+HostLedger::~HostLedger() {
+  if (map_ != nullptr) {
+    ::munmap(map_, kLedgerBytes);
+  }
+  if (fd_ >= 0) {
+    ::close(fd_);
+  }
+}
+
+std::string HostLedger::defaultPath() {
+  const char* env = std::getenv("PYTORCH_LMS_HOST_LEDGER");
+  if (env != nullptr && *env != '\0') {
+    return env;
+  }
+  // One file per user: a file of another user's could not be opened, and
+  // one that every user may write would let any of them stop the others.
+  return "/dev/shm/pytorch-lms-host-ledger-" +
+      std::to_string(static_cast<unsigned long>(::geteuid()));
+}
+
+HostLedgerSlot* HostLedger::slots() {
+  return reinterpret_cast<HostLedgerSlot*>(
+      static_cast<char*>(map_) + sizeof(HostLedgerHeader));
+}
+
+bool HostLedger::lockByte(size_t offset, bool wait) {
+  struct flock lock {};
+  lock.l_type = F_WRLCK;
+  lock.l_whence = SEEK_SET;
+  lock.l_start = static_cast<off_t>(offset);
+  lock.l_len = 1;
+  while (::fcntl(fd_, wait ? F_SETLKW : F_SETLK, &lock) != 0) {
+    if (errno != EINTR) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void HostLedger::unlockByte(size_t offset) {
+  struct flock lock {};
+  lock.l_type = F_UNLCK;
+  lock.l_whence = SEEK_SET;
+  lock.l_start = static_cast<off_t>(offset);
+  lock.l_len = 1;
+  (void)::fcntl(fd_, F_SETLK, &lock);
+}
+
+bool HostLedger::open() {
+  fd_ = ::open(
+      path_.c_str(),
+      O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC,
+      S_IRUSR | S_IWUSR);
+  if (fd_ < 0) {
+    fallBack(std::string("cannot open it: ") + std::strerror(errno));
+    return false;
+  }
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) ||
+      st.st_uid != ::geteuid()) {
+    fallBack("it is not a regular file of this user");
+    return false;
+  }
+  if (!lockByte(0, /*wait=*/true)) {
+    fallBack(std::string("cannot lock it: ") + std::strerror(errno));
+    return false;
+  }
+  // The first process to lock a new (empty) file lays it out.
+  bool fresh = false;
+  if (::fstat(fd_, &st) == 0 && st.st_size == 0) {
+    fresh = ::ftruncate(fd_, static_cast<off_t>(kLedgerBytes)) == 0;
+    if (!fresh) {
+      fallBack(std::string("cannot size it: ") + std::strerror(errno));
+      return false;
+    }
+  } else if (static_cast<size_t>(st.st_size) != kLedgerBytes) {
+    fallBack("it has another layout (another version of Large Model Support?)");
+    return false;
+  }
+  void* map =
+      ::mmap(nullptr, kLedgerBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (map == MAP_FAILED) {
+    fallBack(std::string("cannot map it: ") + std::strerror(errno));
+    return false;
+  }
+  map_ = map;
+  auto* header = static_cast<HostLedgerHeader*>(map_);
+  if (fresh) {
+    std::memcpy(header->magic, kLedgerMagic, sizeof(kLedgerMagic));
+    header->version = kHostLedgerVersion;
+    header->slot_count = kHostLedgerSlots;
+  } else if (
+      std::memcmp(header->magic, kLedgerMagic, sizeof(kLedgerMagic)) != 0 ||
+      header->version != kHostLedgerVersion ||
+      header->slot_count != kHostLedgerSlots) {
+    fallBack("it has another layout (another version of Large Model Support?)");
+    return false;
+  }
+  unlockByte(0);
+  return true;
+}
+
+void HostLedger::fallBack(const std::string& why) {
+  if (map_ != nullptr) {
+    ::munmap(map_, kLedgerBytes);
+    map_ = nullptr;
+  }
+  if (fd_ >= 0) {
+    ::close(fd_); // drops this process's locks on the file
+    fd_ = -1;
+  }
+  slot_ = -1;
+  TORCH_WARN(
+      "Large Model Support: the host ledger ",
+      path_,
+      " cannot be used (",
+      why,
+      "), so this process counts only its own pinned host memory against the "
+      "host budget and does not see what other LMS processes of this host "
+      "pin. Set PYTORCH_LMS_HOST_LEDGER to a file on a writable local file "
+      "system (the same for every LMS process of the host) to share one.");
+}
+
+bool HostLedger::claimSlot() {
+  for (int i = 0; i < static_cast<int>(kHostLedgerSlots); ++i) {
+    if (!lockByte(slotOffset(i), /*wait=*/false)) {
+      continue; // a live process holds it
+    }
+    HostLedgerSlot& slot = slots()[i];
+    slot.pid = owner_pid_;
+    slot.cgroup = cgroup_id_;
+    slot.bytes = 0;
+    slot_ = i;
+    return true;
+  }
+  return false;
+}
+
+HostLedger::Locked::Locked(HostLedger& ledger)
+    : ledger_(ledger), lock_(ledger.mutex_) {
+  const auto pid = static_cast<int64_t>(::getpid());
+  if (pid != ledger_.owner_pid_) {
+    // A child after fork: its parent's slot and pinned bytes are not its own
+    // (record locks are not inherited, so the slot stays the parent's).
+    ledger_.owner_pid_ = pid;
+    ledger_.slot_ = -1;
+    ledger_.own_bytes_ = 0;
+  }
+  if (ledger_.shared() && !ledger_.lockByte(0, /*wait=*/true)) {
+    ledger_.fallBack(std::string("cannot lock it: ") + std::strerror(errno));
+  }
+}
+
+HostLedger::Locked::~Locked() {
+  if (ledger_.shared()) {
+    ledger_.unlockByte(0);
+  }
+}
+
+HostLedger::Totals HostLedger::Locked::totals() {
+  Totals totals;
+  const auto own =
+      static_cast<size_t>(std::max<int64_t>(ledger_.own_bytes_, 0));
+  totals.own = own;
+  if (!ledger_.shared()) {
+    totals.all = own;
+    totals.cgroup = own;
+    return totals;
+  }
+  HostLedgerSlot* slots = ledger_.slots();
+  for (int i = 0; i < static_cast<int>(kHostLedgerSlots); ++i) {
+    HostLedgerSlot& slot = slots[i];
+    if (slot.pid == 0) {
+      continue;
+    }
+    if (i != ledger_.slot_) {
+      // A slot whose byte no process locks belongs to one that has ended:
+      // its pinned memory went with it.
+      struct flock probe {};
+      probe.l_type = F_WRLCK;
+      probe.l_whence = SEEK_SET;
+      probe.l_start = static_cast<off_t>(slotOffset(i));
+      probe.l_len = 1;
+      if (::fcntl(ledger_.fd_, F_GETLK, &probe) == 0 &&
+          probe.l_type == F_UNLCK) {
+        slot = HostLedgerSlot{};
+        continue;
+      }
+    }
+    const auto bytes = static_cast<size_t>(std::max<int64_t>(slot.bytes, 0));
+    totals.all += bytes;
+    if (slot.cgroup == ledger_.cgroup_id_) {
+      totals.cgroup += bytes;
+    }
+  }
+  if (ledger_.slot_ < 0) { // nothing pinned through the ledger yet
+    totals.all += own;
+    totals.cgroup += own;
+  }
+  return totals;
+}
+
+void HostLedger::Locked::add(int64_t delta) {
+  ledger_.own_bytes_ = std::max<int64_t>(ledger_.own_bytes_ + delta, 0);
+  if (!ledger_.shared()) {
+    return;
+  }
+  if (ledger_.slot_ < 0) {
+    if (ledger_.own_bytes_ == 0) {
+      return;
+    }
+    if (!ledger_.claimSlot()) {
+      ledger_.fallBack(
+          "all " + std::to_string(kHostLedgerSlots) +
+          " process slots are taken");
+      return;
+    }
+  }
+  ledger_.slots()[ledger_.slot_].bytes = ledger_.own_bytes_;
+}
+
+// ---------------------------------------------------------------------------
+// HostBudget
+// ---------------------------------------------------------------------------
+
+size_t HostBudget::inForce(const Totals& now, Source* source) const {
+  Source from = Source::None;
+  size_t budget = kNoHostLimit;
+  if (setting != 0) {
+    from = Source::Setting;
+    budget = setting;
+  } else {
+    if (host_bytes != kNoHostLimit) {
+      from = Source::MemAvailable;
+      budget = host_bytes;
+    }
+    if (cgroup_bytes != kNoHostLimit) {
+      const size_t cgroup =
+          saturatingAdd(cgroup_bytes, saturatingSub(now.all, now.cgroup));
+      if (cgroup < budget) {
+        from = Source::Cgroup;
+        budget = cgroup;
+      }
+    }
+  }
+  if (source != nullptr) {
+    *source = from;
+  }
+  return budget;
+}
+
+HostBudget deriveHostBudget(
+    const HostMemory& memory,
+    const HostLedger::Totals& held) {
+  HostBudget budget;
+  budget.memory = memory;
+  budget.held = held;
+  if (memory.total != 0) {
+    // MemAvailable leaves out what is pinned already: what LMS processes may
+    // pin in all is what is available plus what they hold.
+    budget.host_reserve = hostReserve(memory.total);
+    budget.host_bytes = saturatingSub(
+        saturatingAdd(memory.available, held.all), budget.host_reserve);
+  }
+  if (memory.cgroup_room != kNoHostLimit) {
+    budget.cgroup_reserve = hostReserve(memory.cgroup_limit);
+    budget.cgroup_bytes = saturatingSub(
+        saturatingAdd(memory.cgroup_room, held.cgroup), budget.cgroup_reserve);
+  }
+  return budget;
+}
+
+std::string describeHostRefusal(const HostRefusal& refusal) {
+  const HostLedger::Totals& held = refusal.held;
+  const std::string holders = mib(held.all) + " (this process " +
+      mib(held.own) + ", other LMS processes " +
+      mib(saturatingSub(held.all, held.own)) + ")";
+  const std::string ledger_note = refusal.ledger_path.empty()
+      ? " This process could not use the host ledger (see the warning) and "
+        "counts only its own pinned memory."
+      : std::string();
+  const std::string remedies =
+      " Free host memory (other programs, data-loader workers), train with a "
+      "smaller batch, or, where the host has the memory, raise the budget "
+      "with torch.cuda.set_host_limit_lms(bytes) or "
+      "PYTORCH_CUDA_ALLOC_CONF=lms_host_limit_mb:<MiB> (PYTORCH_LMS_CONF with "
+      "the drop-in extension).";
+  if (refusal.cause == HostRefusal::Cause::Allocation) {
+    return "The CUDA runtime could not pin " + mib(refusal.bytes) +
+        " of host memory for a page-out (the host, or this process's "
+        "locked-memory limit, has no more); the LMS processes of this host "
+        "hold " +
+        holders + " of pinned host memory, within a host budget of " +
+        (refusal.budget == kNoHostLimit ? std::string("none")
+                                        : mib(refusal.budget)) +
+        "." + ledger_note + remedies;
+  }
+  const HostBudget& r = refusal.reading;
+  std::string source;
+  switch (refusal.source) {
+    case HostBudget::Source::Setting:
+      source = "set with torch.cuda.set_host_limit_lms() or lms_host_limit_mb";
+      break;
+    case HostBudget::Source::MemAvailable:
+      source = "derived from /proc/meminfo: MemAvailable " +
+          mib(r.memory.available) + " + " + mib(r.held.all) +
+          " pinned by LMS processes - a reserve of " + mib(r.host_reserve) +
+          " for the rest of the system (5% of MemTotal " + mib(r.memory.total) +
+          ", at least 2 GiB)";
+      break;
+    case HostBudget::Source::Cgroup:
+      source = "derived from the memory limit of cgroup " +
+          r.memory.cgroup_path + ": " + mib(r.memory.cgroup_room) +
+          " of its limit of " + mib(r.memory.cgroup_limit) + " not in use + " +
+          mib(r.held.cgroup) + " pinned by its LMS processes - a reserve of " +
+          mib(r.cgroup_reserve) + " (5% of the limit, at least 2 GiB)";
+      break;
+    case HostBudget::Source::None:
+      source = "unknown";
+      break;
+  }
+  return "The host budget for pinned memory has no room for a page-out of " +
+      mib(refusal.bytes) + ": the LMS processes of this host hold " + holders +
+      " of a budget of " + mib(refusal.budget) + ", " + source + "." +
+      ledger_note + remedies;
+}
+
+// ---------------------------------------------------------------------------
+// HostPool
+// ---------------------------------------------------------------------------
 
 HostPool::HostPool(EventRecycler recycle) : recycle_(std::move(recycle)) {}
 
@@ -245,6 +814,7 @@ HostBuffer HostPool::takeCached(size_t rounded) {
 
 HostBuffer HostPool::allocate(size_t size) {
   const size_t rounded = roundSize(size);
+  t_refusal = HostRefusal{};
   {
     std::lock_guard<std::mutex> lock(mutex_);
     HostBuffer reused = takeCached(rounded);
@@ -253,23 +823,40 @@ HostBuffer HostPool::allocate(size_t size) {
     }
   }
   for (int attempt = 0; attempt < 2; ++attempt) {
+    // Host memory is a tier with a budget (see the header): past it, the
+    // kernel's OOM killer would end an LMS process of the host.
+    PinnedReservation room(*this, rounded);
+    if (!room) {
+      // This process's idle cached buffers count against the budget too.
+      releaseCached();
+      continue;
+    }
     bool registered = false;
     void* ptr = allocatePinned(rounded, registered);
     if (ptr != nullptr) {
+      room.keep();
       std::lock_guard<std::mutex> lock(mutex_);
       capacity_.emplace(ptr, Pinned{rounded, registered});
       usage_.held_bytes += static_cast<int64_t>(rounded);
       usage_.in_use_bytes += static_cast<int64_t>(rounded);
       usage_.peak_held_bytes =
           std::max(usage_.peak_held_bytes, usage_.held_bytes);
+      t_refusal = HostRefusal{}; // a refusal of the first attempt is past
       return {ptr, rounded};
     }
     {
       std::lock_guard<std::mutex> lock(mutex_);
       ++usage_.alloc_failures;
     }
+    t_refusal = HostRefusal{};
+    t_refusal.cause = HostRefusal::Cause::Allocation;
+    t_refusal.bytes = rounded;
     // Idle cached buffers of other sizes may be what stands in the way.
     releaseCached();
+  }
+  if (t_refusal.cause == HostRefusal::Cause::Budget) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++usage_.budget_refusals;
   }
   return {};
 }
@@ -288,6 +875,7 @@ void HostPool::release(
 
 void HostPool::releaseCached() {
   std::vector<std::pair<void*, Pinned>> to_free;
+  size_t freed = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto it = cached_.begin(); it != cached_.end();) {
@@ -301,12 +889,16 @@ void HostPool::releaseCached() {
       const auto found = capacity_.find(it->second.ptr);
       to_free.emplace_back(found->first, found->second);
       usage_.held_bytes -= static_cast<int64_t>(it->first);
+      freed += it->first;
       capacity_.erase(found);
       it = cached_.erase(it);
     }
   }
   for (const auto& [ptr, pinned] : to_free) {
     freePinned(ptr, pinned.capacity, pinned.registered);
+  }
+  if (freed != 0) {
+    returnPinned(freed);
   }
 }
 
@@ -318,6 +910,111 @@ HostPool::Usage HostPool::usage() {
 void HostPool::resetPeak() {
   std::lock_guard<std::mutex> lock(mutex_);
   usage_.peak_held_bytes = usage_.held_bytes;
+}
+
+HostLedger& HostPool::ledger() {
+  std::call_once(ledger_once_, [this] {
+    HostMemory memory;
+    readCgroup("/proc/self/cgroup", "/sys/fs/cgroup", memory);
+    ledger_ = std::make_unique<HostLedger>(
+        HostLedger::defaultPath(), memory.cgroup_id);
+    ledger_open_.store(true);
+  });
+  return *ledger_;
+}
+
+const HostBudget& HostPool::budgetFor(const HostLedger::Totals& held) {
+  const size_t setting = limit_.load();
+  const auto now = std::chrono::steady_clock::now();
+  // A setting replaces the reading; without one, read the host again once
+  // the last reading is older than the interval.
+  if (setting == 0 &&
+      (!budget_valid_ || now - budget_read_ >= kHostSampleInterval)) {
+    HostMemory memory;
+    (void)readMemInfo("/proc/meminfo", memory);
+    readCgroup("/proc/self/cgroup", "/sys/fs/cgroup", memory);
+    budget_ = deriveHostBudget(memory, held);
+    budget_read_ = now;
+    budget_valid_ = true;
+  }
+  budget_.setting = setting;
+  return budget_;
+}
+
+bool HostPool::reservePinned(size_t bytes) {
+  HostLedger& book = ledger();
+  HostLedger::Locked locked(book);
+  const HostLedger::Totals held = locked.totals();
+  const HostBudget& budget = budgetFor(held);
+  HostBudget::Source source = HostBudget::Source::None;
+  const size_t in_force = budget.inForce(held, &source);
+  if (bytes > in_force || held.all > in_force - bytes) {
+    t_refusal = HostRefusal{};
+    t_refusal.cause = HostRefusal::Cause::Budget;
+    t_refusal.bytes = bytes;
+    t_refusal.held = held;
+    t_refusal.budget = in_force;
+    t_refusal.source = source;
+    t_refusal.reading = budget;
+    t_refusal.ledger_path = book.shared() ? book.path() : std::string();
+    return false;
+  }
+  locked.add(static_cast<int64_t>(bytes));
+  return true;
+}
+
+void HostPool::returnPinned(size_t bytes) {
+  HostLedger::Locked locked(ledger());
+  locked.add(-static_cast<int64_t>(bytes));
+}
+
+void HostPool::setLimit(size_t bytes) {
+  limit_.store(bytes);
+}
+
+size_t HostPool::getLimit() const {
+  return limit_.load();
+}
+
+HostPool::BudgetStatus HostPool::budgetStatus() {
+  BudgetStatus status;
+  if (!ledger_open_.load()) {
+    // Nothing pinned yet: no ledger file is made for a question.
+    const HostBudget budget = [&] {
+      HostBudget b;
+      if (limit_.load() == 0) {
+        HostMemory memory;
+        (void)readMemInfo("/proc/meminfo", memory);
+        readCgroup("/proc/self/cgroup", "/sys/fs/cgroup", memory);
+        b = deriveHostBudget(memory, status.held);
+      }
+      b.setting = limit_.load();
+      return b;
+    }();
+    status.budget = budget.inForce(status.held, &status.source);
+    return status;
+  }
+  HostLedger::Locked locked(ledger());
+  status.held = locked.totals();
+  status.budget = budgetFor(status.held).inForce(status.held, &status.source);
+  return status;
+}
+
+const HostRefusal& HostPool::lastRefusal() {
+  return t_refusal;
+}
+
+void HostPool::clearRefusal() {
+  t_refusal = HostRefusal{};
+}
+
+HostPool::PinnedReservation::PinnedReservation(HostPool& pool, size_t bytes)
+    : pool_(pool), bytes_(bytes), reserved_(pool.reservePinned(bytes)) {}
+
+HostPool::PinnedReservation::~PinnedReservation() {
+  if (reserved_ && !kept_) {
+    pool_.returnPinned(bytes_);
+  }
 }
 
 } // namespace c10::cuda::lms

@@ -10,7 +10,13 @@ Enable LMS before the tensors it should manage are created, with
 :func:`set_enabled_lms` or ``PYTORCH_CUDA_ALLOC_CONF=lms:True`` (further keys:
 ``lms_limit_mb``, ``lms_size_mb``, ``lms_prefetch``, ``lms_speculative_mb``,
 ``lms_schedule``, ``lms_lookahead``, ``lms_prefetch_budget_mb``,
-``lms_graph_prefetch``).
+``lms_graph_prefetch``, ``lms_host_limit_mb``).
+
+Host memory, where storages are paged out to, has a budget shared by the LMS
+processes of the host (see :func:`set_host_limit_lms`): a page-out that would
+pass it is refused, and the allocation that needed the room raises
+:class:`torch.OutOfMemoryError` naming host memory, instead of the kernel's
+OOM killer ending a process.
 
 Learned swap schedule (on by default): LMS records the order in which
 operators use storages. Once a training iteration has repeated twice, it pages
@@ -55,6 +61,7 @@ from torch.types import Device
 __all__ = [
     "get_enabled_lms",
     "get_graph_prefetch_lms",
+    "get_host_limit_lms",
     "get_limit_lms",
     "get_lookahead_lms",
     "get_prefetch_budget_lms",
@@ -70,6 +77,7 @@ __all__ = [
     "reset_peak_lms_stats",
     "set_enabled_lms",
     "set_graph_prefetch_lms",
+    "set_host_limit_lms",
     "set_limit_lms",
     "set_lookahead_lms",
     "set_prefetch_budget_lms",
@@ -119,6 +127,9 @@ _COUNTER_KEYS = (
     "pin_failures",
     "cache_releases",
     "limit_bytes",
+    "host_budget_bytes",
+    "host_ledger_bytes",
+    "host_refusals",
 )
 _GAUGE_KEYS = (
     "managed_bytes",
@@ -582,6 +593,51 @@ def get_graph_prefetch_lms() -> bool:
     return bool(_lms_bindings()._cuda_lms_getGraphPrefetch())
 
 
+def set_host_limit_lms(limit_bytes: int) -> None:
+    r"""Set the host budget: the pinned host memory, in bytes, that the LMS
+    processes of this host may hold together.
+
+    Storages are paged out to pinned host memory, which the kernel can neither
+    swap nor reclaim: when the processes of a host pin more than it has, the
+    kernel's OOM killer ends one of them. LMS checks every new pinned buffer
+    against the budget: past it, a process first frees its own idle cached
+    buffers, then refuses the page-out, and the allocation that needed the
+    room raises :class:`torch.OutOfMemoryError` naming host memory (what is
+    needed, what the LMS processes of the host hold, the budget and where it
+    comes from). The LMS processes of a host share their pinned bytes through
+    a ledger file in ``/dev/shm``, one per user (the environment variable
+    ``PYTORCH_LMS_HOST_LEDGER`` names another file; a process that cannot use
+    it counts only its own, with a warning).
+
+    By default the budget is derived from what the host can give, read at
+    most every 100 ms: ``MemAvailable`` of ``/proc/meminfo`` plus what LMS
+    processes have pinned already, within the memory limit of the process's
+    cgroup (its room plus what the cgroup's LMS processes have pinned), less
+    a reserve for the rest of the system of 5% of the memory (of the host, or
+    the cgroup's limit), at least 2 GiB. A budget set here replaces the
+    derived one, also above what the host can give; each process checks the
+    host's total against its own setting, so set the same in every process.
+    ``PYTORCH_CUDA_ALLOC_CONF=lms_host_limit_mb:<MiB>`` sets it too.
+    ``lms_stats()`` reports ``host_budget_bytes``, ``host_ledger_bytes`` and
+    ``host_refusals``.
+
+    Args:
+        limit_bytes (int): the budget in bytes; ``0`` (default) derives it.
+    """
+    limit_bytes = _check_int("limit_bytes", limit_bytes)
+    _lms_bindings()._cuda_lms_setHostLimit(limit_bytes)
+
+
+def get_host_limit_lms() -> int:
+    r"""Return the host budget set with :func:`set_host_limit_lms`, in bytes.
+
+    Returns:
+        int: the budget in bytes; ``0`` when derived from the host's memory
+        (``lms_stats()["host_budget_bytes"]`` is the budget in force).
+    """
+    return int(_lms_bindings()._cuda_lms_getHostLimit())
+
+
 def reset_lms_schedule() -> None:
     r"""Forget the learned swap schedule.
 
@@ -659,6 +715,11 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       the one set with :func:`set_limit_lms` or this process's share of the
       device, whichever is smaller, and never more than the allocator may hold
       (e.g. under :func:`~torch.cuda.set_per_process_memory_fraction`).
+    - Host memory (process-wide, see :func:`set_host_limit_lms`):
+      ``host_budget_bytes`` (the host budget in force, set or derived; ``0``
+      when none could be derived), ``host_ledger_bytes`` (the pinned host
+      memory all LMS processes of the host hold, as their shared ledger says)
+      and ``host_refusals`` (pinned allocations the budget refused).
 
     The gauges ``managed_bytes``, ``active_bytes``, ``inactive_bytes``,
     ``pagedout_bytes``, ``host_bytes`` (pinned host memory LMS holds,
@@ -869,6 +930,11 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
     lines.append(
         f" Ahead: {counters['schedule_prefetch_count']} ({counters['prefetch_late']} late) | "
         f"On demand: {counters['pagein_demand_count']}".ljust(_WIDTH)
+    )
+    lines.append(
+        f" Host budget: {_format_size(counters['host_budget_bytes']).strip()}, "
+        f"LMS processes hold {_format_size(counters['host_ledger_bytes']).strip()}, "
+        f"refused {counters['host_refusals']}".ljust(_WIDTH)
     )
     lines.append(
         f" LMS OOMs: {counters['oom_count']} | "

@@ -191,6 +191,14 @@ bool getGraphPrefetch() {
   return engine::isGraphPrefetchEnabled();
 }
 
+void setHostLimit(int64_t bytes) {
+  engine::setHostLimit(checkedBytes(bytes, "the host limit"));
+}
+
+int64_t getHostLimit() {
+  return asInt(engine::getHostLimit());
+}
+
 } // namespace
 
 // The Python layer (torch/cuda/lms.py) validates arguments with friendlier
@@ -254,6 +262,9 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["oom_count"] = stats.oom_count;
   dict["pin_failures"] = stats.pin_failures;
   dict["cache_releases"] = stats.cache_releases;
+  dict["host_budget_bytes"] = stats.host_budget_bytes;
+  dict["host_ledger_bytes"] = stats.host_ledger_bytes;
+  dict["host_refusals"] = stats.host_refusals;
   dict["limit_bytes"] = asInt(stats.limit_bytes);
   dict["managed_bytes"] = gaugeToDict(stats.managed_bytes);
   dict["active_bytes"] = gaugeToDict(stats.active_bytes);
@@ -322,6 +333,8 @@ void initLmsBindings(PyObject* module) {
   m.def(
       "_cuda_lms_getGraphPrefetch",
       torch::wrap_pybind_function(&getGraphPrefetch));
+  m.def("_cuda_lms_setHostLimit", torch::wrap_pybind_function(&setHostLimit));
+  m.def("_cuda_lms_getHostLimit", torch::wrap_pybind_function(&getHostLimit));
 }
 
 } // namespace torch::cuda::lms
