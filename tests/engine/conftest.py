@@ -65,6 +65,15 @@ def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+@pytest.fixture(autouse=True)
+def private_host_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The ledger of pinned host memory that the programs a test runs share: a file of the
+    test's own, not the user's in /dev/shm, which every LMS process of the user shares."""
+    ledger = tmp_path / "host-ledger"
+    monkeypatch.setenv("PYTORCH_LMS_HOST_LEDGER", str(ledger))
+    return ledger
+
+
 @pytest.fixture(scope="session", params=sorted(TAGS))
 def engine_tag(request: pytest.FixtureRequest) -> TagConfig:
     """Each tag with a series, in turn."""

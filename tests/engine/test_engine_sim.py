@@ -78,6 +78,18 @@ def test_learned_swap_schedule_on_a_simulated_device(sim_build: Path) -> None:
     assert passed >= 7, out
 
 
+def test_host_tier_on_a_simulated_device(sim_build: Path) -> None:
+    """The host budget for pinned memory, the ledger that LMS processes share (two processes:
+    the suite runs itself a second time), and the out-of-memory error a refused page-out
+    becomes (tests/engine/test_lms_host.cpp)."""
+    out, passed, failed, skipped = run_suite(
+        executable(sim_build, "test_lms_host"),
+        {"SIMGPU_DEVICE_COUNT": "1", "SIMGPU_CAPACITY_MB": "256"},
+    )
+    assert (failed, skipped) == (0, 0), out[-8000:]
+    assert passed >= 13, out
+
+
 def test_simgpu_selftest_and_unpatched_allocator_smoke(sim_build: Path) -> None:
     for name in ("simgpu_selftest", "simgpu_c10_smoke"):
         out, _, failed, _ = run_suite(executable(sim_build, name), {})

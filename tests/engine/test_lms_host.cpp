@@ -1,0 +1,785 @@
+// LMS host tier suite: the budget for pinned host memory, the ledger that
+// the LMS processes of a host share, and the out-of-memory error that a
+// refused page-out becomes. Runs on the simulated GPU in CI and on a real GPU
+// (the budgets it sets are small either way).
+//
+// `test_lms_host --hold-pinned MIB` is a second LMS process for the ledger
+// tests: it pages out MIB of storages, prints "held BYTES", then on a line
+// "release" frees them and prints "released", and exits at the end of its
+// input.
+
+#include "lms_test.h"
+#include "lms_test_allocator.h"
+#include "lms_test_data.h"
+
+#include <c10/core/StorageImpl.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/LargeModelSupport.h>
+#include <c10/cuda/LargeModelSupportHostPool.h>
+#include <c10/util/Exception.h>
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10_compat.h>
+#pragma GCC diagnostic pop
+
+#include <cuda_runtime_api.h>
+
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <vector>
+
+extern char** environ;
+
+// Test-control API of the simulated GPU. Weak: a real CUDA runtime has none
+// of these, and the tests that need them skip.
+extern "C" {
+__attribute__((weak)) void simgpu_inject_fault(
+    int kind,
+    int nth,
+    int count,
+    cudaError_t error);
+__attribute__((weak)) void simgpu_clear_faults(void);
+}
+
+namespace {
+
+namespace lms = c10::cuda::lms;
+namespace cca = c10::cuda::CUDACachingAllocator;
+using StoragePtr = c10::intrusive_ptr<c10::StorageImpl>;
+
+constexpr size_t kMiB = 1024 * 1024;
+constexpr size_t kGiB = 1024 * kMiB;
+
+int deviceCount() {
+  int n = 0;
+  C10_CUDA_CHECK(cudaGetDeviceCount(&n));
+  return n;
+}
+
+void initAllocator() {
+  static bool initialized = [] {
+    cca::init(deviceCount());
+    return true;
+  }();
+  (void)initialized;
+}
+
+StoragePtr newStorage(size_t bytes) {
+  return c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(),
+      static_cast<int64_t>(bytes),
+      cca::get(),
+      /*resizable=*/false);
+}
+
+cudaStream_t stream() {
+  return c10::cuda::getCurrentCUDAStream().stream();
+}
+
+// What an operator does: pin, use the memory on the current stream, unpin.
+void write(c10::StorageImpl& s, uint64_t seed) {
+  const auto words = lms_test::pattern(s.nbytes(), seed);
+  lms::pin(s);
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      lms_compat::mutableData(s),
+      words.data(),
+      s.nbytes(),
+      cudaMemcpyHostToDevice,
+      stream()));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  lms::unpin(s);
+}
+
+bool matches(c10::StorageImpl& s, uint64_t seed) {
+  const auto expected = lms_test::pattern(s.nbytes(), seed);
+  std::vector<uint64_t> got(expected.size());
+  lms::pin(s);
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      got.data(), s.data(), s.nbytes(), cudaMemcpyDeviceToHost, stream()));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  lms::unpin(s);
+  return std::memcmp(got.data(), expected.data(), s.nbytes()) == 0;
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  const bool found = text.find(part) != std::string::npos;
+  if (!found) {
+    std::fprintf(stderr, "  '%s' not in: %s\n", part.c_str(), text.c_str());
+  }
+  return found;
+}
+
+// LMS on, no device limit of its own, a host budget of `host_limit` bytes
+// (0: derived) for the scope; on the way out the budget is derived again and
+// every pinned buffer of the test is gone.
+class HostEnv {
+ public:
+  explicit HostEnv(size_t host_limit) {
+    initAllocator();
+    c10::cuda::set_device(0);
+    lms::setEnabled(true);
+    lms::setSizeThreshold(1 * kMiB);
+    lms::setPrefetchDepth(0);
+    lms::setSpeculativeMargin(0);
+    lms::setLimit(0, size_t(1) << 50);
+    cca::emptyCache(); // no pinned buffer of an earlier test stays cached
+    lms::resetAccumulatedStats(0);
+    lms::resetPeakStats(0);
+    lms::setHostLimit(host_limit);
+  }
+  ~HostEnv() {
+    lms::setHostLimit(0);
+  }
+  HostEnv(const HostEnv&) = delete;
+  HostEnv& operator=(const HostEnv&) = delete;
+
+  // Call after every storage of the test is gone.
+  void checkBaseline() {
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK_EQ(lms::getStats(0).managed_bytes.current, 0);
+    cca::emptyCache(); // also frees LMS's idle pinned host buffers
+    const lms::LmsStats st = lms::getStats(0);
+    CHECK_EQ(st.host_bytes.current, 0);
+    CHECK_EQ(st.host_ledger_bytes, 0);
+  }
+};
+
+// ---------------------------------------------------------------------------
+// A second LMS process
+// ---------------------------------------------------------------------------
+
+// This binary run with --hold-pinned, talked to through pipes. Killed at the
+// end of the scope if it still runs.
+class Peer {
+ public:
+  explicit Peer(size_t mib) {
+    int to_child[2];
+    int from_child[2];
+    REQUIRE(::pipe(to_child) == 0 && ::pipe(from_child) == 0);
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, to_child[0], 0);
+    posix_spawn_file_actions_adddup2(&actions, from_child[1], 1);
+    posix_spawn_file_actions_addclose(&actions, to_child[1]);
+    posix_spawn_file_actions_addclose(&actions, from_child[0]);
+    const std::string self = "/proc/self/exe";
+    const std::string mib_text = std::to_string(mib);
+    std::vector<char*> argv = {
+        const_cast<char*>(self.c_str()),
+        const_cast<char*>("--hold-pinned"),
+        const_cast<char*>(mib_text.c_str()),
+        nullptr};
+    const int err = posix_spawn(
+        &pid_, self.c_str(), &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    ::close(to_child[0]);
+    ::close(from_child[1]);
+    to_ = to_child[1];
+    from_ = ::fdopen(from_child[0], "r");
+    REQUIRE(err == 0 && from_ != nullptr);
+  }
+  ~Peer() {
+    if (to_ >= 0) {
+      ::close(to_);
+    }
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      (void)::waitpid(pid_, nullptr, 0);
+    }
+    if (from_ != nullptr) {
+      std::fclose(from_);
+    }
+  }
+  Peer(const Peer&) = delete;
+  Peer& operator=(const Peer&) = delete;
+
+  // The next line the peer prints (empty at its end).
+  std::string readLine() {
+    char line[256];
+    if (std::fgets(line, sizeof(line), from_) == nullptr) {
+      return std::string();
+    }
+    std::string text(line);
+    while (!text.empty() && text.back() == '\n') {
+      text.pop_back();
+    }
+    return text;
+  }
+
+  void say(const char* line) {
+    const size_t n = std::strlen(line);
+    REQUIRE(::write(to_, line, n) == static_cast<ssize_t>(n));
+  }
+
+  // Ends the peer the way the OOM killer does: no cleanup of any kind.
+  void killHard() {
+    ::kill(pid_, SIGKILL);
+    (void)::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+  // Ends the peer's input and waits for it to exit; its exit status.
+  int finish() {
+    ::close(to_);
+    to_ = -1;
+    int status = 0;
+    (void)::waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int to_ = -1;
+  FILE* from_ = nullptr;
+};
+
+// The peer's side (see the top of the file).
+int holdPinned(size_t mib) {
+  try {
+    initAllocator();
+    c10::cuda::set_device(0);
+    lms::setEnabled(true);
+    std::vector<StoragePtr> storages;
+    for (size_t i = 0; i < mib / 4; ++i) {
+      storages.push_back(newStorage(4 * kMiB));
+      write(*storages.back(), i);
+    }
+    lms::reclaimInactive(0);
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    std::printf("held %lld\n", (long long)lms::getStats(0).host_bytes.current);
+    std::fflush(stdout);
+    char line[64];
+    while (std::fgets(line, sizeof(line), stdin) != nullptr) {
+      if (std::strncmp(line, "release", 7) == 0) {
+        storages.clear();
+        cca::emptyCache(); // frees the pinned buffers: cudaFreeHost
+        std::printf("released\n");
+        std::fflush(stdout);
+      }
+    }
+    return 0;
+  } catch (const std::exception& e) {
+    std::printf("error %s\n", e.what());
+    std::fflush(stdout);
+    return 1;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Fixture files for the readers
+// ---------------------------------------------------------------------------
+
+class TempDir {
+ public:
+  TempDir() {
+    char name[] = "/tmp/lms-host-test-XXXXXX";
+    REQUIRE(::mkdtemp(name) != nullptr);
+    path_ = name;
+  }
+  ~TempDir() {
+    const std::string command = "rm -rf '" + path_ + "'";
+    (void)std::system(command.c_str());
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const std::string& path() const {
+    return path_;
+  }
+  // Writes `text` to `relative` (its folders made as needed).
+  std::string file(const std::string& relative, const std::string& text) {
+    std::string dir = path_;
+    size_t at = 0;
+    while ((at = relative.find('/', at)) != std::string::npos) {
+      dir = path_ + "/" + relative.substr(0, at);
+      ::mkdir(dir.c_str(), 0700);
+      ++at;
+    }
+    const std::string full = path_ + "/" + relative;
+    std::ofstream(full) << text;
+    return full;
+  }
+
+ private:
+  std::string path_;
+};
+
+// ---------------------------------------------------------------------------
+
+TEST_CASE(meminfo_reader_takes_total_and_available) {
+  TempDir dir;
+  lms::HostMemory memory;
+  CHECK(lms::readMemInfo(
+      dir.file(
+          "meminfo",
+          "MemTotal:       131072000 kB\n"
+          "MemFree:         1024000 kB\n"
+          "MemAvailable:   65536000 kB\n"
+          "Buffers:          204800 kB\n"),
+      memory));
+  CHECK_EQ(memory.total, size_t(131072000) * 1024);
+  CHECK_EQ(memory.available, size_t(65536000) * 1024);
+
+  lms::HostMemory untouched;
+  CHECK(!lms::readMemInfo(
+      dir.file("old", "MemTotal: 1000 kB\nMemFree: 10 kB\n"), untouched));
+  CHECK(!lms::readMemInfo(dir.path() + "/missing", untouched));
+  CHECK_EQ(untouched.total, size_t(0));
+}
+
+TEST_CASE(cgroup_v2_limit_binds_at_the_tightest_level) {
+  TempDir dir;
+  const std::string proc = dir.file("self-cgroup", "0::/user.slice/job\n");
+  dir.file("fs/memory.current", "123\n"); // the root has no memory.max
+  dir.file("fs/user.slice/memory.max", "max\n");
+  dir.file("fs/user.slice/memory.current", "7516192768\n");
+  dir.file("fs/user.slice/job/memory.max", "8589934592\n");
+  dir.file("fs/user.slice/job/memory.current", "6442450944\n");
+  dir.file(
+      "fs/user.slice/job/memory.stat",
+      "anon 4294967296\nfile 2147483648\ninactive_file 1073741824\n");
+  lms::HostMemory memory;
+  lms::readCgroup(proc, dir.path() + "/fs", memory);
+  // 8 GiB limit, 6 GiB used of which 1 GiB inactive file pages: 3 GiB room.
+  CHECK_EQ(memory.cgroup_limit, 8 * kGiB);
+  CHECK_EQ(memory.cgroup_room, 3 * kGiB);
+  CHECK(memory.cgroup_path == "/user.slice/job");
+  CHECK(memory.cgroup_id != 0);
+
+  // A parent whose limit leaves less room binds instead.
+  dir.file("fs/user.slice/memory.max", "8053063680\n"); // 7.5 GiB
+  lms::HostMemory tighter;
+  lms::readCgroup(proc, dir.path() + "/fs", tighter);
+  CHECK_EQ(tighter.cgroup_limit, size_t(8053063680));
+  CHECK_EQ(tighter.cgroup_room, kGiB / 2);
+  CHECK(tighter.cgroup_path == "/user.slice");
+  CHECK_EQ(tighter.cgroup_id, memory.cgroup_id); // the process's cgroup
+
+  // "max" everywhere: no limit.
+  dir.file("fs/user.slice/memory.max", "max\n");
+  dir.file("fs/user.slice/job/memory.max", "max\n");
+  lms::HostMemory none;
+  lms::readCgroup(proc, dir.path() + "/fs", none);
+  CHECK_EQ(none.cgroup_limit, lms::kNoHostLimit);
+  CHECK_EQ(none.cgroup_room, lms::kNoHostLimit);
+}
+
+TEST_CASE(cgroup_v1_memory_controller_and_container_root) {
+  TempDir dir;
+  const std::string proc = dir.file(
+      "self-cgroup",
+      "12:cpu,cpuacct:/docker/abc\n11:memory:/docker/abc\n0::/\n");
+  dir.file("fs/memory/memory.limit_in_bytes", "9223372036854771712\n");
+  dir.file("fs/memory/memory.usage_in_bytes", "50000000000\n");
+  dir.file("fs/memory/docker/abc/memory.limit_in_bytes", "4294967296\n");
+  dir.file("fs/memory/docker/abc/memory.usage_in_bytes", "3221225472\n");
+  dir.file(
+      "fs/memory/docker/abc/memory.stat",
+      "cache 1073741824\ninactive_file 1\ntotal_inactive_file 536870912\n");
+  lms::HostMemory memory;
+  lms::readCgroup(proc, dir.path() + "/fs", memory);
+  // 4 GiB limit, 3 GiB used of which 0.5 GiB inactive file pages; the root's
+  // huge "limit" is none.
+  CHECK_EQ(memory.cgroup_limit, 4 * kGiB);
+  CHECK_EQ(memory.cgroup_room, kGiB + kGiB / 2);
+  CHECK(memory.cgroup_path == "/docker/abc");
+
+  // A container without a cgroup namespace sees its own cgroup at the mount
+  // while /proc/self/cgroup names the host's path.
+  TempDir container;
+  const std::string proc2 =
+      container.file("self-cgroup", "11:memory:/docker/abc\n");
+  container.file("fs/memory/memory.limit_in_bytes", "2147483648\n");
+  container.file("fs/memory/memory.usage_in_bytes", "1073741824\n");
+  lms::HostMemory inside;
+  lms::readCgroup(proc2, container.path() + "/fs", inside);
+  CHECK_EQ(inside.cgroup_limit, 2 * kGiB);
+  CHECK_EQ(inside.cgroup_room, kGiB);
+  CHECK(inside.cgroup_path == "/");
+
+  // No cgroup file: nothing changes.
+  lms::HostMemory untouched;
+  lms::readCgroup(dir.path() + "/missing", dir.path() + "/fs", untouched);
+  CHECK_EQ(untouched.cgroup_room, lms::kNoHostLimit);
+  CHECK_EQ(untouched.cgroup_id, uint64_t(0));
+}
+
+TEST_CASE(budget_is_available_plus_pinned_less_the_reserve) {
+  CHECK_EQ(lms::hostReserve(128 * kGiB), 128 * kGiB / 20); // 5%
+  CHECK_EQ(lms::hostReserve(16 * kGiB), 2 * kGiB); // at least 2 GiB
+  CHECK_EQ(lms::hostReserve(4 * kGiB), kGiB / 2); // an eighth of a small one
+
+  lms::HostMemory memory;
+  memory.total = 128 * kGiB;
+  memory.available = 60 * kGiB;
+  lms::HostLedger::Totals held;
+  held.all = 10 * kGiB;
+  held.own = 6 * kGiB;
+  held.cgroup = 8 * kGiB;
+  lms::HostBudget budget = lms::deriveHostBudget(memory, held);
+  lms::HostBudget::Source source = lms::HostBudget::Source::None;
+  // MemAvailable no longer counts the 10 GiB LMS processes pinned.
+  CHECK_EQ(budget.host_bytes, 70 * kGiB - 128 * kGiB / 20);
+  CHECK_EQ(budget.inForce(held, &source), budget.host_bytes);
+  CHECK(source == lms::HostBudget::Source::MemAvailable);
+
+  // Within a cgroup of 32 GiB that has 4 GiB of room: 4 GiB + the 8 GiB its
+  // LMS processes pinned - 2 GiB, and the 2 GiB pinned outside it take none
+  // of that room.
+  memory.cgroup_limit = 32 * kGiB;
+  memory.cgroup_room = 4 * kGiB;
+  budget = lms::deriveHostBudget(memory, held);
+  CHECK_EQ(budget.cgroup_bytes, 10 * kGiB);
+  CHECK_EQ(budget.inForce(held, &source), 12 * kGiB);
+  CHECK(source == lms::HostBudget::Source::Cgroup);
+  lms::HostLedger::Totals later = held; // a process outside pinned 1 GiB more
+  later.all += kGiB;
+  CHECK_EQ(budget.inForce(later), 13 * kGiB);
+
+  budget.setting = 3 * kGiB;
+  CHECK_EQ(budget.inForce(held, &source), 3 * kGiB);
+  CHECK(source == lms::HostBudget::Source::Setting);
+
+  // No reading at all: no budget.
+  budget = lms::deriveHostBudget(lms::HostMemory{}, held);
+  CHECK_EQ(budget.inForce(held, &source), lms::kNoHostLimit);
+  CHECK(source == lms::HostBudget::Source::None);
+}
+
+// The message says where a derived budget comes from, with its figures.
+TEST_CASE(refusal_message_names_the_budget_source) {
+  lms::HostMemory memory;
+  memory.total = 64 * kGiB;
+  memory.available = 10 * kGiB;
+  lms::HostLedger::Totals held;
+  held.all = 6 * kGiB;
+  held.own = 2 * kGiB;
+  held.cgroup = 6 * kGiB;
+  lms::HostRefusal refusal;
+  refusal.cause = lms::HostRefusal::Cause::Budget;
+  refusal.bytes = 256 * kMiB;
+  refusal.held = held;
+  refusal.reading = lms::deriveHostBudget(memory, held);
+  refusal.budget = refusal.reading.inForce(held, &refusal.source);
+  refusal.ledger_path = "/dev/shm/ledger";
+  std::string text = lms::describeHostRefusal(refusal);
+  CHECK(contains(text, "no room for a page-out of 256.00 MiB"));
+  CHECK(contains(
+      text,
+      "hold 6144.00 MiB (this process 2048.00 MiB, other LMS processes "
+      "4096.00 MiB) of a budget of 13107.20 MiB, derived from /proc/meminfo: "
+      "MemAvailable 10240.00 MiB + 6144.00 MiB pinned by LMS processes - a "
+      "reserve of 3276.80 MiB"));
+  CHECK(contains(text, "torch.cuda.set_host_limit_lms(bytes)"));
+  CHECK(text.find("could not use the host ledger") == std::string::npos);
+
+  memory.cgroup_limit = 16 * kGiB;
+  memory.cgroup_room = kGiB;
+  memory.cgroup_path = "/slurm/job_42";
+  refusal.reading = lms::deriveHostBudget(memory, held);
+  refusal.budget = refusal.reading.inForce(held, &refusal.source);
+  refusal.ledger_path.clear(); // this process's accounting alone
+  text = lms::describeHostRefusal(refusal);
+  CHECK(contains(
+      text,
+      "of a budget of 5120.00 MiB, derived from the memory limit of cgroup "
+      "/slurm/job_42: 1024.00 MiB of its limit of 16384.00 MiB not in use + "
+      "6144.00 MiB pinned by its LMS processes - a reserve of 2048.00 MiB"));
+  CHECK(contains(text, "could not use the host ledger"));
+}
+
+// cudaHostAlloc itself fails (the host, or the locked-memory limit, has no
+// more): the error names host memory too.
+TEST_CASE(failed_pinned_allocation_raises_oom_naming_host_memory) {
+  if (simgpu_inject_fault == nullptr) {
+    SKIP("needs the simulated GPU's fault injection");
+  }
+  HostEnv env(0);
+  {
+    const lms_test::AllocatorCap cap(32 * kMiB);
+    simgpu_inject_fault(1 /*host alloc*/, 1, -1, cudaSuccess);
+    std::vector<StoragePtr> s;
+    std::string message;
+    for (int i = 0; i < 16 && message.empty(); ++i) {
+      try {
+        s.push_back(newStorage(4 * kMiB));
+        write(*s.back(), i);
+      } catch (const c10::OutOfMemoryError& e) {
+        message = e.what();
+      }
+    }
+    simgpu_clear_faults();
+    REQUIRE(!message.empty());
+    CHECK(contains(message, "host memory ran out"));
+    CHECK(contains(message, "cudaHostAlloc could not pin 4.00 MiB"));
+    CHECK_EQ(lms::getStats(0).host_refusals, 0); // not the budget's doing
+    int mismatches = 0;
+    for (size_t i = 0; i < s.size(); ++i) {
+      mismatches += !matches(*s[i], i);
+    }
+    CHECK_EQ(mismatches, 0);
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(conf_key_sets_the_host_limit) {
+  HostEnv env(0);
+  CHECK_EQ(lms::getHostLimit(), size_t(0));
+  lms::parseConfig("expandable_segments:True,lms_host_limit_mb:64");
+  CHECK_EQ(lms::getHostLimit(), 64 * kMiB);
+  CHECK(lms::parseConfigOption("lms_host_limit_mb", "0.5"));
+  CHECK_EQ(lms::getHostLimit(), kMiB / 2);
+  CHECK_THROWS_AS(
+      lms::parseConfigOption("lms_host_limit_mb", "-1"),
+      c10::Error,
+      "non-negative number");
+  CHECK_THROWS_AS(
+      lms::parseConfig("lms_host_limit:1", true, "PYTORCH_LMS_CONF"),
+      c10::Error,
+      "lms_host_limit_mb");
+  lms::setHostLimit(0);
+  CHECK_EQ(lms::getHostLimit(), size_t(0));
+}
+
+TEST_CASE(statistics_report_the_budget_and_the_ledger) {
+  HostEnv env(0);
+  {
+    // Derived from this host: something, and no more than it has.
+    lms::HostMemory memory;
+    const lms::LmsStats derived = lms::getStats(0);
+    if (lms::readMemInfo("/proc/meminfo", memory)) {
+      CHECK(derived.host_budget_bytes > 0);
+      CHECK_LE(derived.host_budget_bytes, static_cast<int64_t>(memory.total));
+    }
+    lms::setHostLimit(48 * kMiB);
+    auto s = newStorage(4 * kMiB);
+    write(*s, 1);
+    CHECK_EQ(lms::reclaimInactive(0), 4 * kMiB);
+    const lms::LmsStats st = lms::getStats(0);
+    CHECK_EQ(st.host_budget_bytes, int64_t(48 * kMiB));
+    CHECK_EQ(st.host_ledger_bytes, int64_t(4 * kMiB));
+    CHECK_EQ(st.host_refusals, 0);
+    CHECK(matches(*s, 1));
+  }
+  env.checkBaseline();
+}
+
+// A loop of page-outs needs more pinned memory than the budget: the
+// allocation that needs the room raises OutOfMemoryError naming host memory,
+// nothing is lost, and once memory is freed allocations succeed again.
+TEST_CASE(host_budget_refusal_raises_oom_naming_host_memory) {
+  HostEnv env(24 * kMiB);
+  {
+    const lms_test::AllocatorCap cap(32 * kMiB);
+    std::vector<StoragePtr> s;
+    std::string message;
+    for (int i = 0; i < 40 && message.empty(); ++i) { // 160 MiB wanted
+      try {
+        s.push_back(newStorage(4 * kMiB));
+        write(*s.back(), i);
+      } catch (const c10::OutOfMemoryError& e) {
+        message = e.what();
+      }
+    }
+    REQUIRE(!message.empty());
+    CHECK(contains(message, "host memory ran out"));
+    CHECK(contains(message, "Tried to allocate 4.00 MiB on device 0"));
+    CHECK(contains(
+        message,
+        "hold 24.00 MiB (this process 24.00 MiB, other LMS processes "
+        "0.00 MiB) of a budget of 24.00 MiB, set with "
+        "torch.cuda.set_host_limit_lms()"));
+    CHECK(contains(message, "PYTORCH_CUDA_ALLOC_CONF=lms_host_limit_mb:"));
+    CHECK(contains(message, "smaller batch"));
+    const lms::LmsStats st = lms::getStats(0);
+    CHECK(st.host_refusals >= 1);
+    CHECK(st.oom_count >= 1);
+    CHECK_EQ(st.host_ledger_bytes, int64_t(24 * kMiB));
+    CHECK_EQ(st.host_bytes.peak, int64_t(24 * kMiB));
+    CHECK_EQ(st.pageout_count, 6); // the budget's worth
+
+    // Nothing lost: with a little room on the device again, every storage
+    // reads back as written.
+    s.resize(s.size() - 2);
+    int mismatches = 0;
+    for (size_t i = 0; i < s.size(); ++i) {
+      mismatches += !matches(*s[i], i);
+    }
+    CHECK_EQ(mismatches, 0);
+
+    // Once half of them are freed, training goes on.
+    const size_t kept = s.size() / 2;
+    s.resize(kept);
+    for (int i = 0; i < 6; ++i) {
+      s.push_back(newStorage(4 * kMiB));
+      write(*s.back(), 100 + i);
+    }
+    for (size_t i = 0; i < s.size(); ++i) {
+      mismatches += !matches(*s[i], i < kept ? i : 100 + (i - kept));
+    }
+    CHECK_EQ(mismatches, 0);
+    CHECK_LE(lms::getStats(0).host_ledger_bytes, int64_t(24 * kMiB));
+  }
+  env.checkBaseline();
+}
+
+// Idle cached buffers of another size count against the budget: the pool
+// frees them before it refuses anything.
+TEST_CASE(idle_cached_buffers_are_freed_before_a_refusal) {
+  HostEnv env(16 * kMiB);
+  {
+    {
+      auto a = newStorage(8 * kMiB);
+      auto b = newStorage(8 * kMiB);
+      write(*a, 1);
+      write(*b, 2);
+      CHECK_EQ(lms::reclaimInactive(0), 16 * kMiB);
+    } // their pinned buffers stay cached, idle
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK_EQ(lms::getStats(0).host_ledger_bytes, int64_t(16 * kMiB));
+    auto c = newStorage(2 * kMiB);
+    write(*c, 3);
+    CHECK_EQ(lms::reclaimInactive(0), 2 * kMiB);
+    const lms::LmsStats st = lms::getStats(0);
+    CHECK_EQ(st.host_refusals, 0);
+    CHECK_EQ(st.host_bytes.current, int64_t(2 * kMiB));
+    CHECK_EQ(st.host_ledger_bytes, int64_t(2 * kMiB));
+    CHECK(matches(*c, 3));
+  }
+  env.checkBaseline();
+}
+
+// Two LMS processes of one host see each other's pinned bytes, and the
+// second is refused once their sum would pass the budget.
+TEST_CASE(processes_share_the_ledger_and_its_budget) {
+  HostEnv env(0);
+  {
+    Peer peer(16);
+    const std::string held = peer.readLine();
+    REQUIRE(held == "held " + std::to_string(16 * kMiB));
+    CHECK_EQ(lms::getStats(0).host_ledger_bytes, int64_t(16 * kMiB));
+
+    std::vector<StoragePtr> s;
+    for (int i = 0; i < 4; ++i) {
+      s.push_back(newStorage(4 * kMiB));
+      write(*s.back(), i);
+    }
+    // Room for 16 MiB of the peer and 12 of this process.
+    lms::setHostLimit(28 * kMiB);
+    for (int i = 0; i < 3; ++i) {
+      CHECK_EQ(lms::reclaimBytes(0, 4 * kMiB), 4 * kMiB);
+    }
+    CHECK_EQ(lms::getStats(0).host_ledger_bytes, int64_t(28 * kMiB));
+    CHECK_EQ(lms::reclaimInactive(0), size_t(0)); // the fourth is refused
+    CHECK(lms::getState(*s[3]) == lms::StorageState::Inactive);
+    const lms::HostRefusal& refusal = lms::HostPool::lastRefusal();
+    CHECK(refusal.cause == lms::HostRefusal::Cause::Budget);
+    CHECK(contains(
+        lms::describeHostRefusal(refusal),
+        "hold 28.00 MiB (this process 12.00 MiB, other LMS processes "
+        "16.00 MiB) of a budget of 28.00 MiB"));
+    CHECK_EQ(lms::getStats(0).host_refusals, 1);
+
+    // The peer frees its buffers (cudaFreeHost): the ledger says so at once,
+    // and the page-out goes through.
+    peer.say("release\n");
+    REQUIRE(peer.readLine() == "released");
+    CHECK_EQ(lms::getStats(0).host_ledger_bytes, int64_t(12 * kMiB));
+    CHECK_EQ(lms::reclaimInactive(0), 4 * kMiB);
+    CHECK_EQ(peer.finish(), 0);
+    int mismatches = 0;
+    for (int i = 0; i < 4; ++i) {
+      mismatches += !matches(*s[i], i);
+    }
+    CHECK_EQ(mismatches, 0);
+  }
+  env.checkBaseline();
+}
+
+// A process killed with its pinned memory (by the OOM killer, say) leaves a
+// slot in the ledger: the next process to read the ledger frees it.
+TEST_CASE(slot_of_a_dead_process_is_pruned) {
+  HostEnv env(0);
+  {
+    auto mine = newStorage(4 * kMiB);
+    write(*mine, 7);
+    CHECK_EQ(lms::reclaimInactive(0), 4 * kMiB);
+    Peer peer(8);
+    REQUIRE(peer.readLine() == "held " + std::to_string(8 * kMiB));
+    CHECK_EQ(lms::getStats(0).host_ledger_bytes, int64_t(12 * kMiB));
+    peer.killHard();
+    CHECK_EQ(lms::getStats(0).host_ledger_bytes, int64_t(4 * kMiB));
+    // Its slot is free for the next process.
+    Peer next(4);
+    REQUIRE(next.readLine() == "held " + std::to_string(4 * kMiB));
+    CHECK_EQ(lms::getStats(0).host_ledger_bytes, int64_t(8 * kMiB));
+    CHECK_EQ(next.finish(), 0);
+    CHECK_EQ(lms::getStats(0).host_ledger_bytes, int64_t(4 * kMiB));
+    CHECK(matches(*mine, 7));
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(ledger_that_cannot_be_used_counts_this_process_alone) {
+  TempDir dir;
+  {
+    // A folder that does not exist (as with no /dev/shm).
+    lms::HostLedger ledger(dir.path() + "/missing/ledger", 0);
+    CHECK(!ledger.shared());
+    lms::HostLedger::Locked locked(ledger);
+    locked.add(int64_t(5 * kMiB));
+    const lms::HostLedger::Totals totals = locked.totals();
+    CHECK_EQ(totals.all, 5 * kMiB);
+    CHECK_EQ(totals.own, 5 * kMiB);
+  }
+  {
+    // A file of another layout.
+    lms::HostLedger ledger(dir.file("other", "not a ledger\n"), 0);
+    CHECK(!ledger.shared());
+  }
+  {
+    // A usable one (its own file: one object per file and process).
+    lms::HostLedger ledger(dir.path() + "/ledger", 0);
+    CHECK(ledger.shared());
+    lms::HostLedger::Locked locked(ledger);
+    locked.add(int64_t(3 * kMiB));
+    CHECK_EQ(locked.totals().all, 3 * kMiB);
+    struct stat st {};
+    CHECK(::stat((dir.path() + "/ledger").c_str(), &st) == 0);
+    CHECK_EQ(st.st_mode & 0777, mode_t(0600));
+  }
+}
+
+} // namespace
+
+int main(int argc, char** argv) {
+  if (argc == 3 && std::strcmp(argv[1], "--hold-pinned") == 0) {
+    return holdPinned(std::strtoull(argv[2], nullptr, 10));
+  }
+  // A ledger of the suite's own unless the caller names one: other LMS
+  // processes of this user must not move the figures it checks.
+  std::string own_ledger;
+  if (std::getenv("PYTORCH_LMS_HOST_LEDGER") == nullptr) {
+    own_ledger =
+        "/tmp/lms-host-test-ledger-" + std::to_string((long)::getpid());
+    ::setenv("PYTORCH_LMS_HOST_LEDGER", own_ledger.c_str(), 1);
+  }
+  const int status = lms_test::run(argc, argv);
+  if (!own_ledger.empty()) {
+    ::unlink(own_ledger.c_str());
+  }
+  return status;
+}
