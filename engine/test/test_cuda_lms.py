@@ -65,6 +65,7 @@ class TestCudaLms(TestCase):
         enabled, size, prefetch, speculative = self.saved
         torch.cuda.synchronize()
         torch.cuda.set_limit_lms(0)
+        torch.cuda.set_host_limit_lms(0)
         torch.cuda.set_size_lms(size)
         torch.cuda.set_prefetch_lms(prefetch)
         torch.cuda.set_speculative_lms(speculative)
@@ -109,6 +110,14 @@ class TestCudaLms(TestCase):
         torch.cuda.set_speculative_lms(64 * MiB)
         self.assertEqual(torch.cuda.get_speculative_lms(), 64 * MiB)
 
+        # The host budget: derived from the host's memory until set.
+        self.assertEqual(torch.cuda.get_host_limit_lms(), 0)
+        self.assertGreater(torch.cuda.lms_stats()["host_budget_bytes"], 0)
+        torch.cuda.set_host_limit_lms(8 * 1024 * MiB)
+        self.assertEqual(torch.cuda.get_host_limit_lms(), 8 * 1024 * MiB)
+        self.assertEqual(torch.cuda.lms_stats()["host_budget_bytes"], 8 * 1024 * MiB)
+        torch.cuda.set_host_limit_lms(0)
+
     def test_invalid_arguments(self):
         with self.assertRaisesRegex(TypeError, "enable must be a bool"):
             torch.cuda.set_enabled_lms(1)
@@ -126,6 +135,8 @@ class TestCudaLms(TestCase):
             torch.cuda.set_prefetch_lms(2**31)
         with self.assertRaisesRegex(TypeError, "margin_bytes must be an int"):
             torch.cuda.set_speculative_lms("1M")
+        with self.assertRaisesRegex(ValueError, "limit_bytes must be >= 0"):
+            torch.cuda.set_host_limit_lms(-1)
         with self.assertRaisesRegex(ValueError, "invalid CUDA device index"):
             torch.cuda.set_limit_lms(MiB, device=torch.cuda.device_count())
         with self.assertRaisesRegex(TypeError, "tensor must be a torch.Tensor"):
