@@ -501,7 +501,7 @@ TEST_CASE(refusal_message_names_the_budget_source) {
   CHECK(contains(text, "could not use the host ledger"));
 }
 
-// cudaHostAlloc itself fails (the host, or the locked-memory limit, has no
+// Pinning itself fails (the host, or the locked-memory limit, has no
 // more): the error names host memory too.
 TEST_CASE(failed_pinned_allocation_raises_oom_naming_host_memory) {
   if (simgpu_inject_fault == nullptr) {
@@ -524,7 +524,7 @@ TEST_CASE(failed_pinned_allocation_raises_oom_naming_host_memory) {
     simgpu_clear_faults();
     REQUIRE(!message.empty());
     CHECK(contains(message, "host memory ran out"));
-    CHECK(contains(message, "cudaHostAlloc could not pin 4.00 MiB"));
+    CHECK(contains(message, "could not pin 4.00 MiB"));
     CHECK_EQ(lms::getStats(0).host_refusals, 0); // not the budget's doing
     int mismatches = 0;
     for (size_t i = 0; i < s.size(); ++i) {
@@ -573,6 +573,37 @@ TEST_CASE(statistics_report_the_budget_and_the_ledger) {
     CHECK_EQ(st.host_ledger_bytes, int64_t(4 * kMiB));
     CHECK_EQ(st.host_refusals, 0);
     CHECK(matches(*s, 1));
+  }
+  env.checkBaseline();
+}
+
+// Large buffers are pinned another way (populated, then registered): the
+// ledger counts them, and gives them back when they are freed, all the same.
+TEST_CASE(large_registered_buffers_are_counted_and_returned) {
+  HostEnv env(80 * kMiB);
+  {
+    auto big = newStorage(64 * kMiB);
+    write(*big, 5);
+    CHECK_EQ(lms::reclaimInactive(0), 64 * kMiB);
+    CHECK_EQ(lms::getStats(0).host_ledger_bytes, int64_t(64 * kMiB));
+    auto more = newStorage(32 * kMiB);
+    write(*more, 6);
+    CHECK(matches(*big, 5)); // paged in: its buffer goes back to the cache
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    // 32 MiB more would pass the budget with the idle 64 MiB buffer, which
+    // is freed first: no refusal.
+    CHECK_EQ(lms::reclaimBytes(0, 32 * kMiB), 32 * kMiB);
+    CHECK(lms::getState(*more) == lms::StorageState::PagedOut);
+    lms::LmsStats st = lms::getStats(0);
+    CHECK_EQ(st.host_refusals, 0);
+    CHECK_EQ(st.host_ledger_bytes, int64_t(32 * kMiB));
+    // 64 MiB more would pass it with nothing idle to free.
+    CHECK_EQ(lms::reclaimInactive(0), size_t(0));
+    st = lms::getStats(0);
+    CHECK_EQ(st.host_refusals, 1);
+    CHECK_EQ(st.host_ledger_bytes, int64_t(32 * kMiB));
+    CHECK(matches(*more, 6));
+    CHECK(matches(*big, 5));
   }
   env.checkBaseline();
 }
