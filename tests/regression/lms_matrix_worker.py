@@ -755,9 +755,29 @@ def run_share(
         results.save()
         return 0
     except BaseException as exc:
-        barrier.fail()
         record_error(results, exc)
+        # Free what this process holds (its tensors, and the pinned host memory of their
+        # page-outs, which the host budget counts) before the others learn of the failure:
+        # a process that goes on past the barrier must not find the budget still full of
+        # the page-outs of a process that has stopped, as a process that exits frees them.
+        model = optimizer = x = y = loss = None  # noqa: F841 (drops the references)
+        release_after_failure(exc)
+        barrier.fail()
         return 1
+
+
+def release_after_failure(exc: BaseException) -> None:
+    """Drops the tensors the failure's traceback keeps alive and returns this process's
+    cached device and pinned host memory (``torch.cuda.empty_cache``, which with LMS also
+    frees its idle pinned buffers)."""
+    traceback.clear_frames(exc.__traceback__)
+    gc.collect()
+    try:
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    except Exception:  # a broken CUDA context: the process ends next anyway
+        pass
 
 
 # ---------------------------------------------------------------------------------------
