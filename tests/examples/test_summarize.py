@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -105,6 +106,27 @@ def test_committed_readme_is_up_to_date() -> None:
     """benchmarks/README.md's generated section matches the committed CSVs (regenerate it with
     `python benchmarks/summarize.py --readme benchmarks/README.md`)."""
     assert summarize.main(["--readme", str(REPO / "benchmarks/README.md"), "--check"]) == 0
+
+
+def test_readme_nocap_table_is_up_to_date() -> None:
+    """README.md's no-cap table is what the committed no-cap results make (regenerate it with
+    `python benchmarks/summarize.py --nocap benchmarks/results/nocap/<run> --readme
+    README.md`)."""
+    runs = sorted(p for p in (REPO / "benchmarks/results/nocap").iterdir() if p.is_dir())
+    assert runs, "no committed no-cap results"
+    readme = REPO / "README.md"
+    assert summarize.main(["--nocap", str(runs[-1]), "--readme", str(readme), "--check"]) == 0
+
+
+def test_nocap_table_says_which_engine_ran_it(tmp_path: Path) -> None:
+    run = REPO / "benchmarks/results/nocap/2026-11-25-h100-cb6b81b"
+    table = summarize.nocap_summary(run, "here", "0" * 64)
+    assert "Engine cb6b81b (not the engine of this checkout" in table
+    sha = json.loads((run / "gpt/nocap-gpt.json").read_text())["environment"]
+    table = summarize.nocap_summary(run, "here", sha["engine_sources_sha256"])
+    assert "Engine cb6b81b (the engine of this checkout)" in table
+    assert table.count("\n| ") == 2 + 9  # header, separator, 3 models x 3 factors
+    assert "No no-cap results" in summarize.nocap_summary(tmp_path, "here", "")
 
 
 def test_committed_goals_are_rescored(tmp_path: Path) -> None:
