@@ -51,8 +51,8 @@ $(VENV)/.installed: pyproject.toml | deps
 
 venv: $(VENV)/.installed ## create .venv with the tooling and test dependencies
 
-sources: venv ## download TAG's source tarballs (config/tags.yaml urls) into SOURCES (default WORK/sources)
-	$(LMSTOOL) fetch $(TAG) --to $(or $(strip $(SOURCES)),$(WORK)/sources)
+sources: venv ## download the source tarballs of every tag with a series (or TAG=...) into SOURCES (default WORK/sources)
+	$(LMSTOOL) fetch $(TAGS_GIVEN) --to $(or $(strip $(SOURCES)),$(WORK)/sources)
 
 patch: venv ## check out TAG into WORK/pytorch-TAG and apply its series
 	$(LMSTOOL) checkout $(TAG) --require-series --dest $(TREE) $(SOURCE_ARGS)

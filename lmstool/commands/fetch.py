@@ -12,7 +12,9 @@ from lmstool.source import fetch_tarballs
 
 def cmd_fetch(args: argparse.Namespace) -> int:
     matrix = load_matrix(args.repo)
-    names = args.tags or [matrix.default_tag]
+    # Without tags: every tag that has a series, so that the tests of real sources (which
+    # run for each of them) find all their tarballs.
+    names = args.tags or [t.name for t in matrix.tags_with_series()] or [matrix.default_tag]
     dest = args.to or Path(args.repo) / "work" / "sources"
     for name in names:
         for path in fetch_tarballs(matrix.get_tag(name), dest):
@@ -33,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         ),
     )
     p.add_argument(
-        "tags", nargs="*", metavar="TAG", help="tags from config/tags.yaml (default: the default)"
+        "tags", nargs="*", metavar="TAG", help="tags from config/tags.yaml (default: every tag that has a series)"
     )
     p.add_argument(
         "--to", type=Path, metavar="DIR", help="where to put them (default: work/sources)"

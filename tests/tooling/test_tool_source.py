@@ -247,6 +247,11 @@ def test_fetch_downloads_checks_and_keeps(fake: Fake, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert (dest / FAKE_TARBALL).read_bytes() == served.read_bytes()
     assert f"use them with --sources {dest}" in proc.stdout
+    # Without a tag: the tarballs of every tag that has a series.
+    every = tmp_path / "every"
+    proc = run_cli("--repo", str(fake.project), "fetch", "--to", str(every))
+    assert proc.returncode == 0, proc.stderr
+    assert (every / FAKE_TARBALL).read_bytes() == served.read_bytes()
     # A second run keeps the file that is there.
     proc = run_cli(*args)
     assert proc.returncode == 0 and "already there, sha256 ok" in proc.stderr
