@@ -13,7 +13,7 @@
 #   REMOTE   git remote to clone the tag from instead of GitHub (e.g. file:///srv/pytorch.git)
 #   MIRROR   local clone holding the tag, instead of GitHub
 #            (default, none of the three: clone the tag from GitHub with its submodules)
-#   WORK     scratch area for checkouts and builds (git-ignored)
+#   WORK     scratch area for checkouts, builds and the source cache (git-ignored)
 #   VENV     virtual environment with the tooling and test dependencies
 
 TAG ?= v2.6.0
@@ -22,6 +22,8 @@ REMOTE ?=
 MIRROR ?=
 WORK ?= work
 VENV ?= .venv
+# lmstool's cache of imported source tarballs lives in WORK too (LMS_CACHE, when set, wins).
+export LMS_CACHE ?= $(abspath $(WORK))/cache
 PY := $(VENV)/bin/python
 # LMSTOOL_FRONTEND=make: lmstool's messages name make variables (SOURCES=DIR, not --sources DIR).
 LMSTOOL := LMSTOOL_FRONTEND=make $(PY) -m lmstool
