@@ -39,7 +39,7 @@ from typing import IO
 import git
 
 from lmstool.errors import LmsToolError
-from lmstool.gitutil import pinned_env, resolve_commit, tracked_changes
+from lmstool.gitutil import operation_in_progress, pinned_env, resolve_commit, tracked_changes
 from lmstool.hints import option
 from lmstool.matrix import Matrix, TagConfig, Tarball
 
@@ -479,6 +479,16 @@ def _record(repo: git.Repo, tag: str, origin: str, submodules: bool) -> None:
 # checkout
 
 
+def _operation_in(dest: Path) -> str | None:
+    """The git operation ``dest`` is in the middle of (a ``git am``, a rebase, ...), if any."""
+    try:
+        repo = git.Repo(dest)
+    except (git.NoSuchPathError, git.InvalidGitRepositoryError):
+        return None
+    with repo:
+        return operation_in_progress(repo)
+
+
 def _reusable(dest: Path, tag: TagConfig) -> bool:
     """True when ``dest`` is a clean checkout of ``tag`` (the series may be applied on it)."""
     try:
@@ -505,6 +515,13 @@ def checkout(matrix: Matrix, tag: TagConfig, dest: Path, spec: SourceSpec, repo_
                 f"{dest} exists and is not a directory; pass another {option('dest', 'DIR')}"
             )
         if any(dest.iterdir()):
+            busy = _operation_in(dest)
+            if busy:
+                raise LmsToolError(
+                    f"{dest} is in the middle of {busy} (an earlier apply stopped there?); it "
+                    f"was left untouched: finish or abort it there (git -C {dest} am --abort), "
+                    f"or move it away or pass another {option('dest', 'DIR')}"
+                )
             if _reusable(dest, tag):
                 log.info("%s is already a clean checkout of %s; reusing it", dest, tag.name)
                 return dest

@@ -35,7 +35,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         ),
     )
     p.add_argument(
-        "tags", nargs="*", metavar="TAG", help="tags from config/tags.yaml (default: every tag that has a series)"
+        "tags",
+        nargs="*",
+        metavar="TAG",
+        help="tags from config/tags.yaml (default: every tag that has a series)",
     )
     p.add_argument(
         "--to", type=Path, metavar="DIR", help="where to put them (default: work/sources)"

@@ -151,6 +151,14 @@ def test_existing_dirty_checkout_left_alone(fake: Fake, fake_tree: Path) -> None
     assert (fake_tree / "README.md").read_text() == "local edit\n"
 
 
+def test_checkout_in_the_middle_of_git_am_is_not_reused(fake: Fake, fake_tree: Path) -> None:
+    """After an interrupted `git am`, the checkout is not called clean and reused: it says
+    what it is in the middle of and how to get out of it."""
+    (Path(git.Repo(fake_tree).git_dir) / "rebase-apply").mkdir()
+    with pytest.raises(LmsToolError, match=r"in the middle of a `git am` or rebase .*am --abort"):
+        fake.checkout(fake_tree)
+
+
 def test_existing_other_directory_left_alone(fake: Fake, tmp_path: Path) -> None:
     dest = tmp_path / "mine"
     dest.mkdir()
