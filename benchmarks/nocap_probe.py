@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -140,17 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         f"peak reserved GiB {torch.cuda.max_memory_reserved() / GiB:.2f}"
     )
     if args.profile_iterations:
-        from stream_profile import analyze
+        from compare import profile_steps
 
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof:
-            for i in range(args.profile_iterations):
-                step(args.iterations + i)
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "trace.json"
-            prof.export_chrome_trace(str(path))
-            trace = json.loads(path.read_text())
-        print(analyze(trace, args.profile_iterations, top_calls=10).summary())
+        profile_steps(step, args.iterations, args.profile_iterations, print)
     return 0
 
 

@@ -11,6 +11,7 @@
 #include "lms_test.h"
 #include "lms_test_allocator.h"
 #include "lms_test_data.h"
+#include "lms_test_storage.h"
 
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -84,34 +85,9 @@ StoragePtr newStorage(size_t bytes) {
       /*resizable=*/false);
 }
 
-cudaStream_t stream() {
-  return c10::cuda::getCurrentCUDAStream().stream();
-}
-
-// What an operator does: pin, use the memory on the current stream, unpin.
-void write(c10::StorageImpl& s, uint64_t seed) {
-  const auto words = lms_test::pattern(s.nbytes(), seed);
-  lms::pin(s);
-  C10_CUDA_CHECK(cudaMemcpyAsync(
-      lms_compat::mutableData(s),
-      words.data(),
-      s.nbytes(),
-      cudaMemcpyHostToDevice,
-      stream()));
-  C10_CUDA_CHECK(cudaStreamSynchronize(stream()));
-  lms::unpin(s);
-}
-
-bool matches(c10::StorageImpl& s, uint64_t seed) {
-  const auto expected = lms_test::pattern(s.nbytes(), seed);
-  std::vector<uint64_t> got(expected.size());
-  lms::pin(s);
-  C10_CUDA_CHECK(cudaMemcpyAsync(
-      got.data(), s.data(), s.nbytes(), cudaMemcpyDeviceToHost, stream()));
-  C10_CUDA_CHECK(cudaStreamSynchronize(stream()));
-  lms::unpin(s);
-  return std::memcmp(got.data(), expected.data(), s.nbytes()) == 0;
-}
+using lms_test::matches;
+using lms_test::stream;
+using lms_test::write;
 
 bool contains(const std::string& text, const std::string& part) {
   const bool found = text.find(part) != std::string::npos;

@@ -1,0 +1,51 @@
+#pragma once
+
+// What the engine tests do to a storage as an operator would: write the
+// pattern of a seed into it, or check that it holds it, pinned for the
+// duration, on the current stream.
+
+#include "lms_test_data.h"
+
+#include <c10/core/StorageImpl.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/LargeModelSupport.h>
+#include <c10_compat.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace lms_test {
+
+inline cudaStream_t stream() {
+  return c10::cuda::getCurrentCUDAStream().stream();
+}
+
+// What an operator does: pin, use the memory on the current stream, unpin.
+inline void write(c10::StorageImpl& s, uint64_t seed) {
+  const auto words = pattern(s.nbytes(), seed);
+  c10::cuda::lms::pin(s);
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      lms_compat::mutableData(s),
+      words.data(),
+      s.nbytes(),
+      cudaMemcpyHostToDevice,
+      stream()));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  c10::cuda::lms::unpin(s);
+}
+
+inline bool matches(c10::StorageImpl& s, uint64_t seed) {
+  const auto expected = pattern(s.nbytes(), seed);
+  std::vector<uint64_t> got(expected.size());
+  c10::cuda::lms::pin(s);
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      got.data(), s.data(), s.nbytes(), cudaMemcpyDeviceToHost, stream()));
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  c10::cuda::lms::unpin(s);
+  return std::memcmp(got.data(), expected.data(), s.nbytes()) == 0;
+}
+
+} // namespace lms_test
