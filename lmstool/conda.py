@@ -120,6 +120,60 @@ class WheelInfo:
         return self.version.split("+")[0]
 
 
+# What a torch wheel says of itself in torch/version.py (PyTorch writes it at build time).
+_VERSION_LINE = re.compile(r"""^__version__\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""", re.M)
+_CUDA_LINE = re.compile(r"""^cuda\s*(?::[^=]*)?=\s*(None|['"]([^'"]*)['"])""", re.M)
+# The module the LMS series adds to torch.cuda: its presence marks a build with LMS.
+LMS_MODULE = "torch/cuda/lms.py"
+
+
+def check_torch_wheel(path: Path, tag: str, cuda: str) -> None:
+    """Refuses a torch wheel that is not what a package of ``tag`` with LMS for CUDA
+    ``cuda`` must hold: another PyTorch version, a CPU build or a build for another CUDA
+    (``torch/version.py``), or a build without the LMS series (no ``torch/cuda/lms.py``).
+    Each error says which, and what to pass instead."""
+    wheel = WheelInfo.parse(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = set(archive.namelist())
+            version_py = (
+                archive.read("torch/version.py").decode() if "torch/version.py" in names else ""
+            )
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise LmsToolError(f"{path} is not a readable wheel ({exc})") from None
+    if not version_py:
+        raise LmsToolError(
+            f"{path.name} has no torch/version.py: it is not a PyTorch wheel (build one with "
+            f"`make build TAG={tag}`)"
+        )
+    found = _VERSION_LINE.search(version_py)
+    version = found[1] if found else wheel.version
+    release = version.split("+")[0]
+    wanted = tag.removeprefix("v")
+    if release != wanted:
+        raise LmsToolError(
+            f"{path.name} is PyTorch {version}, not {tag}: package the wheel built from {tag}, "
+            f"or pass --tag v{release} if that tag has a series"
+        )
+    built = _CUDA_LINE.search(version_py)
+    built_cuda = None if built is None or built[1] == "None" else built[2]
+    if not built_cuda:
+        raise LmsToolError(
+            f"{path.name} is a CPU build of PyTorch (torch/version.py: cuda = None); LMS "
+            "packages are CUDA builds: build the wheel with a CUDA toolkit (`make build`)"
+        )
+    if built_cuda != cuda:
+        raise LmsToolError(
+            f"{path.name} was built with CUDA {built_cuda}, not {cuda}: pass --cuda {built_cuda}"
+            " (the package's dependencies follow it)"
+        )
+    if LMS_MODULE not in names:
+        raise LmsToolError(
+            f"{path.name} has no Large Model Support ({LMS_MODULE} is missing): build it from "
+            f"the patched tree (`make build TAG={tag}`), not from a stock checkout"
+        )
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:

@@ -19,7 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
             "Unpack WHEEL into a conda prefix layout, write info/ (index.json, paths.json, "
             "files, about.json) and create OUTPUT_DIR/<subdir>/<name>-<version>-<build>.conda "
             "with conda-package-handling. Run dependencies and about come from "
-            "recipes/pytorch-lms/meta.yaml rendered for the same tag, arch, Python and CUDA."
+            "recipes/pytorch-lms/meta.yaml rendered for the same tag, arch, Python and CUDA. "
+            "A torch wheel must be a CUDA build (of --cuda) of the tag with the LMS series; "
+            "another is refused, saying which."
         ),
     )
     parser.add_argument("wheel", type=Path, help="the wheel, e.g. torch-2.6.0+lms.cu126-...whl")
@@ -52,6 +54,8 @@ def _run_package(args: argparse.Namespace) -> int:
         raise LmsToolError(
             f"{args.wheel.name} does not say its architecture or Python; pass --arch and --python"
         )
+    if wheel.name == "torch":
+        conda.check_torch_wheel(args.wheel, tag, args.cuda)
     rendered = recipe.render_for(matrix, tag, arch, python, args.cuda)
     depends = [] if args.no_recipe_depends else recipe.run_depends(rendered)
     about = {

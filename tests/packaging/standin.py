@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,6 +20,19 @@ def set_enabled_lms(enable):
 def get_enabled_lms():
     return _enabled
 """
+
+
+def torch_version_py(version: str) -> str:
+    """torch/version.py as PyTorch writes it; the CUDA version from a local version's
+    ``cuXYZ`` (2.6.0+lms.cu126: 12.6), none (a CPU build) without one."""
+    match = re.search(r"cu(\d+)(\d)$", version)
+    cuda = f"'{match[1]}.{match[2]}'" if match else "None"
+    return (
+        "from typing import Optional\n"
+        f"__version__ = '{version}'\n"
+        f"cuda: Optional[str] = {cuda}\n"
+        "git_version = 'stand-in'\n"
+    )
 
 
 def _record_hash(data: bytes) -> str:
@@ -42,6 +56,8 @@ def make_wheel(
         files = {
             f"{name}/__init__.py": TORCH_INIT.format(version=version),
             f"{name}/cuda/__init__.py": TORCH_CUDA,
+            f"{name}/cuda/lms.py": TORCH_CUDA,
+            f"{name}/version.py": torch_version_py(version),
             f"{name}/lib/libc10_cuda.so": "not really a library\n",
         }
     dist = f"{name}-{version}.dist-info"

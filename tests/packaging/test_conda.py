@@ -114,6 +114,42 @@ def test_wheel_mismatches_are_errors(torch_wheel: Path, tmp_path: Path) -> None:
         conda.wheel_to_conda(tmp_path / "torch.zip", tmp_path, arch=None, cuda="12.6", depends=[])
 
 
+def test_torch_wheel_check(tmp_path: Path) -> None:
+    """conda-package refuses a torch wheel that is not a CUDA build of the tag with LMS."""
+    good = make_wheel(tmp_path / "good")
+    conda.check_torch_wheel(good, "v2.6.0", "12.6")
+    with pytest.raises(LmsToolError, match=r"PyTorch 2\.6\.0\+lms\.cu126, not v1\.13\.1"):
+        conda.check_torch_wheel(good, "v1.13.1", "12.6")
+    with pytest.raises(LmsToolError, match=r"built with CUDA 12\.6, not 12\.4: pass --cuda 12\.6"):
+        conda.check_torch_wheel(good, "v2.6.0", "12.4")
+    stock = make_wheel(tmp_path / "stock", version="2.13.0+cpu")
+    with pytest.raises(LmsToolError, match=r"PyTorch 2\.13\.0\+cpu, not v2\.6\.0"):
+        conda.check_torch_wheel(stock, "v2.6.0", "12.6")
+    cpu = make_wheel(tmp_path / "cpu", version="2.6.0+cpu")
+    with pytest.raises(LmsToolError, match="CPU build"):
+        conda.check_torch_wheel(cpu, "v2.6.0", "12.6")
+    files = {
+        "torch/__init__.py": "__version__ = '2.6.0+cu126'\n",
+        "torch/version.py": "__version__ = '2.6.0+cu126'\ncuda = '12.6'\n",
+    }
+    no_lms = make_wheel(tmp_path / "nolms", version="2.6.0+cu126", files=files)
+    with pytest.raises(LmsToolError, match=r"no Large Model Support \(torch/cuda/lms\.py"):
+        conda.check_torch_wheel(no_lms, "v2.6.0", "12.6")
+    bare = make_wheel(tmp_path / "bare", files={"torch/__init__.py": ""})
+    with pytest.raises(LmsToolError, match="not a PyTorch wheel"):
+        conda.check_torch_wheel(bare, "v2.6.0", "12.6")
+
+
+def test_conda_package_cli_refuses_a_stock_wheel(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    stock = make_wheel(tmp_path / "stock", version="2.13.0+cpu")
+    code = main(["conda-package", str(stock), "--cuda", "12.6", "--output-dir", str(tmp_path)])
+    assert code != 0
+    assert "not v2.6.0" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.conda"))
+
+
 def test_conda_package_cli_takes_depends_from_recipe(
     torch_wheel: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
