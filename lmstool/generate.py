@@ -36,6 +36,7 @@ import git
 from lmstool import manifest
 from lmstool.errors import LmsToolError
 from lmstool.gitutil import pinned_env, run_git
+from lmstool.hints import make_command
 from lmstool.matrix import SERIES_FILE, Matrix, TagConfig
 from lmstool.series import (
     ExportResult,
@@ -359,7 +360,7 @@ def verify_tag(sources: Sources, tag: TagConfig, *, engine_dir: Path | None = No
         else:
             report.notes.append("source only, no series")
         return report
-    fix = f"run `make patches TAG={tag.name}` and commit {tag.series}"
+    fix = f"run `{make_command(f'make patches TAG={tag.name}')}` and commit {tag.series}"
     with tempfile.TemporaryDirectory(prefix=f"lms-verify-{tag.name}-") as tmp:
         tree = Path(tmp) / "tree"
         sources.clone(tag, tree).close()

@@ -10,6 +10,9 @@ from __future__ import annotations
 import os
 
 FRONTEND_ENV = "LMSTOOL_FRONTEND"
+# The Makefile passes the source and work variables the user set (SOURCES=..., WORK=...), so
+# that a make command a message suggests runs against the same source and work area.
+MAKE_VARS_ENV = "LMSTOOL_MAKE_VARS"
 
 # option name -> (command-line spelling, make spelling)
 _SPELLINGS: dict[str, tuple[str, str]] = {
@@ -46,6 +49,14 @@ def option(name: str, value: str = "") -> str:
     return f"{cli}{value}".rstrip()
 
 
+def make_command(make: str) -> str:
+    """``make`` with the source and work variables the user gave make appended
+    (``make patch TAG=v2.6.0 SOURCES=../tarballs``), so that it runs as the user's did."""
+    given = os.environ.get(MAKE_VARS_ENV, "").strip() if via_make() else ""
+    return f"{make} {given}" if given else make
+
+
 def command(cli: str, make: str) -> str:
-    """The command to run next: ``make`` form under make, the lmstool form otherwise."""
-    return f"`{make}`" if via_make() else f"`{cli}`"
+    """The command to run next: ``make`` form under make (with the user's variables), the
+    lmstool form otherwise."""
+    return f"`{make_command(make)}`" if via_make() else f"`{cli}`"

@@ -29,7 +29,7 @@ from lmstool.gitutil import (
     run_git,
     tracked_changes,
 )
-from lmstool.hints import command, option
+from lmstool.hints import command, make_command, option
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,8 @@ def apply_series(tree: Path, tag: str, patch_dir: Path) -> ApplyResult:
     if not patches:
         raise LmsToolError(
             f"no series for {tag}: {patch_dir} has no *.patch files; the tag is source only "
-            f"(generate its series with `make patches TAG={tag}` once integration/{tag}/series "
+            f"(generate its series with `{make_command(f'make patches TAG={tag}')}` once "
+            f"integration/{tag}/series "
             f"exists)"
         )
     repo = open_repo(tree)
@@ -337,7 +338,7 @@ def apply_series(tree: Path, tag: str, patch_dir: Path) -> ApplyResult:
             advice=(
                 f"nothing was applied: HEAD and the tree of {tree} are as before. The series "
                 f"does not fit this tree: rebase it (edit the hunk in integration/{tag}/, "
-                f"`make patches TAG={tag}`; see CONTRIBUTING.md)"
+                f"`{make_command(f'make patches TAG={tag}')}`; see CONTRIBUTING.md)"
             ),
         )
         return ApplyResult(n, False, f"applied {n} patches; HEAD is {repo.head.commit.hexsha[:12]}")
