@@ -70,6 +70,7 @@ verify: venv ## check every committed series applies and is up to date (or TAG=.
 
 patches: venv ## regenerate patches/TAG/ from engine/ + integration/TAG/ (all tags unless TAG=...)
 	$(LMSTOOL) patches $(TAGS_GIVEN) $(SOURCE_ARGS)
+	$(LMSTOOL) series-size --readme README.md
 
 test: venv ## run the test suite (the tests of real PyTorch sources use the tarballs in SOURCES)
 	LMS_SOURCES='$(if $(strip $(SOURCES)),$(abspath $(SOURCES)))' $(PY) -m pytest tests -ra

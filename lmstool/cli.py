@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "lmstool.commands.patches",
     "lmstool.commands.verify",
     "lmstool.commands.tags",
+    "lmstool.commands.series_size",
     "lmstool.commands.engine_files",
     "lmstool.commands.build",
     "lmstool.commands.conda_package",
