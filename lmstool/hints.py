@@ -28,6 +28,7 @@ _SPELLINGS: dict[str, tuple[str, str]] = {
     "python": ("--python ", "PYTHON="),
     "python_exe": ("--python-exe ", "PYTHON_EXE="),
     "max_jobs": ("--max-jobs ", "MAX_JOBS="),
+    "preflight": ("--preflight", "PREFLIGHT=1"),
 }
 
 

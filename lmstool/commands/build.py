@@ -8,6 +8,7 @@ from pathlib import Path
 
 from lmstool import plan, preflight, steps
 from lmstool.errors import LmsToolError
+from lmstool.hints import option
 from lmstool.matrix import load_matrix
 
 
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         for finding in preflight.source_findings(cfg, matrix):
             if not finding.ok:
                 print(f"Preflight will stop this build:\n{finding.render()}")
-        print("Dry run: nothing was run. `--preflight` checks this host.")
+        print(f"Dry run: nothing was run. `{option('preflight')}` checks this host.")
         return 0
     print(f"lmstool build: {cfg.name} in {cfg.build_dir}", flush=True)
     findings = preflight.preflight(cfg, matrix)

@@ -8,7 +8,7 @@ from lmstool.commands.common import spec_from_args
 from lmstool.commands.patches import add_tag_arguments
 from lmstool.errors import LmsToolError
 from lmstool.generate import Sources, verify_tag
-from lmstool.hints import option, via_make
+from lmstool.hints import via_make
 from lmstool.matrix import load_matrix
 from lmstool.source import SourceUnavailable
 
@@ -26,11 +26,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
             if args.skip_unavailable:
                 print(f"{tag.name}: SKIPPED, source unavailable: {exc}")
                 continue
-            skip = "" if via_make() else "pass --skip-unavailable, or "
-            raise LmsToolError(
-                f"{tag.name}: source unavailable: {exc} ({skip}pass {option('sources', 'DIR')} "
-                f"with the tag's tarball)"
-            ) from None
+            # The source's own message already says how to give another source; add only
+            # what verify alone can do.
+            skip = "" if via_make() else " (or pass --skip-unavailable to go on without it)"
+            raise LmsToolError(f"{tag.name}: source unavailable: {exc}{skip}") from None
         for note in report.notes:
             print(f"{tag.name}: {note}")
         for problem in report.problems:

@@ -460,6 +460,7 @@ def test_submodule_fix_names_make_variables(
     code, out, _ = run_cli(capsys, *args, "--sources", str(sources))
     assert code == 0
     assert f"run again without SOURCES={sources}" in out and "MIRROR=PATH" in out
+    assert "`PREFLIGHT=1` checks this host" in out and "--preflight" not in out
     assert "--sources" not in out.split("Preflight will stop this build")[1]
     # The default (no SOURCES) clones from GitHub with the submodules: nothing to stop.
     code, out, _ = run_cli(capsys, *args)

@@ -124,6 +124,7 @@ def test_verify_source_only_and_unavailable(fake: Fake, tmp_path: Path) -> None:
     (fake.sources / "fake_0.1.0.orig.tar.xz").unlink()
     proc = run_cli(*args, cache=tmp_path / "empty-cache")
     assert proc.returncode == 2 and "source unavailable" in proc.stderr
+    assert proc.stderr.count("--skip-unavailable") == 1  # each hint once
     proc = run_cli(*args, "--skip-unavailable", cache=tmp_path / "empty-cache")
     assert proc.returncode == 0 and "v0.1.0: SKIPPED, source unavailable" in proc.stdout
 
