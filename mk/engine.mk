@@ -16,6 +16,8 @@ engine: patch ## build TAG's patched c10/c10_cuda (RUNTIME=sim|real) and run the
 
 ppc64le: patch ## cross-build the patched c10/c10_cuda and engine suite for ppc64le, run under qemu
 	scripts/install-deps.sh scripts/apt-packages-ppc64le.txt
+	@# fmt's headers and nvml.h come from .carry/ (scripts/prepare-carry.sh, once, networked)
+	test -f .carry/root/usr/include/fmt/format.h -a -f .carry/nvml/include/nvml.h || scripts/prepare-carry.sh
 	standalone/cross-ppc64le.sh --source $(TREE) --build $(WORK)/engine-ppc64le
 
 gpu-engine: ## on a GPU host: engine suite and copy benchmark on the real GPU (needs .carry/)
