@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Engine tier on a real GPU (T2): extracts TAG's source tarball, applies its committed series,
 # builds libc10 + libc10_cuda against the real CUDA runtime (standalone/, never a full PyTorch
-# build), runs the engine suite and the page-out/page-in throughput benchmark.
+# build), runs the engine suites (engine, learned schedule, host tier) and the page-out/page-in
+# throughput benchmark.
 #
 #   [TAG=v2.6.0] scripts/gpu/run-engine.sh     results under $OUT (default: out/engine)
 #
@@ -55,11 +56,20 @@ echo "== build (real CUDA runtime)"
 bash "$ROOT/standalone/build.sh" --source "$tree" --build "$WORK/build" --runtime real \
   --jobs "$(nproc)"
 
-echo "== engine suite"
-set +e
-"$WORK/build/test_lms_engine" 2>&1 | tee "$OUT/engine-tests.txt"
-suite=${PIPESTATUS[0]}
-set -e
+echo "== engine suites: engine, learned schedule, host tier"
+# The host suite's processes share a ledger of their own, not the host's.
+export PYTORCH_LMS_HOST_LEDGER="$WORK/host-ledger"
+rm -f "$PYTORCH_LMS_HOST_LEDGER"
+suite=0
+: >"$OUT/engine-tests.txt"
+for name in test_lms_engine test_lms_schedule test_lms_host; do
+  echo "== $name" | tee -a "$OUT/engine-tests.txt"
+  set +e
+  "$WORK/build/$name" 2>&1 | tee -a "$OUT/engine-tests.txt"
+  status=${PIPESTATUS[0]}
+  set -e
+  [[ $status -eq 0 ]] || suite=$status
+done
 
 echo "== page-out / page-in throughput"
 "$WORK/build/bench_lms_copy" --csv "$OUT/bench-copy.csv" 2>&1 | tee "$OUT/bench-copy.txt"

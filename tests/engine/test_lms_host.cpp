@@ -267,7 +267,10 @@ class TempDir {
   }
   ~TempDir() {
     const std::string command = "rm -rf '" + path_ + "'";
-    (void)std::system(command.c_str());
+    // Best effort; glibc marks system() warn_unused_result, which a (void)
+    // cast does not silence in g++.
+    const int status = std::system(command.c_str());
+    (void)status;
   }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
