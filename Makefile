@@ -26,11 +26,11 @@ VENV ?= .venv
 export LMS_CACHE ?= $(abspath $(WORK))/cache
 PY := $(VENV)/bin/python
 # LMSTOOL_FRONTEND=make: lmstool's messages name make variables (SOURCES=DIR, not --sources DIR).
-# LMSTOOL_MAKE_VARS: the source and work variables given to make, which lmstool appends to
-# the make commands it suggests.
-LMSTOOL_MAKE_VARS := $(strip $(foreach v,SOURCES REMOTE MIRROR,$(if $(strip $($(v))),$(v)=$($(v)))) \
+# LMSTOOL_MAKE_VARS (in lmstool's environment): the source and work variables given to make,
+# which lmstool appends to the make commands it suggests.
+export LMSTOOL_MAKE_VARS := $(strip $(foreach v,SOURCES REMOTE MIRROR,$(if $(strip $($(v))),$(v)=$($(v)))) \
 	$(if $(filter-out work,$(WORK)),WORK=$(WORK)))
-LMSTOOL := LMSTOOL_FRONTEND=make LMSTOOL_MAKE_VARS='$(LMSTOOL_MAKE_VARS)' $(PY) -m lmstool
+LMSTOOL := LMSTOOL_FRONTEND=make $(PY) -m lmstool
 SOURCE_ARGS := $(if $(strip $(MIRROR)),--mirror $(MIRROR),$(if $(strip $(REMOTE)),--remote $(REMOTE),$(if $(strip $(SOURCES)),--sources $(SOURCES))))
 TREE := $(WORK)/pytorch-$(TAG)
 # `make patches` / `make verify`: only TAG when it was given, otherwise every tag.
