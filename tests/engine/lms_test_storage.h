@@ -1,12 +1,16 @@
 #pragma once
 
-// What the engine tests do to a storage as an operator would: write the
-// pattern of a seed into it, or check that it holds it, pinned for the
-// duration, on the current stream.
+// What the engine tests do to a storage as an operator would: make one with
+// the caching allocator, write the pattern of a seed into it, or check that it
+// holds it, pinned for the duration, on the current stream.
 
 #include "lms_test_data.h"
 
 #include <c10/core/StorageImpl.h>
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#include <c10/cuda/CUDACachingAllocator.h>
+#pragma GCC diagnostic pop
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/LargeModelSupport.h>
@@ -18,6 +22,18 @@
 #include <vector>
 
 namespace lms_test {
+
+using StoragePtr = c10::intrusive_ptr<c10::StorageImpl>;
+
+// A storage of `bytes` bytes from the caching allocator (an LMS storage
+// while LMS is on and `bytes` is at least the size threshold).
+inline StoragePtr newStorage(size_t bytes) {
+  return c10::make_intrusive<c10::StorageImpl>(
+      c10::StorageImpl::use_byte_size_t(),
+      static_cast<int64_t>(bytes),
+      c10::cuda::CUDACachingAllocator::get(),
+      /*resizable=*/false);
+}
 
 inline cudaStream_t stream() {
   return c10::cuda::getCurrentCUDAStream().stream();

@@ -54,7 +54,7 @@ namespace {
 
 namespace lms = c10::cuda::lms;
 namespace cca = c10::cuda::CUDACachingAllocator;
-using StoragePtr = c10::intrusive_ptr<c10::StorageImpl>;
+using lms_test::StoragePtr;
 
 constexpr size_t kMiB = 1024 * 1024;
 constexpr int kSimFaultDeviceAlloc = 0;
@@ -136,13 +136,7 @@ class Env {
   c10::DeviceIndex device_;
 };
 
-StoragePtr newStorage(size_t bytes) {
-  return c10::make_intrusive<c10::StorageImpl>(
-      c10::StorageImpl::use_byte_size_t(),
-      static_cast<int64_t>(bytes),
-      cca::get(),
-      /*resizable=*/false);
-}
+using lms_test::newStorage;
 
 using lms_test::pattern;
 

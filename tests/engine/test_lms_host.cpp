@@ -58,7 +58,7 @@ namespace {
 
 namespace lms = c10::cuda::lms;
 namespace cca = c10::cuda::CUDACachingAllocator;
-using StoragePtr = c10::intrusive_ptr<c10::StorageImpl>;
+using lms_test::StoragePtr;
 
 constexpr size_t kMiB = 1024 * 1024;
 constexpr size_t kGiB = 1024 * kMiB;
@@ -77,13 +77,7 @@ void initAllocator() {
   (void)initialized;
 }
 
-StoragePtr newStorage(size_t bytes) {
-  return c10::make_intrusive<c10::StorageImpl>(
-      c10::StorageImpl::use_byte_size_t(),
-      static_cast<int64_t>(bytes),
-      cca::get(),
-      /*resizable=*/false);
-}
+using lms_test::newStorage;
 
 using lms_test::matches;
 using lms_test::stream;
