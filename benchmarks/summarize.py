@@ -21,6 +21,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
@@ -118,29 +119,39 @@ NOCAP_END = "<!-- nocap-table:end -->"
 GiB = 1 << 30
 
 
-def _nocap_runs(folder: Path) -> list[dict[str, object]]:
+def _nocap_runs(folder: Path) -> list[dict[str, Any]]:
     runs = [json.loads(p.read_text()) for p in sorted(folder.rglob("nocap-*.json"))]
     runs = [r for r in runs if r.get("regime") == "nocap"]
-    return sorted(
-        runs,
-        key=lambda r: (
-            MODEL_ORDER.index(str(r["config"]["model"]))  # type: ignore[index]
-            if r["config"]["model"] in MODEL_ORDER  # type: ignore[index]
-            else len(MODEL_ORDER)
-        ),
-    )
+
+    def order(run: dict[str, Any]) -> int:
+        model = run["config"]["model"]
+        return MODEL_ORDER.index(model) if model in MODEL_ORDER else len(MODEL_ORDER)
+
+    return sorted(runs, key=order)
 
 
-def _seconds(row: dict[str, object] | None) -> str:
+def _seconds(row: dict[str, Any] | None) -> str:
     if row is None:
         return "not measured"
     if row.get("status") == "ok":
-        return f"{float(row['iteration_s']):.2f}"  # type: ignore[arg-type]
+        return f"{float(row['iteration_s']):.2f}"
     if row.get("status") == "oom":
         return "out of memory"
     detail = str(row.get("detail") or "")
     reason = detail.split(":")[0] if detail else ""
     return f"{row.get('status')} ({reason})" if reason else str(row.get("status"))
+
+
+def _lms_columns(lms: dict[str, Any] | None, deficit_bytes: float) -> tuple[str, str, str]:
+    """First step, bytes moved (out over the deficit), efficiency both ways / one way."""
+    if lms is None or lms.get("status") != "ok":
+        return "", "", ""
+    out, into = float(lms["out_bytes_per_iter"]), float(lms["in_bytes_per_iter"])
+    return (
+        f"{float(lms['first_iteration_s']):.1f}",
+        f"{out / GiB:.1f} / {into / GiB:.1f} ({out / deficit_bytes:.2f}x)",
+        f"{float(lms['deficit_efficiency']):.0%} / {float(lms['serial_efficiency']):.0%}",
+    )
 
 
 def nocap_summary(folder: Path, shown_as: str, engine_sha256: str) -> str:
@@ -151,17 +162,10 @@ def nocap_summary(folder: Path, shown_as: str, engine_sha256: str) -> str:
     runs = _nocap_runs(folder)
     if not runs:
         return f"No no-cap results in `{shown_as}` yet: run `compare.py --regime nocap`."
+    keys = ("engine_commit", "engine_sources_sha256", "device", "torch", "cuda", "driver")
     envs = {
-        (
-            str(e.get("engine_commit")),
-            str(e.get("engine_sources_sha256")),
-            str(e.get("device")),
-            str(e.get("torch")),
-            str(e.get("cuda")),
-            str(e.get("driver")),
-            str(e.get("date", ""))[:10],
-        )
-        for e in (r["environment"] for r in runs)  # type: ignore[misc]
+        (*(str(r["environment"].get(k)) for k in keys), str(r["environment"].get("date", ""))[:10])
+        for r in runs
     }
     lines = []
     for commit, sha, device, torch, cuda, driver, date in sorted(envs):
@@ -189,40 +193,20 @@ def nocap_summary(folder: Path, shown_as: str, engine_sha256: str) -> str:
     rows = []
     for run in runs:
         name = str(run["workload"]).split(",")[0]
-        measured = run["measurements"]  # type: ignore[index]
-        for plan in run["plans"]:  # type: ignore[union-attr]
+        measured = {(m["method"], m["factor"]): m for m in run["measurements"]}
+        for plan in run["plans"]:
             f = plan["factor"]
-
-            def find(
-                method: str, f: float = f, measured: object = measured
-            ) -> dict[str, object] | None:
-                for m in measured:  # type: ignore[union-attr]
-                    if m["method"] == method and m["factor"] == f:
-                        return m  # type: ignore[no-any-return]
-                return None
-
-            lms, ckpt = find("lms"), find("checkpoint")
-            rivals = ", ".join(_seconds(find(m)) for m in ("offload", "save_on_cpu"))
-            ok = lms is not None and lms.get("status") == "ok"
-            deficit = plan["deficit_bytes"] / GiB
+            lms = measured.get(("lms", f))
+            rivals = ", ".join(_seconds(measured.get((m, f))) for m in ("offload", "save_on_cpu"))
             rows.append(
                 (
                     name,
                     f"{f:g}x",
                     str(plan["batch"]),
-                    f"{deficit:.1f}",
+                    f"{plan['deficit_bytes'] / GiB:.1f}",
                     _seconds(lms),
-                    f"{float(lms['first_iteration_s']):.1f}" if ok else "",  # type: ignore[index,arg-type]
-                    f"{float(lms['out_bytes_per_iter']) / GiB:.1f} / "  # type: ignore[index,arg-type]
-                    f"{float(lms['in_bytes_per_iter']) / GiB:.1f} "  # type: ignore[index,arg-type]
-                    f"({float(lms['out_bytes_per_iter']) / plan['deficit_bytes']:.2f}x)"  # type: ignore[index,arg-type]
-                    if ok
-                    else "",
-                    f"{float(lms['deficit_efficiency']):.0%} / "  # type: ignore[index,arg-type]
-                    f"{float(lms['serial_efficiency']):.0%}"  # type: ignore[index,arg-type]
-                    if ok
-                    else "",
-                    _seconds(ckpt),
+                    *_lms_columns(lms, plan["deficit_bytes"]),
+                    _seconds(measured.get(("checkpoint", f))),
                     rivals,
                 )
             )
