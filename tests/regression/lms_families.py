@@ -472,6 +472,96 @@ def adamw_family(tiny: bool) -> Family:
     )
 
 
+# ---------------------------------------------------------------------------------------
+# Token-choice mixture of experts: allocation sizes change every step
+# ---------------------------------------------------------------------------------------
+
+
+class TopOneMoE(nn.Module):
+    """A pre-norm residual layer of ``experts`` feed-forward experts with top-1 routing.
+
+    Each token goes to the expert its router scores highest, so how many tokens each expert
+    gets, and with it the size of every expert activation, changes from step to step: the
+    caching allocator sees new sizes every iteration, the pattern that fragments its cache.
+    Outputs are written with ``index_copy`` (each token once), so the forward and backward
+    passes are deterministic.
+    """
+
+    def __init__(self, dim: int, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.router = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
+            for _ in range(experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        gate, choice = self.router(h).softmax(dim=-1).max(dim=-1)
+        out = torch.zeros_like(h)
+        for index, expert in enumerate(self.experts):
+            tokens = (choice == index).nonzero(as_tuple=True)[0]
+            if tokens.numel() == 0:
+                continue
+            y = expert(h.index_select(0, tokens)) * gate.index_select(0, tokens).unsqueeze(1)
+            out = out.index_copy(0, tokens, y)
+        return x + out
+
+
+class MoEStack(nn.Module):
+    """``layers`` top-1 mixture-of-experts layers and a linear head."""
+
+    def __init__(self, dim: int, hidden: int, experts: int, layers: int, classes: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(TopOneMoE(dim, hidden, experts) for _ in range(layers)))
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x))
+
+
+def moe_batches(
+    tokens: int, dim: int, clusters: int, classes: int, seed: int
+) -> Callable[[int, torch.device], Batch]:
+    """Tokens drawn around ``clusters`` centers with weights drawn anew for every batch, so
+    that the router's load per expert swings between steps."""
+
+    def make(index: int, device: torch.device) -> Batch:
+        g = _generator(device, seed + index)
+        centers = 4.0 * torch.randn(clusters, dim, device=device, generator=g)
+        weights = torch.rand(clusters, device=device, generator=g) ** 4
+        which = torch.multinomial(weights, tokens, replacement=True, generator=g)
+        x = centers.index_select(0, which) + torch.randn(tokens, dim, device=device, generator=g)
+        labels = torch.randint(0, classes, (tokens,), device=device, generator=g)
+        return x, labels
+
+    return make
+
+
+def moe_family(tiny: bool) -> Family:
+    # GPU: 32768 tokens of width 1024 (128 MiB per token tensor); an expert's hidden
+    # activation is its share of 32768 x 4096 fp32 (512 MiB in all), and the shares change
+    # every step. The head's logits over 3072 classes are 384 MiB, allocated inside its
+    # Linear. 4 layers of 8 experts (1 GiB of parameters, 2 GiB of Adam state): uncapped
+    # peak about 8-10 GiB.
+    tokens, dim, hidden, experts, layers, classes = (
+        (64, 16, 32, 4, 2, 8) if tiny else (32768, 1024, 4096, 8, 4, 3072)
+    )
+    return Family(
+        name="moe",
+        description=(
+            f"token-choice top-1 mixture of experts, {layers} layers of {experts} experts "
+            f"(width {dim}, hidden {hidden}), {tokens} tokens whose expert loads change "
+            "every step"
+        ),
+        build=lambda: MoEStack(dim, hidden, experts, layers, classes),
+        make_batch=moe_batches(tokens, dim, clusters=2 * experts, classes=classes, seed=8000),
+        loss=F.cross_entropy,
+        make_optimizer=adam,
+    )
+
+
 FAMILIES: dict[str, Callable[[bool], Family]] = {
     "cnn2d": cnn2d_family,
     "unet3d": unet3d_family,
@@ -480,6 +570,7 @@ FAMILIES: dict[str, Callable[[bool], Family]] = {
     "amp_fp16": amp_family,
     "grad_accum": grad_accum_family,
     "adamw_foreach": adamw_family,
+    "moe": moe_family,
 }
 
 
