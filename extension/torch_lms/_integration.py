@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 from types import ModuleType
 from typing import Any, Callable
 
@@ -188,36 +187,6 @@ def _guard_graph_capture(binding: ModuleType, api: ModuleType) -> None:
     context_class.__enter__ = graph_enter
 
 
-def _user_chose_expandable_segments() -> bool:
-    conf = ",".join(
-        os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
-    )
-    return "expandable_segments" in conf
-
-
-def _expandable_segments_with_lms(binding: ModuleType) -> None:
-    """Turns on the allocator's expandable segments when LMS is enabled.
-
-    Page-outs free memory in the middle of cached segments. The patched build retries a
-    failed device allocation after reclaiming and releasing the cache; a stock allocator
-    cannot be made to retry, so a large request that the scattered free space cannot serve
-    would fail under a memory cap. Expandable segments map and unmap pages wherever they
-    are free, so that space serves any request. A setting the user made is left alone.
-    """
-    set_enabled = binding._cuda_lms_setEnabled
-
-    def _cuda_lms_setEnabled(enable: bool) -> None:
-        if enable and not _user_chose_expandable_segments():
-            # Newer releases move the setter to the accelerator-generic API.
-            setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-            if setter is None:
-                setter = torch.cuda.memory._set_allocator_settings
-            setter("expandable_segments:True")
-        set_enabled(enable)
-
-    binding._cuda_lms_setEnabled = _cuda_lms_setEnabled
-
-
 def install(binding: ModuleType, api: ModuleType) -> None:
     """Puts the LMS API into ``torch.cuda`` (once)."""
     global _installed
@@ -238,9 +207,8 @@ def install(binding: ModuleType, api: ModuleType) -> None:
     _wrap_data_ptr(binding)
     _use_triton_launcher()
     _guard_graph_capture(binding, api)
-    _expandable_segments_with_lms(binding)
     # LMS enabled through PYTORCH_LMS_CONF: finish what enabling through the API does
     # (initialize CUDA, attach the allocator hook that adoption needs).
     if binding._cuda_lms_getEnabled():
-        binding._cuda_lms_setEnabled(True)
+        api.set_enabled_lms(True)
     _installed = True

@@ -196,6 +196,13 @@ def lms(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
         module, "_get_device_index", lambda d, optional=False: 0 if d is None else real(d, optional)
     )
     module.fake = fake  # type: ignore[attr-defined]
+    settings: list[str] = []
+    monkeypatch.setattr(
+        module.torch._C, "_accelerator_setAllocatorSettings", settings.append, raising=False
+    )
+    module.allocator_settings = settings  # type: ignore[attr-defined]
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
     return module
 
 
@@ -239,6 +246,36 @@ def test_settings_reach_the_bindings(lms: ModuleType) -> None:
     lms.reset_peak_lms_stats(1)
     lms.reset_accumulated_lms_stats()
     assert lms.fake.calls[-2:] == [("resetPeakStats", (1,)), ("resetAccumulatedStats", (0,))]
+
+
+def test_enabling_turns_on_expandable_segments_unless_the_user_chose(
+    lms: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lms.set_enabled_lms(False)
+    assert lms.allocator_settings == []
+    lms.set_enabled_lms(True)
+    assert lms.allocator_settings == ["expandable_segments:True"]
+    for value in ("expandable_segments:False", "max_split_size_mb:64,expandable_segments:True"):
+        lms.allocator_settings.clear()
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", value)
+        lms.set_enabled_lms(True)
+        assert lms.allocator_settings == [], value
+    assert lms.get_enabled_lms() is True
+
+
+def test_expandable_segments_left_alone_where_the_allocator_has_none(
+    lms: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(setting: str) -> None:
+        raise RuntimeError(f"Unrecognized key {setting!r}")
+
+    monkeypatch.setattr(lms.torch._C, "_accelerator_setAllocatorSettings", refuse)
+    assert lms._prefer_expandable_segments() is False
+    monkeypatch.delattr(lms.torch._C, "_accelerator_setAllocatorSettings")
+    monkeypatch.delattr(lms.torch.cuda.memory, "_set_allocator_settings", raising=False)
+    assert lms._prefer_expandable_segments() is False
+    lms.set_enabled_lms(True)  # enabling still works
+    assert lms.get_enabled_lms() is True
 
 
 def test_numpy_integers_are_sizes(lms: ModuleType) -> None:
