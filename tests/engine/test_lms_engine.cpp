@@ -684,12 +684,63 @@ TEST_CASE(cached_blocks_stay_under_a_limit_below_the_share) {
   env.checkBaseline();
 }
 
+// A request that fits under the cap by bytes but not beside the segments the
+// allocator keeps for the tensors left: a small storage carved out of a large
+// cached segment holds it. While that storage is inactive LMS pages it out and
+// the allocator can return the segment; while the running operator has it
+// pinned nothing can move it, and the error says that the tensors fit by
+// bytes and what the allocator keeps mapped for them.
+TEST_CASE(a_small_storage_in_a_large_segment_is_paged_out_to_place_a_request) {
+  Env env(64 * kMiB);
+  for (const bool pinned : {false, true}) {
+    // Whatever the allocator keeps already (library memory of earlier
+    // cases) stays below the 64 MiB of this case.
+    lms::getBackend()->releaseCachedMemory(0);
+    const size_t base = lms::getBackend()->reservedBytes(0);
+    const lms_test::AllocatorCap cap(base + 64 * kMiB);
+    auto a = newStorage(30 * kMiB);
+    auto b = newStorage(30 * kMiB);
+    a.reset(); // a's segment stays cached, free
+    auto c = newStorage(4 * kMiB); // carved out of a's segment
+    write(*c, 7);
+    lms::releaseOutput(*c);
+    if (pinned) {
+      lms::pin(*c); // an input of the running operator
+    }
+    b.reset();
+    bool threw = false;
+    try {
+      auto d = newStorage(40 * kMiB); // 44 MiB of tensors under the cap
+      write(*d, 8);
+      CHECK(matches(*d, 8));
+    } catch (const c10::OutOfMemoryError& e) {
+      threw = true;
+      const std::string msg = e.what();
+      CHECK(msg.find("The tensors fit by bytes") != std::string::npos);
+      CHECK(
+          msg.find("40.00 MiB requested <= the allocator's cap") !=
+          std::string::npos);
+      CHECK(msg.find("mapped for them") != std::string::npos);
+    }
+    CHECK_EQ(threw, pinned);
+    if (pinned) {
+      lms::unpin(*c);
+    } else {
+      CHECK(lms::getStats(0).pageout_count > 0);
+    }
+    CHECK(matches(*c, 7));
+    c.reset();
+  }
+  env.checkBaseline();
+}
+
 // An operator whose own inputs, outputs so far and next allocation pass the
-// limit: the error says that no page-out could help, with the figures.
+// allocator's cap: the error says that no page-out could help, with the
+// figures.
 TEST_CASE(oom_names_the_running_operators_working_set) {
   Env env(16 * kMiB);
   {
-    const lms_test::AllocatorCap cap(24 * kMiB);
+    const lms_test::AllocatorCap cap(20 * kMiB);
     std::vector<StoragePtr> inputs;
     for (int i = 0; i < 3; ++i) { // 12 MiB pinned by the operator
       inputs.push_back(newStorage(4 * kMiB));
@@ -699,15 +750,18 @@ TEST_CASE(oom_names_the_running_operators_working_set) {
     CHECK_EQ(lms::getStats(0).operator_output_bytes.current, int64_t(4 * kMiB));
     bool threw = false;
     try {
-      auto more = newStorage(8 * kMiB); // 24 MiB at once under a 16 MiB limit
+      auto more = newStorage(8 * kMiB); // 24 MiB at once under a 20 MiB cap
     } catch (const c10::OutOfMemoryError& e) {
       threw = true;
       const std::string msg = e.what();
       CHECK(msg.find("working set does not fit") != std::string::npos);
       CHECK(msg.find("4.00 MiB allocated by it so far") != std::string::npos);
-      CHECK(msg.find("= 24.00 MiB > 16.00 MiB") != std::string::npos);
+      CHECK(
+          msg.find("= 24.00 MiB > the allocator's cap (20.00 MiB)") !=
+          std::string::npos);
     }
     CHECK(threw);
+    CHECK_EQ(lms::lastOutOfMemoryRequest(), 8 * kMiB);
     lms::releaseOutput(*output); // the operator ends
     CHECK_EQ(lms::getStats(0).operator_output_bytes.current, int64_t(0));
     for (auto& s : inputs) {
@@ -735,7 +789,7 @@ TEST_CASE(pinned_working_set_too_large_gives_lms_oom) {
       const std::string msg = e.what();
       CHECK(msg.find("Large Model Support") != std::string::npos);
       CHECK(msg.find("pinned by the running operator") != std::string::npos);
-      CHECK(msg.find("LMS limit") != std::string::npos);
+      CHECK(msg.find("LMS pages out ahead above") != std::string::npos);
     }
     CHECK(threw);
     CHECK(lms::getStats(0).oom_count >= 1);
@@ -800,12 +854,18 @@ TEST_CASE(pending_error_is_raised_by_the_next_allocation) {
   Env env(64 * kMiB);
   {
     const auto failures = lms::getStats(0).pin_failures;
+    const uint64_t raised = lms::outOfMemoryErrorsRaised();
     CHECK(!lms::hasPendingError());
     lms::setPendingError(0, oomError("op did not fit"));
     CHECK(lms::hasPendingError());
     CHECK_EQ(lms::getStats(0).pin_failures, failures + 1);
+    CHECK_EQ(lms::outOfMemoryErrorsRaised(), raised); // not raised yet
     CHECK_THROWS_AS(
         newStorage(2 * kMiB), c10::OutOfMemoryError, "op did not fit");
+    // Counted where it is raised, with its request: an operator that catches
+    // it is told apart from one that never saw it.
+    CHECK_EQ(lms::outOfMemoryErrorsRaised(), raised + 1);
+    CHECK_EQ(lms::lastOutOfMemoryRequest(), 2 * kMiB);
     CHECK(!lms::hasPendingError());
     auto s = newStorage(2 * kMiB); // raised once only
     write(*s, 1);

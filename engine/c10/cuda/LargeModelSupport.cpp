@@ -87,6 +87,9 @@ thread_local std::exception_ptr t_pending_error;
 // pinned memory (HostPool::lastRefusal() says why): an out-of-memory error
 // that follows names host memory, the tier that ran out.
 thread_local bool t_host_refused = false;
+// Out-of-memory errors raised on this thread (outOfMemoryErrorsRaised()).
+thread_local uint64_t t_oom_raised = 0;
+thread_local size_t t_oom_request = 0;
 
 // Keeps the allocator's failure path from reclaiming on this thread for a
 // scope (see t_no_reclaim).
@@ -583,10 +586,12 @@ void releaseCacheOverShare(DeviceEngine& e) {
 }
 
 // Raises the error an operator's pinning left for its first allocation.
-void raisePendingError() {
+void raisePendingError(size_t size) {
   if (C10_UNLIKELY(t_pending_error != nullptr)) {
     std::exception_ptr error = std::move(t_pending_error);
     t_pending_error = nullptr;
+    ++t_oom_raised;
+    t_oom_request = size;
     std::rethrow_exception(error);
   }
 }
@@ -848,6 +853,8 @@ size_t enforceLimit(DeviceEngine& e, size_t size) {
     std::lock_guard<std::mutex> lock(e.mutex);
     ++e.stats.oom_count;
   }
+  ++t_oom_raised;
+  t_oom_request = size;
   TORCH_CHECK_WITH(
       OutOfMemoryError, false, describeOutOfMemory(e.device, size));
 }
@@ -2623,7 +2630,7 @@ c10::DataPtr allocate(
     c10::DeviceIndex device,
     size_t size,
     cudaStream_t stream) {
-  raisePendingError();
+  raisePendingError(size);
   DeviceEngine& e = engineFor(device);
   pollStalls(e, /*wait=*/false);
   if (isCapturing(stream)) {
@@ -2654,7 +2661,7 @@ c10::DataPtr allocate(
 }
 
 void* allocateRaw(c10::DeviceIndex device, size_t size, cudaStream_t stream) {
-  raisePendingError();
+  raisePendingError(size);
   if (isCapturing(stream)) {
     return backend().malloc(device, size, stream);
   }
@@ -2676,6 +2683,14 @@ void clearPendingError() {
 
 bool hasPendingError() {
   return t_pending_error != nullptr;
+}
+
+uint64_t outOfMemoryErrorsRaised() {
+  return t_oom_raised;
+}
+
+size_t lastOutOfMemoryRequest() {
+  return t_oom_request;
 }
 
 void beginHostUse(c10::StorageImpl& storage) {
@@ -2753,6 +2768,27 @@ void recordStream(const c10::DataPtr& data_ptr, cudaStream_t stream) {
   addUser(*r, stream);
 }
 
+namespace {
+
+// What the caching allocator maps for a new request of `size` bytes at least:
+// requests up to 1 MiB come from 2 MiB segments, up to 10 MiB from 20 MiB
+// segments, larger ones from segments rounded up to 2 MiB (its expandable
+// segments map 2 and 20 MiB pages, the same or less for requests of these
+// sizes).
+size_t segmentBytes(size_t size) {
+  constexpr size_t kSmallSegment = 2 * kMiB;
+  constexpr size_t kLargeSegment = 20 * kMiB;
+  if (size <= kMiB) {
+    return kSmallSegment;
+  }
+  if (size <= 10 * kMiB) {
+    return kLargeSegment;
+  }
+  return (size + kSmallSegment - 1) / kSmallSegment * kSmallSegment;
+}
+
+} // namespace
+
 std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
   DeviceEngine& e = engineFor(device);
   const size_t limit = effectiveLimit(e);
@@ -2799,19 +2835,43 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
           " is reserved by private pools (CUDA graphs, torch.cuda.MemPool), "
           "which LMS never pages out: leave room for them under the cap, or "
           "compile without mode=\"reduce-overhead\".";
+  // The allocator, not the LMS limit, is what failed: its cap (a per-process
+  // memory fraction) or, without one, what the device has left for this
+  // process. The limit only decides when LMS pages out ahead of that.
+  const size_t capacity = backend().capacityBytes(device);
+  size_t room = capacity;
+  if (capacity == SIZE_MAX) {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    room =
+        e.device_total > e.device_others ? e.device_total - e.device_others : 0;
+  }
+  const std::string room_name = capacity == SIZE_MAX
+      ? std::string("the device memory other processes leave (")
+      : std::string("the allocator's cap (");
+  const size_t reserved = backend().reservedBytes(device);
   // What the running operators need at once: what they pinned, what they
-  // allocated so far, and this request. When that alone passes the limit, no
-  // page-out can help; say so first.
+  // allocated so far, and this request. When that alone passes the room, no
+  // page-out can help; say so first. When it fits by bytes, the memory the
+  // allocator keeps mapped for the tensors left (pieces of segments, or pages,
+  // partly used by them) is what has no room for the request.
   const int64_t working_set = s.active_bytes.current +
       s.operator_output_bytes.current + static_cast<int64_t>(size);
-  const std::string verdict = working_set > static_cast<int64_t>(limit)
-      ? "The running operator's working set does not fit under the LMS "
-        "limit: " +
-          mib(s.active_bytes.current) + " pinned + " +
-          mib(s.operator_output_bytes.current) + " allocated by it so far + " +
-          mib(static_cast<int64_t>(size)) + " requested = " + mib(working_set) +
-          " > " + mib(static_cast<int64_t>(limit)) + ". "
-      : std::string();
+  std::string verdict;
+  if (working_set > static_cast<int64_t>(room)) {
+    verdict = "The running operator's working set does not fit: " +
+        mib(s.active_bytes.current) + " pinned + " +
+        mib(s.operator_output_bytes.current) + " allocated by it so far + " +
+        mib(static_cast<int64_t>(size)) + " requested = " + mib(working_set) +
+        " > " + room_name + mib(static_cast<int64_t>(room)) + "). ";
+  } else if (reserved + segmentBytes(size) > room) {
+    verdict = "The tensors fit by bytes (" +
+        mib(static_cast<int64_t>(allocated)) + " allocated + " +
+        mib(static_cast<int64_t>(size)) + " requested <= " + room_name +
+        mib(static_cast<int64_t>(room)) + ")), but the allocator keeps " +
+        mib(static_cast<int64_t>(reserved)) +
+        " mapped for them (segments or pages that tensors still in use "
+        "occupy in part) and has no room for the request beside it. ";
+  }
   return "CUDA out of memory with Large Model Support. Tried to allocate " +
       mib(static_cast<int64_t>(size)) + " on device " +
       std::to_string(int(device)) +
@@ -2826,7 +2886,8 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
       " storages below the LMS size threshold of " +
       mib(static_cast<int64_t>(g_size_threshold.load())) +
       " or without pinned host memory to page to), the rest too small or "
-      "not yet used by an operator. LMS limit " +
+      "not yet used by an operator; the allocator maps " +
+      mib(static_cast<int64_t>(reserved)) + ". LMS pages out ahead above " +
       mib(static_cast<int64_t>(limit)) + "; " + mib(s.pagedout_bytes.current) +
       " paged out to host. The working set of one operator must fit on the "
       "device: reduce the batch size or the operator's size, or lower the "

@@ -227,6 +227,14 @@ C10_CUDA_API void setPendingError(
 C10_CUDA_API void clearPendingError();
 C10_CUDA_API bool hasPendingError();
 
+// Out-of-memory errors LMS has raised on this thread, and the request of the
+// last one. An operator may catch them and go on another way (cuDNN tries an
+// algorithm with a smaller workspace when its workspace does not fit), which
+// can change its results: operator-boundary pinning compares the count at an
+// operator's start and end to warn when that happened.
+C10_CUDA_API uint64_t outOfMemoryErrorsRaised();
+C10_CUDA_API size_t lastOutOfMemoryRequest();
+
 // An operator whose input stays paged out reads and writes the pinned host
 // copy in place (see the top of this file). beginHostUse() orders the
 // current stream after the page-out copy that filled the host copy;

@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 namespace at::cuda::lms {
@@ -32,6 +33,8 @@ namespace engine = c10::cuda::lms;
 // Depth of FUNCTION-scope records on this thread. Only the outermost one
 // pins: see LmsPinning.h for why nested operators need no pins of their own.
 thread_local int t_depth = 0;
+// engine::outOfMemoryErrorsRaised() when the outermost operator started.
+thread_local uint64_t t_oom_at_start = 0;
 
 // One storage pinned by an operator. The inputs the callback sees are
 // destroyed right after the start callbacks run, so the storage is kept alive
@@ -241,6 +244,7 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   if (t_depth++ > 0) {
     return nullptr;
   }
+  t_oom_at_start = engine::outOfMemoryErrorsRaised();
   StorageList storages;
   for (const c10::IValue& input : fn.inputs()) {
     collect(input, storages);
@@ -353,21 +357,60 @@ void releaseOutputs(const at::RecordFunction& fn, bool outermost) {
   }
 }
 
+// An operator that ends normally although LMS raised an out-of-memory error
+// inside it caught the error and went on another way: cuDNN, for one, then
+// runs an algorithm with a smaller workspace, whose results can differ in the
+// last bits from those of a run with more memory. Said once per operator.
+void warnIfOutOfMemoryWasCaught(const at::RecordFunction& fn) {
+  if (engine::outOfMemoryErrorsRaised() == t_oom_at_start ||
+      std::uncaught_exceptions() > 0) {
+    return;
+  }
+  static std::mutex mutex;
+  static std::unordered_set<std::string> warned;
+  std::string name = fn.name();
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!warned.insert(name).second) {
+      return;
+    }
+  }
+  char request[32];
+  std::snprintf(
+      request,
+      sizeof(request),
+      "%.2f MiB",
+      static_cast<double>(engine::lastOutOfMemoryRequest()) / (1024 * 1024));
+  TORCH_WARN(
+      "Large Model Support: ",
+      name,
+      " caught an out-of-memory error raised inside it (no room could be "
+      "made for ",
+      request,
+      ") and went on another way. Libraries such as cuDNN then run an "
+      "algorithm that needs less memory, whose results can differ in the "
+      "last bits from a run with more memory. Give the operator more room (a "
+      "higher memory cap or LMS limit, a smaller batch) for the same "
+      "numbers.");
+}
+
 void unpinInputs(const at::RecordFunction& fn, at::ObserverContext* context) {
   if (isOperator(fn) && t_depth > 0) {
     releaseOutputs(fn, /*outermost=*/t_depth == 1);
   }
-  if (isOperator(fn) && t_depth > 0 && --t_depth == 0 &&
-      engine::hasPendingError()) {
-    // The operator allocated nothing through LMS after its pin failed, so it
-    // ran on the host copies of the inputs left out.
-    engine::clearPendingError();
-    TORCH_WARN_ONCE(
-        "Large Model Support: the inputs of ",
-        fn.name(),
-        " did not all fit on the device; it ran on the host copies of those "
-        "left out, over the bus. Give the operator more room (a higher limit "
-        "or memory cap, a smaller batch) if this is slow.");
+  if (isOperator(fn) && t_depth > 0 && --t_depth == 0) {
+    if (engine::hasPendingError()) {
+      // The operator allocated nothing through LMS after its pin failed, so
+      // it ran on the host copies of the inputs left out.
+      engine::clearPendingError();
+      TORCH_WARN_ONCE(
+          "Large Model Support: the inputs of ",
+          fn.name(),
+          " did not all fit on the device; it ran on the host copies of "
+          "those left out, over the bus. Give the operator more room (a "
+          "higher limit or memory cap, a smaller batch) if this is slow.");
+    }
+    warnIfOutOfMemoryWasCaught(fn);
   }
   if (context != nullptr) {
     auto* storages = static_cast<PinnedStorages*>(context);
