@@ -4,21 +4,28 @@ Modes (``--mode``):
 
 - ``reference``: LMS is neither imported nor enabled, no memory cap. With ``--measure-bound``
   one more iteration runs after the measured ones under a dispatch mode that records the
-  largest working set of one operator (unique bytes of the storages of its inputs and
-  outputs): the bound below which the cap must stay reachable.
+  largest working set of one operator (``WorkingSetMode``): the bound below which the cap
+  must stay reachable, in tensor bytes and as the allocator maps them (``allocator.py``).
 - ``capped``: LMS enabled with its default settings (through ``torch.cuda`` when PyTorch has
   it built in, else ``import torch_lms``) and the caching allocator capped at ``--cap-bytes``
   with ``torch.cuda.set_per_process_memory_fraction``.
-- ``capped-no-lms``: the same cap, LMS not imported (triage: does the cap alone change the
-  result?).
+- ``capped-no-lms``: the same cap, LMS not imported (does the cap bind without LMS?).
 - ``reference-no-cudnn`` / ``capped-no-cudnn``: as ``reference`` / ``capped`` with
   ``torch.backends.cudnn.enabled = False`` (triage: is cuDNN's algorithm choice the cause?).
 
+A request's ``alloc_conf`` (``--alloc-conf``) is the allocator setting of the run: it goes
+into ``PYTORCH_CUDA_ALLOC_CONF`` and ``PYTORCH_ALLOC_CONF`` before CUDA is initialized (and
+its ``expandable_segments`` entry to the allocator's setter), so that the references run with
+the setting the capped run uses; LMS leaves a setting made there alone. Every run records the
+setting it ran with (``allocator``: from the segments' ``is_expandable``, else the
+allocator's settings string, else the environment).
+
 Every run is seeded and deterministic (``torch.use_deterministic_algorithms(True,
 warn_only=True)``, cuDNN deterministic without benchmarking, no TF32,
-``CUBLAS_WORKSPACE_CONFIG=:4096:8``). The result holds the loss of each iteration, a SHA-256
-of every parameter's bytes after training, peak memory, seconds per iteration, LMS statistics,
-the bound, warnings, and the exception if one was raised. Exit status: 0 trained, 3 out of
+``CUBLAS_WORKSPACE_CONFIG=:4096:8``). The result holds the loss of each iteration, SHA-256
+hashes of every parameter's and of every buffer's bytes (BatchNorm running statistics) after
+training, peak memory, seconds per iteration, LMS statistics, the bound, the allocator
+setting, warnings, and the exception if one was raised. Exit status: 0 trained, 3 out of
 memory, 4 another exception.
 
 ``--serve`` turns the process into a fork server for ``runner``: it imports torch once, then
@@ -52,6 +59,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from . import models
+from .allocator import (
+    ALLOC_CONF_NAMES,
+    EXPANDABLE_KEY,
+    block_bytes,
+    expandable_in_conf,
+    mapped_bytes,
+    user_conf,
+)
 from .generator import Case, generate
 
 MODES = ("reference", "capped", "capped-no-lms", "reference-no-cudnn", "capped-no-cudnn")
@@ -66,6 +81,8 @@ FAULTS = (
     "cuda-error",
     "fork-broken",
     "perturb",
+    "perturb-buffer",
+    "fake-pageout",
 )
 
 EXIT_OK = 0
@@ -159,21 +176,52 @@ def param_hash(tensors: list[torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
+def op_working_set(
+    inputs: dict[int, int], outputs: dict[int, int], transient: int | None, expandable: bool
+) -> tuple[int, int]:
+    """The working set of one operator call: (tensor bytes, bytes as the allocator maps them).
+
+    ``inputs`` and ``outputs`` map each distinct storage (by address) to its size;
+    ``transient`` is the most the call had allocated at once (CUDA; None elsewhere).
+
+    Tensor bytes: the sizes of the storages of its inputs and outputs, or its inputs plus
+    ``transient``, whichever is larger. Mapped: ``mapped_bytes`` of each of those storages
+    summed, or, with ``transient``, ``mapped_bytes`` of each input and of each output the
+    call allocated, plus ``mapped_bytes`` of the rest of ``transient`` (its temporaries, such
+    as a workspace) counted as one allocation, whichever is larger.
+    """
+    everything = dict(inputs)
+    everything.update(outputs)
+    raw = sum(everything.values())
+    mapped = sum(mapped_bytes(n, expandable) for n in everything.values())
+    if transient is not None:
+        # Inputs (in-place ones too) were there before; new outputs are in the peak.
+        raw = max(raw, sum(inputs.values()) + transient)
+        fresh = [n for ptr, n in outputs.items() if ptr not in inputs]
+        rest = max(0, transient - sum(block_bytes(n) for n in fresh))
+        held = sum(mapped_bytes(n, expandable) for n in (*inputs.values(), *fresh))
+        mapped = max(mapped, held + mapped_bytes(rest, expandable))
+    return raw, mapped
+
+
 class WorkingSetMode(TorchDispatchMode):
     """Records the largest working set of one operator on one device type.
 
-    The working set of an operator call is the sum of the sizes of the distinct storages of
-    its tensor inputs and outputs, or, on CUDA, its inputs plus the most memory the call had
-    allocated at once (outputs and temporaries such as a cuDNN workspace), whichever is
-    larger; also kept: the largest single output storage (the largest allocation an operator
-    makes for its result).
+    The working set of an operator call is given by ``op_working_set`` (its inputs and
+    outputs, or on CUDA its inputs plus the most it had allocated at once), in tensor bytes
+    and as mapped by the allocator with ``expandable`` segments or without; the largest of
+    each is kept with its operator, as is the largest single output storage (the largest
+    allocation an operator makes for its result).
     """
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, expandable: bool = False) -> None:
         super().__init__()
         self.device_type = device_type
+        self.expandable = expandable
         self.max_bytes = 0
         self.max_op = ""
+        self.max_mapped_bytes = 0
+        self.max_mapped_op = ""
         self.max_alloc_bytes = 0
         self.max_alloc_op = ""
         self.max_inputs_bytes = 0
@@ -201,19 +249,15 @@ class WorkingSetMode(TorchDispatchMode):
         self.ops += 1
         outputs = self._storages(out)
         inputs = self._storages((args, kwargs))
-        everything = dict(inputs)
-        everything.update(outputs)
-        total = sum(everything.values())
-        transient = 0
-        if cuda:
-            transient = torch.cuda.max_memory_allocated() - before
-            # Inputs (in-place ones too) were there before; new outputs are in the peak.
-            total = max(total, sum(inputs.values()) + transient)
+        transient = torch.cuda.max_memory_allocated() - before if cuda else None
+        total, mapped = op_working_set(inputs, outputs, transient, self.expandable)
         if total > self.max_bytes:
             self.max_bytes, self.max_op = total, str(func)
             self.max_inputs_bytes = sum(inputs.values())
             self.max_outputs_bytes = sum(outputs.values())
-            self.max_transient_bytes = transient if cuda else 0
+            self.max_transient_bytes = transient or 0
+        if mapped > self.max_mapped_bytes:
+            self.max_mapped_bytes, self.max_mapped_op = mapped, str(func)
         if outputs:
             largest = max(outputs.values())
             if largest > self.max_alloc_bytes:
@@ -317,6 +361,9 @@ def train(case: Case, mode: str, device: torch.device, result: dict[str, Any], *
     if fault == "perturb":
         with torch.no_grad():
             next(model.parameters()).view(-1)[0].add_(1.0)
+    if fault == "perturb-buffer":
+        with torch.no_grad():
+            next(b for b in model.buffers() if b.is_floating_point()).view(-1)[0].add_(1.0)
     result["param_hash"] = param_hash(list(model.parameters()))
     result["buffer_hash"] = param_hash(list(model.buffers()))
     result["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -341,13 +388,23 @@ def train(case: Case, mode: str, device: torch.device, result: dict[str, Any], *
         result["library_bytes"] = max(0, torch.cuda.memory_allocated(device) - model_bytes)
     if measure_bound:
         # One more iteration, after the hash: the dispatch mode must not touch measured runs.
-        mode_ = WorkingSetMode(device.type)
+        # The mapped bound uses the allocator setting this process runs with (the runner
+        # gives the references the capped run's).
+        allocator = allocator_state(device)
+        expandable = bool(allocator["expandable_segments"])
+        mode_ = WorkingSetMode(device.type, expandable)
         with mode_:
             step(case.iterations)
         _sync(device)
+        library = int(result.get("library_bytes", 0))
         result["bound"] = {
             "bytes": mode_.max_bytes,
             "op": mode_.max_op,
+            "mapped_bytes": mode_.max_mapped_bytes,
+            "mapped_op": mode_.max_mapped_op,
+            "expandable_segments": allocator["expandable_segments"],
+            "allocator_source": allocator["source"],
+            "library_mapped_bytes": mapped_bytes(library, expandable),
             "largest_alloc_bytes": mode_.max_alloc_bytes,
             "largest_alloc_op": mode_.max_alloc_op,
             "ops_per_iteration": mode_.ops,
@@ -356,6 +413,61 @@ def train(case: Case, mode: str, device: torch.device, result: dict[str, Any], *
             "transient_bytes": mode_.max_transient_bytes,
             "library_bytes": result.get("library_bytes", 0),
         }
+
+
+def apply_alloc_conf(conf: str | None) -> None:
+    """Makes ``conf`` this process's allocator setting; call it before CUDA is initialized.
+
+    Sets both variables the allocator reads, and hands the ``expandable_segments`` entry to
+    the allocator's setter as well (the setting takes effect even where the allocator had
+    read its environment before). LMS leaves a setting made there alone.
+    """
+    if conf is None:
+        return
+    for name in ALLOC_CONF_NAMES:
+        os.environ[name] = conf
+    expandable = expandable_in_conf(conf)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None and torch.cuda.is_available():
+        setter = torch.cuda.memory._set_allocator_settings
+    if expandable is not None and setter is not None:
+        setter(f"{EXPANDABLE_KEY}:{expandable}")
+
+
+def allocator_state(device: torch.device) -> dict[str, Any]:
+    """The allocator setting this process runs with.
+
+    ``expandable_segments``: from the ``is_expandable`` of the device's segments when CUDA
+    has any (None where they are of both kinds), else from the allocator's settings string,
+    else from the environment, else False (the allocator's default); ``source`` says which.
+    """
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    try:
+        settings = str(getter()) if getter is not None else ""
+    except RuntimeError:
+        settings = ""
+    state: dict[str, Any] = {
+        "settings": settings,
+        "conf": {name: os.environ[name] for name in ALLOC_CONF_NAMES if name in os.environ},
+    }
+    if device.type == "cuda" and torch.cuda.is_initialized():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        kinds = {
+            bool(seg.get("is_expandable"))
+            for seg in torch.cuda.memory_snapshot()
+            if seg.get("device") in (None, index)
+        }
+        if kinds:
+            state["expandable_segments"] = kinds.pop() if len(kinds) == 1 else None
+            state["source"] = "segments" if state["expandable_segments"] is not None else "mixed"
+            return state
+    for source, text in (("allocator settings", settings), ("environment", user_conf(os.environ))):
+        value = expandable_in_conf(text)
+        if value is not None:
+            state.update(expandable_segments=value, source=source)
+            return state
+    state.update(expandable_segments=False, source="default")
+    return state
 
 
 def memory_picture(device: torch.device) -> dict[str, Any]:
@@ -402,9 +514,11 @@ def environment(device: torch.device, lms_backend: str | None) -> dict[str, Any]
         "lms_backend": lms_backend,
         "host": platform.node(),
     }
-    for name in ("PYTORCH_LMS_CONF", "PYTORCH_CUDA_ALLOC_CONF", "CUBLAS_WORKSPACE_CONFIG"):
+    for name in ("PYTORCH_LMS_CONF", *ALLOC_CONF_NAMES, "CUBLAS_WORKSPACE_CONFIG"):
         if os.environ.get(name):
             env[name] = os.environ[name]
+    env["device"] = device.type
+    env["cudnn"] = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env["device"] = props.name
@@ -455,6 +569,8 @@ def run(request: dict[str, Any]) -> int:
         last_failure["request_bytes"] = int(request_bytes)
 
     try:
+        # Before anything initializes CUDA (the fork server never does).
+        apply_alloc_conf(request.get("alloc_conf"))
         _inject(request.get("fault"), "start")
         if device.type == "cuda":
             if uses_lms(mode):
@@ -508,6 +624,12 @@ def run(request: dict[str, Any]) -> int:
             result["lms_limit_bytes"] = int(torch.cuda.get_limit_lms())
         except Exception as exc:  # a broken CUDA context: keep the result of the run
             result["lms_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    if request.get("fault") == "fake-pageout":
+        result["lms"] = {"pageout_count": 1, "pageout_bytes": 1 << 20}  # the runner's tests
+    try:
+        result["allocator"] = allocator_state(device)
+    except Exception as exc:  # a broken CUDA context: keep the result of the run
+        result["allocator"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     times = result["iteration_seconds"]
     steady = times[1:] if len(times) > 1 else times
     result["s_per_iter"] = round(sum(steady) / len(steady), 4) if steady else None
@@ -633,6 +755,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cap-bytes", type=int, help="memory cap of the capped modes")
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu for tests")
     parser.add_argument("--measure-bound", action="store_true", help="record the bound")
+    parser.add_argument(
+        "--alloc-conf",
+        help="allocator setting of the run (PYTORCH_CUDA_ALLOC_CONF), e.g. "
+        "expandable_segments:True (default: the environment's)",
+    )
     parser.add_argument("--result", type=Path, help="where to write the JSON result")
     parser.add_argument("--fault", choices=FAULTS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -649,6 +776,7 @@ def main(argv: list[str] | None = None) -> int:
             "cap_bytes": args.cap_bytes,
             "device": args.device,
             "measure_bound": args.measure_bound,
+            "alloc_conf": args.alloc_conf,
             "result": str(args.result),
             "fault": args.fault,
         }
