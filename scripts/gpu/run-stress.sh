@@ -7,15 +7,33 @@
 #   scripts/gpu/run-stress.sh                  seeds 0.. until the budget; results under $OUT
 #   STRESS_START=60 scripts/gpu/run-stress.sh  continue a run that stopped before seed 60
 #
+# Each case runs four processes: two uncapped references without LMS (the first measures the
+# largest operator working set, in tensor bytes and as the allocator maps it), the capped run
+# with LMS and the same cap without LMS (a case counts only where the cap binds), all with the
+# capped run's allocator setting (expandable segments: as PYTORCH_CUDA_ALLOC_CONF sets them,
+# else as LMS does; STRESS_ARGS="--expandable-segments on|off" to choose). The gate judges
+# every record of $OUT, earlier attempts of a seed run again included; each record carries
+# the engine commit, dirty flag and engine sources hash (LMS_ENGINE_COMMIT and
+# LMS_ENGINE_DIRTY override git where this tree's .git is stale), torch, CUDA, cuDNN, driver
+# and device.
+#
 # Environment: OUT (default out/stress), STRESS_BUDGET_S (default 480: seconds for cases;
 # the build, if any, comes on top), STRESS_START (first seed, default 0), STRESS_SEEDS (most
 # seeds to run, default 1000: the budget ends the run first), STRESS_ARGS (more runner
-# arguments), PYTHON (default python3), CUDA_HOME (default /usr/local/cuda), MAX_JOBS
-# (parallel compile jobs, default 8).
-# Writes: run-stress.log, results.jsonl, summary.md, runs/SEED/ (each run's JSON and log),
+# arguments, e.g. "--jobs 12": cases at once; see python -m tests.regression.stress.runner
+# --help), PYTHON (default python3), CUDA_HOME (default /usr/local/cuda), MAX_JOBS (parallel
+# compile jobs, default 8).
+# Writes: run-stress.log, results.jsonl (one line per case and attempt), summary.md,
+# runs/SEED/ (each run's JSON and log; runs/SEED/attempt-N/ for a seed's later attempts),
 # build.log when it built the extension. Exit status: the runner's (1 when the gate fails).
-# Merge the results of several runs:
-#   python -m tests.regression.stress.runner --merge DIR1 DIR2 --out DIR
+# 200 seeds in two halves, then their records merged and judged together:
+#   OUT=out/stress-a STRESS_START=0 STRESS_SEEDS=100 STRESS_ARGS="--jobs 12" \
+#     scripts/gpu/run-stress.sh
+#   OUT=out/stress-b STRESS_START=100 STRESS_SEEDS=100 STRESS_ARGS="--jobs 12" \
+#     scripts/gpu/run-stress.sh
+#   python3 -m tests.regression.stress.runner --merge out/stress-a out/stress-b --out out/stress
+# A half that the budget stops early prints "continue with: --start S": run it again with
+# STRESS_START=S (and the remaining STRESS_SEEDS) into the same OUT.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)

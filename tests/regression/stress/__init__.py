@@ -1,8 +1,9 @@
 """Randomized stress suite of Large Model Support: generated models trained under memory caps.
 
 ``generator`` describes a case from its seed (no torch needed), ``models`` builds it,
+``allocator`` holds the caching allocator's rounding and settings (no torch needed),
 ``worker`` trains one case in one process and writes a JSON result, and ``runner`` runs the
-references and the capped run of each case in separate processes, classifies the outcome and
-writes ``results.jsonl`` and ``summary.md``. See ``python -m tests.regression.stress.runner
---help``.
+references and the capped runs (with LMS and without) of each case in separate processes,
+classifies the outcome and writes ``results.jsonl`` and ``summary.md``. See ``python -m
+tests.regression.stress.runner --help``.
 """

@@ -63,7 +63,8 @@ a new interpreter per run.
 Output in ``--out``: ``results.jsonl`` (one line per case and attempt, appended as each
 finishes, with its attempt number, time, and provenance: engine commit, dirty flag, engine
 sources hash, torch, CUDA, cuDNN, driver, device), ``summary.md`` (rewritten after each
-case), ``runs/SEED/`` (each run's JSON result and log of the latest attempt).
+case), ``runs/SEED/`` (each run's JSON result and log; ``runs/SEED/attempt-N/`` for a
+seed's later attempts).
 """
 
 from __future__ import annotations
@@ -110,9 +111,6 @@ NOT_COUNTED = ("cap-not-binding",)
 CUDNN_FAMILIES = ("resnet_add", "densenet_cat", "conv3d", "lstm")
 PIN_FAILURE_MARKER = "could not all be made resident"
 GiB = float(1 << 30)
-MiB = float(1 << 20)
-# What a capped run's result must equal its references in.
-COMPARED = ("parameters", "buffers", "losses")
 # Provenance and versions every record and the summary header carry.
 PROVENANCE_KEYS = (
     "engine_commit",
@@ -256,8 +254,8 @@ def _loss_keys(losses: Any) -> list[str]:
 
 
 def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """What of :data:`COMPARED` two trained runs' results differ in (a hash missing from
-    either counts as a difference)."""
+    """What two trained runs' results differ in: ``parameters``, ``buffers`` (their SHA-256
+    hashes; one missing from either counts as a difference) and ``losses`` (exactly)."""
     found = []
     for name, key in (("parameters", "param_hash"), ("buffers", "buffer_hash")):
         x, y = a.get(key), b.get(key)
@@ -1080,24 +1078,13 @@ def load_records(paths: list[Path]) -> list[dict[str, Any]]:
     return sorted(records, key=_record_order)
 
 
-def environment_of(records: list[dict[str, Any]], out: Path | None = None) -> dict[str, Any]:
-    """Versions and device: from the records' ``env``, else from run results in ``out/runs``."""
+def environment_of(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Versions and device from the ``env`` of run results: the first value given for each."""
     env: dict[str, Any] = {}
     for record in records:
-        found: list[dict[str, Any]] = [record.get("env") or {}]
-        for name in ("capped", "reference-1"):
-            path = out / "runs" / str(record["seed"]) / f"{name}.json" if out else None
-            if path is not None and path.is_file():
-                try:
-                    found.append(json.loads(path.read_text()).get("env") or {})
-                except json.JSONDecodeError:
-                    continue
-        for one in found:
-            for k, v in one.items():
-                if v is not None and k not in env:
-                    env[k] = v
-        if "lms_backend" in env and "device" in env:
-            break
+        for k, v in (record.get("env") or {}).items():
+            if v is not None and k not in env:
+                env[k] = v
     return env
 
 
