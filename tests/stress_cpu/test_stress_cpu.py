@@ -138,19 +138,13 @@ def test_allocator_settings_are_read_and_rewritten() -> None:
 
 
 def test_the_capped_runs_allocator_setting_is_resolved_for_every_run() -> None:
-    def never() -> bool | None:
-        raise AssertionError("the environment decides; no probe")
-
     env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
-    assert runner.resolve_expandable_segments(env, never)[0] is False
-    env = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
-    assert runner.resolve_expandable_segments(env, never)[0] is True
-    # Not set by the user: as LMS sets it when enabled.
-    drop_in, why = runner.resolve_expandable_segments({}, lambda: False)
-    assert drop_in is True and "drop-in" in why
-    patched, why = runner.resolve_expandable_segments({}, lambda: True)
-    assert patched is False and "built in" in why
-    assert runner.resolve_expandable_segments({}, lambda: None)[0] is True
+    assert runner.resolve_expandable_segments(env)[0] is False
+    env = {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64,expandable_segments:True"}
+    assert runner.resolve_expandable_segments(env)[0] is True
+    # Not chosen by the user: on, as LMS sets it when enabled.
+    chosen, why = runner.resolve_expandable_segments({"PYTORCH_CUDA_ALLOC_CONF": "a:1"})
+    assert chosen is True and "as LMS sets it" in why
 
 
 # ---------------------------------------------------------------------- classification
@@ -586,25 +580,26 @@ class SegfaultingLauncher(FakeLauncher):
         return Outcome(-11, False, 1.0, None, "")
 
 
-def test_every_run_of_a_case_gets_the_capped_runs_allocator_setting(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(runner, "lms_built_in", lambda python, env: False)
+def test_every_run_of_a_case_gets_the_capped_runs_allocator_setting(tmp_path: Path) -> None:
     launcher = FakeLauncher(0.0)
     launcher.env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:256"}
     settings = runner.Settings(out=tmp_path, device="cuda", provenance={})
     runner.prepare(settings, launcher)
-    assert settings.expandable_segments is True  # the drop-in's setting
+    assert settings.expandable_segments is True  # as LMS sets it
     got = runner.run_case(4, launcher, settings)
+    assert len(launcher.requests) == 4
     confs = {r["alloc_conf"] for r in launcher.requests}
     assert confs == {"max_split_size_mb:256,expandable_segments:True"}
     assert got["allocator"]["conf"] == "max_split_size_mb:256,expandable_segments:True"
-    # The user's own setting wins, and no probe runs.
-    monkeypatch.setattr(runner, "lms_built_in", None)
+    # The user's own setting wins.
     launcher.env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}
     settings = runner.Settings(out=tmp_path, device="cuda", provenance={})
     runner.prepare(settings, launcher)
     assert settings.expandable_segments is False
+    # On the CPU (the runner's tests), each run keeps its environment's.
+    settings = runner.Settings(out=tmp_path, device="cpu", provenance={})
+    runner.prepare(settings, launcher)
+    assert settings.expandable_segments is None
 
 
 def test_records_carry_provenance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

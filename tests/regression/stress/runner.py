@@ -10,9 +10,9 @@ Runs of a case, each a process of its own (a crash ends one run only):
 The capped runs start only when both references trained. Every run of a case uses one
 allocator setting, the one the capped run uses, passed to it in ``PYTORCH_CUDA_ALLOC_CONF``
 (and recorded by each run as the setting it ran with): ``expandable_segments`` as the
-environment's ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) gives it, else as LMS
-sets it when enabled (the drop-in extension turns expandable segments on; a PyTorch with LMS
-built in leaves the allocator's default, off), or as ``--expandable-segments`` says.
+environment's ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``) gives it, else on, as
+LMS sets it when enabled (``set_enabled_lms``, both builds), or as ``--expandable-segments``
+says.
 
 The bound, measured in ``reference-1`` (one more iteration after the measured ones, under a
 dispatch mode that sees each ATen operator below autograd): the largest working set of one
@@ -649,49 +649,14 @@ def checkout_provenance() -> dict[str, Any]:
     return dict(_lms_setup().provenance(REPO_ROOT))
 
 
-def lms_built_in(python: str, env: Mapping[str, str]) -> bool | None:
-    """Whether the workers' PyTorch has LMS built in (else the drop-in extension provides it);
-    None where that cannot be told."""
-    code = "import torch; print(int(hasattr(torch.cuda, 'set_enabled_lms')))"
-    try:
-        done = subprocess.run(
-            [python, "-c", code],
-            cwd=REPO_ROOT,
-            env=dict(env),
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = done.stdout.split()
-    if done.returncode != 0 or not lines or lines[-1] not in ("0", "1"):
-        return None
-    return lines[-1] == "1"
-
-
-def resolve_expandable_segments(
-    env: Mapping[str, str], built_in: Callable[[], bool | None]
-) -> tuple[bool, str]:
-    """The ``expandable_segments`` setting the capped LMS run uses, and why.
-
-    As the environment's allocator setting gives it; else as LMS sets it when enabled: the
-    drop-in extension turns expandable segments on, a PyTorch with LMS built in
-    (``built_in()`` True) leaves the allocator's default (off).
-    """
+def resolve_expandable_segments(env: Mapping[str, str]) -> tuple[bool, str]:
+    """The ``expandable_segments`` setting the capped LMS run uses, and why: as the
+    environment's allocator setting gives it, else on, as ``set_enabled_lms`` sets it in both
+    builds when the user did not choose."""
     chosen = expandable_in_conf(user_conf(env))
     if chosen is not None:
         return chosen, "as the environment's PYTORCH_CUDA_ALLOC_CONF sets it"
-    patched = built_in()
-    if patched is True:
-        return False, "the allocator's default, which a PyTorch with LMS built in keeps"
-    if patched is False:
-        return True, "as the drop-in extension sets it when LMS is enabled"
-    return True, (
-        "as the drop-in extension sets it when LMS is enabled (whether PyTorch has LMS built "
-        "in could not be told)"
-    )
+    return True, "as LMS sets it when enabled"
 
 
 def prepare(settings: Settings, launcher: Launcher) -> None:
@@ -701,7 +666,7 @@ def prepare(settings: Settings, launcher: Launcher) -> None:
         settings.provenance = checkout_provenance()
     if settings.expandable_segments is None and settings.device != "cpu":
         settings.expandable_segments, settings.allocator_source = resolve_expandable_segments(
-            launcher.env, lambda: lms_built_in(launcher.python, launcher.env)
+            launcher.env
         )
 
 
@@ -1300,8 +1265,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", "on", "off"),
         default="auto",
         help="the allocator's expandable segments in every run of a case (default auto: as "
-        "PYTORCH_CUDA_ALLOC_CONF sets them, else as LMS does when enabled: on with the drop-in "
-        "extension, off with a PyTorch that has LMS built in)",
+        "PYTORCH_CUDA_ALLOC_CONF sets them, else on, as LMS sets them when enabled)",
     )
     parser.add_argument(
         "--jobs",
