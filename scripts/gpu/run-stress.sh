@@ -11,9 +11,9 @@
 # largest operator working set, in tensor bytes and as the allocator maps it), the capped run
 # with LMS and the same cap without LMS (a case counts only where the cap binds), all with the
 # capped run's allocator setting (expandable segments: as PYTORCH_CUDA_ALLOC_CONF sets them,
-# else on, as LMS sets them; STRESS_ARGS="--expandable-segments on|off" to choose). The gate judges
-# every record of $OUT, earlier attempts of a seed run again included; each record carries
-# the engine commit, dirty flag and engine sources hash (LMS_ENGINE_COMMIT and
+# else on, as LMS sets them; STRESS_ARGS="--expandable-segments on|off" to choose). The gate
+# judges every record of $OUT, earlier attempts of a seed run again included; each record
+# carries the engine commit, dirty flag and engine sources hash (LMS_ENGINE_COMMIT and
 # LMS_ENGINE_DIRTY override git where this tree's .git is stale), torch, CUDA, cuDNN, driver
 # and device.
 #
