@@ -388,8 +388,9 @@ def _prefer_expandable_segments() -> bool:
     Expandable segments map and unmap 20 MiB pages wherever they are free, so the same
     operators got further (486 MiB of tensors in 550 MiB mapped); a mixture of experts whose
     allocation sizes change every step paged out 8-21% less, and at 1/4 of its peak took
-    3.17x its uncapped time against 3.82x with fixed segments. A setting in ``PYTORCH_CUDA_ALLOC_CONF`` (either value) is left alone, and so
-    is a PyTorch whose allocator has no expandable segments.
+    3.17x its uncapped time against 3.82x with fixed segments. A setting in
+    ``PYTORCH_CUDA_ALLOC_CONF`` (either value) is left alone, and so is a PyTorch whose
+    allocator has no expandable segments.
 
     Returns:
         bool: whether expandable segments were turned on here.
