@@ -1,16 +1,25 @@
 #!/usr/bin/env python3
-"""Markdown summary of committed benchmark results (the CSVs benchmarks/compare.py writes).
+"""Markdown tables of committed benchmark and regression results, and their README sections.
 
-    summarize.py                                  print the summary
-    summarize.py --readme benchmarks/README.md    rewrite the README's generated section
+    summarize.py                                  print the summary of compare.py's CSVs
+    summarize.py --readme benchmarks/README.md    rewrite that README's generated section
     summarize.py --readme benchmarks/README.md --check    fail if that section is stale
-    summarize.py --nocap DIR --readme README.md [--check]  the no-cap table of README.md
+    summarize.py --tables [--check]               every generated table of README.md, from
+                                                  the results README_TABLES names
+    summarize.py --nocap DIR --readme README.md [--check]         the no-cap table
+    summarize.py --matrix DIR... --readme README.md [--check]     the regression matrix's
+                                                  tables (capped rows; rows beyond the device)
+    summarize.py --capped DIR --readme README.md [--check]        the comparison under a cap
 
 It reads every ``compare-MODEL.csv`` and ``compare-MODEL-goals.csv`` in ``--results``. Without
 any, the summary says that nothing has been measured yet; it never makes numbers up. With
-``--nocap`` it reads the ``nocap-MODEL.json`` files under DIR (``compare.py --regime nocap``)
-and writes the project README's no-cap table, saying which engine ran it and whether that is
-the engine of this checkout.
+``--nocap`` it reads the ``nocap-MODEL.json`` files under DIR (``compare.py --regime nocap``),
+with ``--matrix`` the ``regression-results.json`` files under each DIR
+(``scripts/gpu/run-matrix.sh``), with ``--capped`` the ``compare-MODEL.json`` and goals CSVs in
+DIR (``compare.py``). Each of those tables opens with a line per run naming the engine that ran
+it: the commit its results record, else the commit its folder's name carries (said so), else
+"unrecorded", and whether it is the engine of this checkout (the results' engine sources hash
+against this checkout's), or that this is unknown where the results do not record the hash.
 """
 
 from __future__ import annotations
@@ -18,8 +27,10 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +123,79 @@ def summary(results: Path, shown_as: str | None = None) -> str:
     return "\n".join(parts)
 
 
+# ---------------------------------------------------------------------------------------
+# Which engine a table's rows ran
+# ---------------------------------------------------------------------------------------
+
+# A results folder whose name ends in "-COMMIT" (7 to 40 hex digits) names its engine commit.
+_COMMIT_IN_NAME = re.compile(r"-([0-9a-f]{7,40})$")
+UNKNOWN = "unknown"
+
+
+def commit_from_folder(folder: Path) -> str | None:
+    """The engine commit a results folder's name (or the name of a folder above it, up to
+    ``results``) carries, e.g. ``2026-11-25-h100-59e7f86``; None where none does."""
+    for part in (folder, *folder.parents):
+        if part.name in ("results", ""):
+            break
+        found = _COMMIT_IN_NAME.search(part.name)
+        if found:
+            return found.group(1)
+    return None
+
+
+def engine_words(env: dict[str, Any], folder: Path, engine_sha256: str) -> str:
+    """ "Engine COMMIT (...)": the commit the results record (else the one their folder's name
+    carries, said so; else "unrecorded"), and whether it is the engine of this checkout
+    (``engine_sha256``: the hash of this checkout's engine sources) where the results record
+    the hash of theirs."""
+    commit = str(env.get("engine_commit") or UNKNOWN)
+    sha = str(env.get("engine_sources_sha256") or UNKNOWN)
+    if commit == UNKNOWN:
+        named = commit_from_folder(folder)
+        where = (
+            "from the folder name; the results record no engine"
+            if named
+            else "neither the results nor their folder name record it"
+        )
+        return (
+            f"Engine {named or 'unrecorded'} ({where}, so whether it is the engine of this "
+            "checkout is unknown)"
+        )
+    notes = []
+    dirty = env.get("engine_dirty")
+    if dirty is True:
+        notes.append("a tree with changes")
+    elif dirty is not False:
+        notes.append("whether its tree had changes is not recorded")
+    if sha == UNKNOWN:
+        notes.append("whether it is the engine of this checkout is not recorded")
+    elif sha == engine_sha256:
+        notes.append("the engine of this checkout")
+    else:
+        notes.append("not the engine of this checkout (its engine/ sources differ)")
+    return f"Engine {commit[:7]} ({'; '.join(notes)})"
+
+
+def engine_lines(
+    sources: Sequence[tuple[str, Path, dict[str, Any]]], engine_sha256: str
+) -> list[str]:
+    """One line per distinct run environment of ``sources`` ((shown path, folder,
+    environment) each): its engine (:func:`engine_words`), device, versions, driver, date and
+    folder, in the order first seen."""
+    lines: list[str] = []
+    for shown, folder, env in sources:
+        line = (
+            f"{engine_words(env, folder, engine_sha256)}, {env.get('device', UNKNOWN)}, "
+            f"torch {env.get('torch', UNKNOWN)}, CUDA {env.get('cuda', UNKNOWN)}, "
+            f"driver {env.get('driver') or 'unrecorded'}, {str(env.get('date', ''))[:10]}; "
+            f"from `{shown}`."
+        )
+        if line not in lines:
+            lines.append(line)
+    return lines
+
+
 NOCAP_BEGIN = (
     "<!-- nocap-table:begin (generated by benchmarks/summarize.py --nocap; do not edit) -->"
 )
@@ -130,11 +214,11 @@ def _nocap_runs(folder: Path) -> list[dict[str, Any]]:
     return sorted(runs, key=order)
 
 
-def _seconds(row: dict[str, Any] | None) -> str:
+def _seconds(row: dict[str, Any] | None, digits: int = 2) -> str:
     if row is None:
         return "not measured"
     if row.get("status") == "ok":
-        return f"{float(row['iteration_s']):.2f}"
+        return f"{float(row['iteration_s']):.{digits}f}"
     if row.get("status") == "oom":
         return "out of memory"
     detail = str(row.get("detail") or "")
@@ -162,22 +246,7 @@ def nocap_summary(folder: Path, shown_as: str, engine_sha256: str) -> str:
     runs = _nocap_runs(folder)
     if not runs:
         return f"No no-cap results in `{shown_as}` yet: run `compare.py --regime nocap`."
-    keys = ("engine_commit", "engine_sources_sha256", "device", "torch", "cuda", "driver")
-    envs = {
-        (*(str(r["environment"].get(k)) for k in keys), str(r["environment"].get("date", ""))[:10])
-        for r in runs
-    }
-    lines = []
-    for commit, sha, device, torch, cuda, driver, date in sorted(envs):
-        same = (
-            "the engine of this checkout"
-            if sha == engine_sha256
-            else "not the engine of this checkout (its engine/ sources differ)"
-        )
-        lines.append(
-            f"Engine {commit} ({same}), {device}, torch {torch}, CUDA {cuda}, driver {driver}, "
-            f"{date}; from `{shown_as}`."
-        )
+    lines = engine_lines([(shown_as, folder, r["environment"]) for r in runs], engine_sha256)
     header = (
         "model",
         "need / device",
@@ -213,6 +282,495 @@ def nocap_summary(folder: Path, shown_as: str, engine_sha256: str) -> str:
     return "\n".join([*lines, "", markdown_table(header, rows)])
 
 
+# ---------------------------------------------------------------------------------------
+# The regression matrix (tests/regression/test_families.py): regression-results.json
+# ---------------------------------------------------------------------------------------
+
+MATRIX_CAPPED_BEGIN = (
+    "<!-- matrix-capped:begin (generated by benchmarks/summarize.py --matrix; do not edit) -->"
+)
+MATRIX_CAPPED_END = "<!-- matrix-capped:end -->"
+MATRIX_BEYOND_BEGIN = (
+    "<!-- matrix-beyond:begin (generated by benchmarks/summarize.py --matrix; do not edit) -->"
+)
+MATRIX_BEYOND_END = "<!-- matrix-beyond:end -->"
+
+# The families of the matrix in the README's order, with their short names.
+FAMILY_LABELS = {
+    "cnn2d": "2D CNN 1536²",
+    "unet3d": "3D U-Net 160³, skip concat",
+    "lstm": "cuDNN LSTM stack",
+    "tied_lm": "LM, tied embeddings",
+    "amp_fp16": "fp16 autocast + GradScaler",
+    "grad_accum": "gradient accumulation x4",
+    "adamw_foreach": "AdamW foreach, state > room",
+    "ddp_resnet50": "ResNet-50, DDP on 2 GPUs (per rank)",
+}
+# The matrix's tests of rows beyond the device, in the README's order.
+BEYOND_TESTS = (
+    "test_nocap",
+    "test_host_budget_too_low",
+    "test_share_one_gpu",
+    "test_share_host_budget",
+)
+
+
+@dataclass(frozen=True)
+class MatrixRow:
+    """One test of the matrix and the results file it comes from."""
+
+    test: str  # the test's name and parameters, e.g. test_capped[cnn2d-half]
+    entry: dict[str, Any]
+    source: tuple[str, Path, dict[str, Any]]  # (shown path, folder, environment)
+
+    @property
+    def function(self) -> str:
+        return self.test.split("[", 1)[0]
+
+    @property
+    def capped(self) -> bool:
+        return self.function == "test_capped" or self.function.startswith("test_ddp")
+
+
+def matrix_rows(folders: Sequence[Path], shown: Callable[[Path], str]) -> list[MatrixRow]:
+    """The rows of ``test_families.py`` in the ``regression-results.json`` files under
+    ``folders``: a test in a later folder (or a later file of one) replaces the same test of
+    an earlier one, unless it was skipped there."""
+    rows: dict[str, MatrixRow] = {}
+    for folder in folders:
+        for path in sorted(folder.rglob("regression-results.json")):
+            data = json.loads(path.read_text())
+            source = (shown(path.parent), path.parent, dict(data.get("environment", {})))
+            for entry in data.get("tests", []):
+                test_id = str(entry.get("test", ""))
+                if "test_families.py::" not in test_id:
+                    continue
+                test = test_id.rsplit("::", 1)[-1]
+                if entry.get("outcome") == "skipped" and test in rows:
+                    continue
+                rows[test] = MatrixRow(test, entry, source)
+    return list(rows.values())
+
+
+def _many(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _per_process(value: Any, fmt: Callable[[Any], str]) -> str:
+    """A value recorded once, or per rank or process: one cell, "-" for a process that did
+    not record it, a single value where every process has the same."""
+    cells = ["-" if v is None else fmt(v) for v in _many(value)]
+    if value is None or all(c == "-" for c in cells):
+        return ""
+    return cells[0] if len(set(cells)) == 1 else " / ".join(cells)
+
+
+def _s(value: Any) -> str:
+    return _per_process(value, lambda v: f"{float(v):.3f}")
+
+
+def _gib(value: Any) -> str:
+    return _per_process(value, lambda v: f"{float(v) / GiB:.2f} GiB")
+
+
+def _ms(value: Any) -> str:
+    return _per_process(value, lambda v: f"{float(v):.0f}")
+
+
+def _yes(value: Any) -> str:
+    return _per_process(value, lambda v: "yes" if v else "no")
+
+
+def _workers(value: Any) -> str:
+    """What became of each worker process: "finished / host OOM x3"."""
+    words = [str(v) for v in _many(value) if v is not None]
+    runs: list[tuple[str, int]] = []
+    for word in words:
+        if runs and runs[-1][0] == word:
+            runs[-1] = (word, runs[-1][1] + 1)
+        else:
+            runs.append((word, 1))
+    return " / ".join(w if n == 1 else f"{w} x{n}" for w, n in runs)
+
+
+def _host_budget(value: Any) -> str:
+    return _per_process(value, lambda v: "default" if v == 0 else f"{float(v) / GiB:.2f} GiB")
+
+
+def _matrix_table(
+    rows: Sequence[MatrixRow],
+    header: Sequence[str],
+    cells: Callable[[MatrixRow], Sequence[str]],
+    engine_sha256: str,
+) -> str:
+    lines = engine_lines([r.source for r in rows], engine_sha256)
+    return "\n".join([*lines, "", markdown_table(header, [cells(r) for r in rows])])
+
+
+def _capped_cells(row: MatrixRow) -> list[str]:
+    e = row.entry
+    family = str(e.get("family", row.test))
+    return [
+        FAMILY_LABELS.get(family, family),
+        str(e.get("cap", "")),
+        _s(e.get("s_per_iter")),
+        _s(e.get("reference_s_per_iter")),
+        _gib(e.get("pageout_bytes_per_iter")),
+        _gib(e.get("deficit_bytes")),
+        _gib(e.get("largest_alloc_bytes")),
+        _ms(e.get("stall_ms")),
+        _yes(e.get("bit_identical")),
+        str(e.get("outcome", "")),
+    ]
+
+
+def _beyond_cells(row: MatrixRow) -> list[str]:
+    e = row.entry
+    return [
+        str(e.get("cap", row.test)),
+        _s(e.get("s_per_iter")),
+        _gib(e.get("pageout_bytes_per_iter")),
+        _gib(e.get("deficit_bytes")),
+        _host_budget(e.get("host_limit_bytes")),
+        _workers(e.get("worker_outcomes")),
+        str(e.get("outcome", "")),
+    ]
+
+
+def matrix_summaries(
+    folders: Sequence[Path], shown: Callable[[Path], str], engine_sha256: str
+) -> tuple[str, str]:
+    """(the capped rows' table, the table of the rows beyond the device) of the regression
+    matrix results under ``folders``, each after a line per results file naming its engine
+    (:func:`engine_lines`)."""
+    rows = matrix_rows(folders, shown)
+    families = list(FAMILY_LABELS)
+
+    def capped_order(r: MatrixRow) -> tuple[int, str]:
+        family = str(r.entry.get("family", ""))
+        rank = families.index(family) if family in families else len(families)
+        return rank, str(r.entry.get("cap", ""))
+
+    def beyond_order(r: MatrixRow) -> tuple[int, str]:
+        rank = BEYOND_TESTS.index(r.function) if r.function in BEYOND_TESTS else len(BEYOND_TESTS)
+        return rank, r.test
+
+    capped = sorted((r for r in rows if r.capped), key=capped_order)
+    beyond = sorted((r for r in rows if not r.capped), key=beyond_order)
+    where = ", ".join(f"`{shown(f)}`" for f in folders)
+    capped_table = (
+        _matrix_table(
+            capped,
+            (
+                "family",
+                "cap",
+                "s/iter LMS",
+                "s/iter uncapped",
+                "paged out/iter",
+                "deficit",
+                "largest alloc",
+                "stall ms",
+                "bit-identical",
+                "outcome",
+            ),
+            _capped_cells,
+            engine_sha256,
+        )
+        if capped
+        else f"No capped matrix rows in {where}."
+    )
+    beyond_table = (
+        _matrix_table(
+            beyond,
+            (
+                "rows",
+                "s/iter (LMS)",
+                "paged out/iter",
+                "deficit",
+                "host budget",
+                "workers",
+                "outcome",
+            ),
+            _beyond_cells,
+            engine_sha256,
+        )
+        if beyond
+        else f"No matrix rows beyond the device in {where}."
+    )
+    return capped_table, beyond_table
+
+
+# ---------------------------------------------------------------------------------------
+# The comparison under a memory cap (compare.py): compare-MODEL.json, compare-MODEL-goals.csv
+# ---------------------------------------------------------------------------------------
+
+CAPPED_BEGIN = (
+    "<!-- capped-compare:begin (generated by benchmarks/summarize.py --capped; do not edit) -->"
+)
+CAPPED_END = "<!-- capped-compare:end -->"
+SHORT_NAMES = {"resnet152": "ResNet-152", "vit_l": "ViT-L", "gpt": "GPT"}
+RIVALS = (
+    ("offload", "the offloading baseline"),
+    ("save_on_cpu", "`save_on_cpu`"),
+    ("checkpoint", "checkpointing"),
+)
+
+
+@dataclass(frozen=True)
+class CappedRow:
+    """One cap of one model: its measurements by method."""
+
+    model: str
+    factor: float
+    measured: dict[str, dict[str, Any]]
+
+    @property
+    def name(self) -> str:
+        return f"{SHORT_NAMES.get(self.model, self.model)} at {self.factor:g}x"
+
+    def seconds(self, method: str) -> float | None:
+        row = self.measured.get(method)
+        return float(row["iteration_s"]) if row and row.get("status") == "ok" else None
+
+    def status(self, method: str) -> str:
+        return str((self.measured.get(method) or {}).get("status", "not measured"))
+
+
+def _compare_runs(folder: Path) -> list[dict[str, Any]]:
+    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("compare-*.json"))]
+    runs = [r for r in runs if r.get("regime", "capped") != "nocap"]
+    return sorted(runs, key=lambda r: _model_key(Path(f"compare-{r['config']['model']}.json")))
+
+
+def _model_label(run: dict[str, Any]) -> str:
+    model, config = str(run["config"]["model"]), run["config"]
+    if model == "resnet152":
+        size = re.search(r"(\d+)x\1 images", str(run["workload"]))
+        name = f"ResNet-152 {size.group(1)}²" if size else "ResNet-152"
+    elif model == "gpt":
+        name = f"GPT {config['gpt_layers']} x {config['gpt_dim']}, seq {config['gpt_seq']}"
+    elif model == "vit_l":
+        name = "ViT-L/16"
+    else:
+        name = str(run["workload"]).split(",")[0]
+    return f"{name}, batch {run['batch']}"
+
+
+def _capped_rows(run: dict[str, Any]) -> list[CappedRow]:
+    by_factor: dict[float, dict[str, dict[str, Any]]] = {}
+    for m in run["measurements"]:
+        if m.get("factor") is not None:
+            by_factor.setdefault(float(m["factor"]), {})[str(m["method"])] = m
+    model = str(run["config"]["model"])
+    return [CappedRow(model, f, by_factor[f]) for f in sorted(by_factor)]
+
+
+def _span(values: Sequence[float], fmt: str, unit: str = "") -> str:
+    """ "LO to HI" of ``values`` in format ``fmt`` with ``unit`` after each (one value where
+    both read the same)."""
+    lo, hi = (f"{format(v, fmt)}{unit}" for v in (min(values), max(values)))
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def _pairs(rows: Sequence[CappedRow], method: str) -> list[tuple[CappedRow, float, float]]:
+    """(row, LMS s/iter, ``method``'s s/iter) of the rows where both trained."""
+    pairs = []
+    for r in rows:
+        lms, rival = r.seconds("lms"), r.seconds(method)
+        if lms is not None and rival is not None:
+            pairs.append((r, lms, rival))
+    return pairs
+
+
+def _rival_sentence(rows: Sequence[CappedRow], method: str, name: str) -> str:
+    both = _pairs(rows, method)
+    faster = [(r, lms, rival) for r, lms, rival in both if rival > lms]
+    parts = []
+    if both and len(faster) == len(both):
+        parts.append(
+            f"LMS is faster than {name} in all {len(both)} rows where both trained "
+            f"({_span([rival / lms for _, lms, rival in both], '.1f', 'x')})"
+        )
+    elif both and not faster:
+        parts.append(
+            f"{name[0].upper()}{name[1:]} is faster than LMS in all {len(both)} rows where "
+            f"both trained ({_span([lms / rival for _, lms, rival in both], '.1f', 'x')})"
+        )
+    elif both:
+        slower = "; ".join(
+            f"{r.name}, {1e3 * lms:.1f} against {1e3 * rival:.1f} ms"
+            for r, lms, rival in both
+            if rival <= lms
+        )
+        parts.append(
+            f"LMS is faster than {name} in {len(faster)} of {len(both)} rows where both "
+            f"trained ({_span([rival / lms for _, lms, rival in faster], '.1f', 'x')}), "
+            f"not in {slower}"
+        )
+    oom = [r.name for r in rows if r.seconds("lms") is not None and r.status(method) == "oom"]
+    if oom:
+        parts.append(f"{name} runs out of memory where LMS trains: {', '.join(oom)}")
+    return "; ".join(parts) + "." if parts else ""
+
+
+def _fitting_sentence(runs: Sequence[dict[str, Any]]) -> str:
+    parts = []
+    for run in runs:
+        by_method = {str(m["method"]): m for m in run["measurements"] if m.get("factor") is None}
+        on = by_method.get("lms_fits")
+        offs = [by_method.get(k) for k in ("baseline", "baseline_repeat")]
+        if on is None or on.get("status") != "ok":
+            continue
+        off_s = [float(m["iteration_s"]) for m in offs if m and m.get("status") == "ok"]
+        if not off_s:
+            continue
+        on_s = float(on["iteration_s"])
+        costs = [on_s / off - 1 for off in off_s]
+        parts.append(
+            f"{SHORT_NAMES.get(run['config']['model'], run['config']['model'])} "
+            f"{1e3 * on_s:.1f} against {' / '.join(f'{1e3 * v:.1f}' for v in off_s)} ms "
+            f"({_span(costs, '+.1%')})"
+        )
+    if not parts:
+        return ""
+    return "With everything fitting, LMS on against the LMS-off runs: " + "; ".join(parts) + "."
+
+
+def _goals_sentence(folder: Path) -> str:
+    goals = [
+        r
+        for p in sorted(folder.glob("compare-*-goals.csv"), key=_model_key)
+        for r in _read(p, GOAL_COLUMNS)
+    ]
+    order: dict[str, list[dict[str, str]]] = {}
+    for g in goals:
+        order.setdefault(g["goal"], []).append(g)
+    scored, unmeasured = [], []
+    for goal, rows in order.items():
+        judged = [r for r in rows if r["met"] in ("yes", "no")]
+        if not judged:
+            unmeasured.append(f"`{goal}`")
+            continue
+        missed = [
+            f"{SHORT_NAMES.get(r['model'], r['model'])}"
+            + (f" at {float(r['factor']):g}x" if r["factor"] else "")
+            + (f", {r['gap']}" if r["gap"] else "")
+            for r in judged
+            if r["met"] == "no"
+        ]
+        met = len(judged) - len(missed)
+        text = f"`{goal}` ({rows[0]['target']}) met in {met} of {len(judged)}"
+        if missed and met:
+            text += f" (not: {'; '.join(missed)})"
+        scored.append(text)
+    if not scored:
+        return ""
+    tail = f"; not measured: {', '.join(unmeasured)}" if unmeasured else ""
+    return "Goals (`compare-MODEL-goals.csv`): " + "; ".join(scored) + tail + "."
+
+
+def capped_summary(folder: Path, shown_as: str, engine_sha256: str) -> str:
+    """The comparison under a memory cap: one row per model and cap, LMS (learned schedule
+    and reactive) and its rivals at the same batch, from the ``compare-MODEL.json`` files in
+    ``folder``, after a line naming each run's engine (:func:`engine_lines`) and followed by
+    the figures the README quotes from them."""
+    runs = _compare_runs(folder)
+    if not runs:
+        return f"No capped comparison results in `{shown_as}` yet: run `compare.py`."
+    lines = engine_lines([(shown_as, folder, r["environment"]) for r in runs], engine_sha256)
+    header = (
+        "model (uncapped s/iter, peak)",
+        "cap",
+        "LMS",
+        "out / deficit GiB",
+        "LMS reactive",
+        "offloading baseline",
+        "`save_on_cpu`",
+        "checkpointing",
+    )
+    table: list[tuple[str, ...]] = []
+    rows: list[CappedRow] = []
+    for run in runs:
+        base = next(m for m in run["measurements"] if m["method"] == "baseline")
+        label = (
+            f"{_model_label(run)} ({float(base['iteration_s']):.3f} s, "
+            f"{float(base['peak_allocated_bytes']) / GiB:.1f} GiB)"
+        )
+        for i, row in enumerate(_capped_rows(run)):
+            rows.append(row)
+            lms = row.measured.get("lms")
+            moved = ""
+            if lms and lms.get("status") == "ok" and lms.get("deficit_bytes"):
+                moved = (
+                    f"{float(lms['out_bytes_per_iter']) / GiB:.1f} / "
+                    f"{float(lms['deficit_bytes']) / GiB:.1f}"
+                )
+            table.append(
+                (
+                    label if i == 0 else "",
+                    f"{row.factor:g}x",
+                    _seconds(lms, 3),
+                    moved,
+                    *(
+                        _seconds(row.measured.get(m), 3)
+                        for m in ("lms_reactive", "offload", "save_on_cpu", "checkpoint")
+                    ),
+                )
+            )
+    figures = [_rival_sentence(rows, m, name) for m, name in RIVALS]
+    reactive = [rival / lms - 1 for _, lms, rival in _pairs(rows, "lms_reactive")]
+    if reactive:
+        figures.append(
+            "The reactive engine (`set_schedule_lms(False)`) takes "
+            f"{_span(reactive, '.0%')} longer than the learned schedule "
+            f"({len(reactive)} rows)."
+        )
+    out = [
+        float(r.measured["lms"]["out_bytes_per_iter"]) / float(r.measured["lms"]["deficit_bytes"])
+        for r in rows
+        if r.seconds("lms") is not None and r.measured["lms"].get("deficit_bytes")
+    ]
+    if out:
+        figures.append(f"LMS copies {_span(out, '.2f', 'x')} the deficit out per iteration.")
+    roofline = []
+    for run in runs:
+        cells = [
+            f"{float(r.measured['lms']['deficit_efficiency']):.0%} / "
+            f"{float(r.measured['lms']['serial_efficiency']):.0%} at {r.factor:g}x"
+            for r in _capped_rows(run)
+            if r.seconds("lms") is not None
+            and r.measured["lms"].get("deficit_efficiency") is not None
+            and r.measured["lms"].get("serial_efficiency") is not None
+        ]
+        if cells:
+            short = SHORT_NAMES.get(run["config"]["model"], run["config"]["model"])
+            roofline.append(f"{short} {', '.join(cells)}")
+    if roofline:
+        figures.append(
+            "LMS of the roofline, both ways / one way (`deficit_efficiency` / "
+            f"`serial_efficiency`): {'; '.join(roofline)}."
+        )
+    serial = []
+    for run in runs:
+        first = _capped_rows(run)[0]
+        lms = first.measured.get("lms") or {}
+        if lms.get("serial_roofline_s") is not None:
+            short = SHORT_NAMES.get(first.model, first.model)
+            check = _seconds(first.measured.get("checkpoint"), 3)
+            serial.append(
+                f"{short} {float(lms['serial_roofline_s']):.3f} s at {first.factor:g}x "
+                f"(checkpointing: {check})"
+            )
+    if serial:
+        figures.append(
+            "The deficit's copies alone, out and then in at the measured bandwidths "
+            f"(`serial_roofline_s`): {'; '.join(serial)}."
+        )
+    figures += [_fitting_sentence(runs), _goals_sentence(folder)]
+    bullets = [f"- {f}" for f in figures if f]
+    return "\n".join([*lines, "", markdown_table(header, table), "", *bullets])
+
+
 def replace_section(text: str, generated: str, begin: str = BEGIN, end: str = END) -> str:
     """``text`` with the part between the markers replaced by ``generated``."""
     try:
@@ -223,10 +781,23 @@ def replace_section(text: str, generated: str, begin: str = BEGIN, end: str = EN
     return f"{head}{begin}\n{generated}\n{end}{tail}"
 
 
+# The results each generated table of the project README is made of (``--tables``), relative
+# to the repository root: a new run committed for a table is named here.
+README_TABLES: dict[str, tuple[str, ...]] = {
+    "nocap": ("benchmarks/results/nocap/2026-11-25-h100-cb6b81b",),
+    "matrix": (
+        "benchmarks/results/matrix-ddp-h200x2-2026-11-24",
+        "benchmarks/results/matrix/2026-11-25-h100-cb6b81b",
+        "benchmarks/results/matrix/2026-11-25-h100-59e7f86",
+    ),
+    "capped": ("benchmarks/results/compare",),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="summarize.py",
-        description="Markdown tables from the benchmark CSVs that compare.py writes.",
+        description="Markdown tables from the committed benchmark and regression results.",
     )
     parser.add_argument(
         "--results",
@@ -238,7 +809,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--readme",
         type=Path,
         default=None,
-        help="rewrite the generated section of this markdown file",
+        help="rewrite the generated sections of this markdown file",
     )
     parser.add_argument(
         "--nocap",
@@ -249,48 +820,107 @@ def build_parser() -> argparse.ArgumentParser:
         "the section between the nocap-table markers)",
     )
     parser.add_argument(
+        "--matrix",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="the regression matrix's tables (capped rows; rows beyond the device) from the "
+        "regression-results.json files under the DIRs, a later DIR's test replacing an "
+        "earlier one's (with --readme: the matrix-capped and matrix-beyond sections)",
+    )
+    parser.add_argument(
+        "--capped",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the comparison under a memory cap from the compare-MODEL.json and "
+        "compare-MODEL-goals.csv files in DIR (with --readme: the capped-compare section)",
+    )
+    parser.add_argument(
+        "--tables",
+        action="store_true",
+        help="every generated table of the project README from the results README_TABLES "
+        "names: --readme README.md --nocap ... --matrix ... --capped ... in one",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
-        help="with --readme: exit 1 if the section is not up to date",
+        help="with --readme or --tables: exit 1 if a section is not up to date",
     )
     return parser
 
 
+def _shown(folder: Path) -> str:
+    """``folder`` relative to the repository root where it is inside it."""
+    try:
+        return folder.resolve().relative_to(HERE.parent).as_posix()
+    except ValueError:
+        return str(folder)
+
+
+def sections(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(begin marker, end marker, generated text) of every section ``args`` asks for."""
+    examples = str(HERE.parent / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    from _lms_setup import engine_sources_sha256
+
+    sha = engine_sources_sha256(HERE.parent)
+    found: list[tuple[str, str, str]] = []
+    if args.nocap is not None:
+        found.append((NOCAP_BEGIN, NOCAP_END, nocap_summary(args.nocap, _shown(args.nocap), sha)))
+    if args.matrix is not None:
+        capped, beyond = matrix_summaries(args.matrix, _shown, sha)
+        found.append((MATRIX_CAPPED_BEGIN, MATRIX_CAPPED_END, capped))
+        found.append((MATRIX_BEYOND_BEGIN, MATRIX_BEYOND_END, beyond))
+    if args.capped is not None:
+        found.append(
+            (CAPPED_BEGIN, CAPPED_END, capped_summary(args.capped, _shown(args.capped), sha))
+        )
+    if not found:
+        found.append((BEGIN, END, summary(args.results, _shown(args.results))))
+    return found
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    folder = args.nocap if args.nocap is not None else args.results
+    if args.tables:
+        root = HERE.parent
+        args.readme = args.readme or root / "README.md"
+        args.nocap = root / README_TABLES["nocap"][0]
+        args.matrix = [root / d for d in README_TABLES["matrix"]]
+        args.capped = root / README_TABLES["capped"][0]
     try:
-        shown = folder.resolve().relative_to(HERE.parent).as_posix()
-    except ValueError:
-        shown = str(folder)
-    markers = (NOCAP_BEGIN, NOCAP_END) if args.nocap is not None else (BEGIN, END)
-    try:
-        if args.nocap is not None:
-            sys.path.insert(0, str(HERE.parent / "examples"))
-            from _lms_setup import engine_sources_sha256
-
-            generated = nocap_summary(args.nocap, shown, engine_sources_sha256(HERE.parent))
-        else:
-            generated = summary(args.results, shown)
-    except (ValueError, KeyError) as exc:
+        generated = sections(args)
+    except (ValueError, KeyError, OSError) as exc:
         print(f"summarize.py: {exc}", file=sys.stderr)
         return 2
     if args.readme is None:
         if args.check:
             print("summarize.py: --check needs --readme", file=sys.stderr)
             return 2
-        print(generated)
+        print("\n\n".join(text for _, _, text in generated))
         return 0
     text = args.readme.read_text()
+    new = text
     try:
-        new = replace_section(text, generated, *markers)
+        for begin, end, section in generated:
+            new = replace_section(new, section, begin, end)
     except ValueError as exc:
         print(f"summarize.py: {args.readme}: {exc}", file=sys.stderr)
         return 2
     if args.check:
         if new != text:
+            stale = [
+                begin.split(":begin")[0].removeprefix("<!-- ")
+                for begin, end, section in generated
+                if replace_section(text, section, begin, end) != text
+            ]
+            given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--check"]
             print(
-                f"summarize.py: {args.readme} is stale: run summarize.py --readme {args.readme}",
+                f"summarize.py: {args.readme} is stale ({', '.join(stale)}): run "
+                f"python benchmarks/summarize.py {' '.join(given)}",
                 file=sys.stderr,
             )
             return 1
