@@ -1794,7 +1794,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FOLDER",
         help="nocap: the folder whose compare-MODEL.json the nocap_vs_capped goal compares "
-        "with (default: benchmarks/results/compare, the committed capped results); with "
+        "with (default: the committed capped results, DEFAULT_CAPPED_RESULTS); with "
         "--rescore, compare again with this folder instead of the reference the run recorded",
     )
     parser.add_argument(
@@ -2637,7 +2637,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     return 0
 
 
-DEFAULT_CAPPED_RESULTS = HERE / "results" / "compare"
+# The committed capped results (benchmarks/results/<topic>/<date>-<device>-<commit>/).
+DEFAULT_CAPPED_RESULTS = HERE / "results" / "compare" / "2026-11-24-h100-unrecorded"
 
 
 @dataclass(frozen=True)

@@ -131,8 +131,8 @@ def test_nocap_table_says_which_engine_ran_it(tmp_path: Path) -> None:
 
 def test_committed_goals_are_rescored(tmp_path: Path) -> None:
     """The committed compare-MODEL-goals.csv files are what this version's goals make of the
-    committed compare-MODEL.json files (rescore them with
-    `python benchmarks/compare.py --rescore benchmarks/results/compare`)."""
+    committed compare-MODEL.json files (rescore them with `python benchmarks/compare.py
+    --rescore benchmarks/results/compare/2026-11-24-h100-unrecorded`)."""
     runs = sorted(summarize.DEFAULT_RESULTS.glob("compare-*.json"))
     assert runs, "no committed runs"
     for run in runs:
@@ -145,9 +145,43 @@ def test_committed_goals_are_rescored(tmp_path: Path) -> None:
 
 def test_readme_tables_are_up_to_date() -> None:
     """README.md's generated tables (no cap, the regression matrix, the comparison under a
-    cap) are what the committed results they name make (regenerate them with
-    `python benchmarks/summarize.py --tables`)."""
+    cap), benchmarks/README.md's summary and the index of benchmarks/results/ are what the
+    committed results make (regenerate them with `python benchmarks/summarize.py --tables`)."""
     assert summarize.main(["--tables", "--check"]) == 0
+
+
+def test_tables_takes_no_other_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert summarize.main(["--tables", "--readme", "README.md"]) == 2
+    assert "--tables takes no other" in capsys.readouterr().err
+
+
+def test_results_index(tmp_path: Path) -> None:
+    """One row per run folder: the engine its results record, else its name's, else
+    unrecorded; a folder off the layout is flagged."""
+    run = tmp_path / "nocap" / "2030-01-01-h100-unrecorded" / "gpt"
+    run.mkdir(parents=True)
+    (run / "nocap-gpt.json").write_text(json.dumps({"environment": {"engine_commit": "c" * 40}}))
+    (run.parent / "README.md").write_text("# A run\n\nmore\n")
+    named = tmp_path / "stress" / "2030-01-02-h200-abc1234"
+    named.mkdir(parents=True)
+    (named / "results.jsonl").write_text("")
+    (tmp_path / "stress" / "stress-h100-2030-01-01").mkdir()
+    index = summarize.results_index(tmp_path)
+    assert "| `nocap/2030-01-01-h100-unrecorded/` | 2030-01-01 | h100 | ccccccc (recorded) |" in (
+        index
+    )
+    assert "| A run; `gpt/` |" in index
+    assert "| `stress/2030-01-02-h200-abc1234/` | 2030-01-02 | h200 | abc1234 (folder name) | " in (
+        index
+    )
+    assert "| `stress/stress-h100-2030-01-01/` |  |  | not in the layout |  |" in index
+
+
+def test_committed_results_follow_the_layout() -> None:
+    """benchmarks/results/<topic>/<date>-<device>-<commit>/ for every run folder."""
+    assert "not in the layout" not in summarize.results_index()
+    loose = [p.name for p in summarize.RESULTS.iterdir() if p.is_file() and p.name != "README.md"]
+    assert not loose, loose
 
 
 def test_readme_tables_name_committed_results() -> None:
@@ -166,9 +200,9 @@ def test_commit_from_folder() -> None:
     assert summarize.commit_from_folder(results / "matrix/2026-11-25-h100-59e7f86/capped") == (
         "59e7f86"
     )
-    assert summarize.commit_from_folder(results / "stress-h100-2026-11-24-42a6575") == "42a6575"
+    assert summarize.commit_from_folder(results / "stress/2026-11-24-h100-42a6575") == "42a6575"
     assert summarize.commit_from_folder(results / "compare/2026-11-24-h100-unrecorded") is None
-    assert summarize.commit_from_folder(results / "regression-h100-2026-11-24/rerun") is None
+    assert summarize.commit_from_folder(results / "regression/2026-11-24-h100-unrecorded/x") is None
 
 
 SHA = "a" * 64
@@ -276,7 +310,7 @@ def test_matrix_tables(tmp_path: Path) -> None:
     assert empty[0].startswith("No capped matrix rows") and empty[1].startswith("No matrix rows")
 
 
-CAPPED = REPO / "benchmarks/results/compare"
+CAPPED = REPO / "benchmarks/results/compare/2026-11-24-h100-unrecorded"
 
 
 def test_capped_table_and_figures(tmp_path: Path) -> None:
