@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import json
 import math
 import os
@@ -92,6 +91,20 @@ from _search import (  # noqa: E402
     find_largest,
     python_command,
     subprocess_probe,
+)
+from harness import ENV_COLUMNS as ENV_COLUMNS  # noqa: E402  (summarize.py reads it here)
+from harness import (  # noqa: E402
+    RECORD_ENV_COLUMNS,
+    Deadline,
+    add_amp_option,
+    add_gpt_options,
+    add_out_option,
+    add_step_options,
+    add_time_budget_option,
+    csv_env_columns,
+    markdown_table,
+    write_csv,
+    write_json,
 )
 
 MODELS = ("resnet152", "vit_l", "gpt")
@@ -1058,7 +1071,6 @@ MEASUREMENT_COLUMNS = (
     "detail",
 )
 GOAL_COLUMNS = ("model", "goal", "factor", "value", "target", "met", "gap", "note")
-ENV_COLUMNS = ("device", "torch", "cuda", "lms_backend", "date")
 # The no-cap CSV (nocap-MODEL.csv): the rows' batch, estimated need, device limit and deficit,
 # the first step apart, host memory and the allocator's retries; no caps, no batch searches.
 NOCAP_MEASUREMENT_COLUMNS = (
@@ -1092,7 +1104,8 @@ NOCAP_MEASUREMENT_COLUMNS = (
     "row_s",
     "detail",
 )
-NOCAP_ENV_COLUMNS = (*ENV_COLUMNS, "driver", "engine_commit", "engine_dirty")
+# The no-cap CSVs have carried the provenance columns from their first run.
+NOCAP_ENV_COLUMNS = RECORD_ENV_COLUMNS
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -1180,20 +1193,6 @@ def goal_record(model: str, g: Goal) -> dict[str, str]:
         "gap": g.gap,
         "note": g.note.replace("\n", " "),
     }
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A GitHub-flavoured markdown table; ``|`` in cells is escaped."""
-
-    def cell(text: str) -> str:
-        return str(text).replace("|", "\\|").replace("\n", " ")
-
-    lines = [
-        "| " + " | ".join(cell(h) for h in headers) + " |",
-        "| " + " | ".join("---" for _ in headers) + " |",
-    ]
-    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def _fmt_factor(text: str) -> str:
@@ -1314,31 +1313,6 @@ def goals_markdown(records: Sequence[dict[str, str]]) -> str:
         factor = _fmt_factor(r["factor"]) if r["factor"] else "-"
         rows.append((r["model"], r["goal"], factor, value, r["target"], met, r["gap"], r["note"]))
     return markdown_table(headers, rows)
-
-
-def _replace_atomically(path: Path, write: Callable[[Any], None]) -> None:
-    """Writes ``path`` through a temporary file beside it, renamed over it when complete: a
-    run killed while writing leaves the previous complete file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="") as f:
-        write(f)
-    os.replace(tmp, path)
-
-
-def write_csv(
-    path: Path,
-    columns: Sequence[str],
-    rows: Sequence[dict[str, str]],
-    env: dict[str, Any],
-    env_columns: Sequence[str] = ENV_COLUMNS,
-) -> None:
-    def write(f: Any) -> None:
-        writer = csv.DictWriter(f, fieldnames=[*columns, *env_columns])
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, **{k: str(env.get(k, "")) for k in env_columns}})
-
-    _replace_atomically(path, write)
 
 
 CAPPED_XLABEL = "oversubscription (uncapped peak / cap)"
@@ -1588,7 +1562,7 @@ def rescore(path: Path, capped_results: Path | None = None) -> tuple[Path, str, 
                 reference = CappedReference.from_record(run.data.get("capped_reference"))
             goals = evaluate_nocap_goals(rows, run.factors, reference, str(env.get("device", "")))
     else:
-        env_columns, xlabel = ENV_COLUMNS, CAPPED_XLABEL
+        env_columns, xlabel = csv_env_columns(env), CAPPED_XLABEL
         base = _find(rows, "baseline", None)
         if base is not None and base.status == "ok" and base.iteration_s:
             fill_roofline(rows, base.iteration_s / base.batch, bw)
@@ -1705,7 +1679,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(linear memory model of the uncapped baseline), writes nocap-MODEL.* and compares "
         "with the capped results (--capped-results); no batch search, no overhead rows",
     )
-    parser.add_argument("--out", type=Path, default=Path("out/benchmarks"), help="output folder")
+    add_out_option(parser, Path("out/benchmarks"))
     parser.add_argument(
         "--factors",
         type=parse_factors,
@@ -1732,35 +1706,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--vit-layers", type=positive_int, default=24, help="ViT-L encoder layers (24: full depth)"
     )
-    parser.add_argument("--gpt-layers", type=positive_int, default=24, help="GPT layers")
-    parser.add_argument("--gpt-dim", type=positive_int, default=1024, help="GPT width")
-    parser.add_argument("--gpt-heads", type=positive_int, default=16, help="GPT attention heads")
-    parser.add_argument("--gpt-seq", type=positive_int, default=1024, help="GPT sequence length")
-    parser.add_argument("--gpt-vocab", type=positive_int, default=32768, help="GPT vocabulary")
+    add_gpt_options(parser, layers=24, dim=1024, heads=16, seq=1024, vocab=32768)
     parser.add_argument(
         "--optimizer",
         choices=("sgd", "adamw"),
         default=None,
         help="optimizer (default: sgd for resnet152, adamw for vit_l and gpt)",
     )
-    parser.add_argument(
-        "--amp", action="store_true", help="bf16 autocast (default fp32 with TF32 matmuls)"
-    )
-    parser.add_argument(
-        "--warmup",
-        type=nonneg_int,
-        default=None,
-        help="untimed iterations per measurement (LMS's learned schedule takes a few "
+    add_amp_option(parser)
+    add_step_options(
+        parser,
+        warmup=None,
+        iterations=None,
+        warmup_help="untimed iterations per measurement (LMS's learned schedule takes a few "
         "iterations to recognize the loop: fewer warm-up iterations time the learning; "
         "nocap: LMS's first iteration pins its host memory and the schedule is adopted in the "
         "third, so 4 leave the timed ones steady) " + _regime_default("warmup"),
-    )
-    parser.add_argument(
-        "--iterations",
-        type=positive_int,
-        default=None,
-        help="timed iterations per measurement (nocap: fewer, at its large batches, to keep a "
-        "model within one 10-minute call) " + _regime_default("iterations"),
+        iterations_help="timed iterations per measurement (nocap: fewer, at its large "
+        "batches, to keep a model within one 10-minute call) " + _regime_default("iterations"),
     )
     add_limit_share_option(parser, default=None)
     add_lms_tuning_options(parser)
@@ -1794,7 +1757,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FOLDER",
         help="nocap: the folder whose compare-MODEL.json the nocap_vs_capped goal compares "
-        "with (default: benchmarks/results/compare, the committed capped results); with "
+        "with (default: the committed capped results, DEFAULT_CAPPED_RESULTS); with "
         "--rescore, compare again with this folder instead of the reference the run recorded",
     )
     parser.add_argument(
@@ -1859,13 +1822,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"{HOST_MARGIN_BYTES // GiB} GiB) is skipped: LMS about its deficit, offload and "
         "save_on_cpu every activation",
     )
-    parser.add_argument(
-        "--time-budget-s",
-        type=positive_float,
-        default=500.0,
-        help="stop starting measurements after this long (what is left is reported as "
-        "skipped); nocap starts a row only where its estimated time (the baseline's time per "
-        "sample x its batch, the copies, the rows so far) fits in what is left",
+    add_time_budget_option(
+        parser,
+        500.0,
+        "measurements",
+        "nocap starts a row only where its estimated time (the baseline's time per sample x "
+        "its batch, the copies, the rows so far) fits in what is left",
     )
     parser.add_argument(
         "--rescore",
@@ -2005,15 +1967,6 @@ def lms_settings(args: argparse.Namespace, cap: int | None, schedule: bool = Tru
 # ---------------------------------------------------------------------------------------
 # GPU work
 # ---------------------------------------------------------------------------------------
-
-
-class Deadline:
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._end = clock() + seconds
-
-    def left(self) -> float:
-        return self._end - self._clock()
 
 
 def measure_bandwidth(nbytes: int, repeats: int = 5) -> Bandwidth:
@@ -2637,7 +2590,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     return 0
 
 
-DEFAULT_CAPPED_RESULTS = HERE / "results" / "compare"
+# The committed capped results (benchmarks/results/<topic>/<date>-<device>-<commit>/).
+DEFAULT_CAPPED_RESULTS = HERE / "results" / "compare" / "2026-11-24-h100-unrecorded"
 
 
 @dataclass(frozen=True)
@@ -3095,7 +3049,7 @@ def write_outputs(
         columns, env_columns = NOCAP_MEASUREMENT_COLUMNS, NOCAP_ENV_COLUMNS
     else:
         records = [measurement_record(m) for m in rows]
-        columns, env_columns = MEASUREMENT_COLUMNS, ENV_COLUMNS
+        columns, env_columns = MEASUREMENT_COLUMNS, csv_env_columns(env)
     goal_records = [goal_record(args.model, g) for g in goals]
     write_csv(out / f"{stem}.csv", columns, records, env, env_columns)
     write_csv(out / f"{stem}-goals.csv", GOAL_COLUMNS, goal_records, env, env_columns)
@@ -3116,8 +3070,7 @@ def write_outputs(
         "goals": [asdict(g) for g in goals],
         "searches": searches,
     }
-    text = json.dumps(record, indent=2, default=str) + "\n"
-    _replace_atomically(out / f"{stem}.json", lambda f: f.write(text))
+    write_json(out / f"{stem}.json", record)
     if not final:
         return
     title = f"{description}, batch {batch}" + (", no cap" if nocap else "")

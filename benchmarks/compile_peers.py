@@ -57,22 +57,19 @@ bytes offloaded per iteration (the tensors the offloading pass chose, offload ro
 it trains at the cap, and time and peak against the reference of the same run.
 
 Writes into ``--out``: ``compile-peers.csv`` (one row per configuration and cap, with device,
-versions and date), ``compile-peers.json`` (configuration, discovered config names, every
-row with its iteration times and losses) and ``logs/`` (each worker's output). The files are
-rewritten after every row, so a run stopped early keeps what it measured.
+versions, date and the engine commit), ``compile-peers.json`` (configuration, discovered
+config names, every row with its iteration times and losses) and ``logs/`` (each worker's
+output). The files are rewritten after every row, so a run stopped early keeps what it
+measured. A configuration runs in a process of its own (``harness.run_worker``).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import math
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -87,6 +84,7 @@ for _path in (HERE, HERE.parent / "examples"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+import harness  # noqa: E402
 from _lms_setup import (  # noqa: E402
     GiB,
     MiB,
@@ -96,7 +94,20 @@ from _lms_setup import (  # noqa: E402
     nonneg_float,
     positive_float,
     positive_int,
-    versions,
+)
+from harness import (  # noqa: E402
+    Deadline,
+    add_amp_option,
+    add_gpt_options,
+    add_out_option,
+    add_step_options,
+    add_time_budget_option,
+    csv_env_columns,
+    markdown_table,
+    record_environment,
+    serve_worker,
+    write_csv,
+    write_json,
 )
 
 # Configurations, in the order they run at each cap (the reference runs first, uncapped).
@@ -186,7 +197,6 @@ ROW_COLUMNS = (
     "settings",
     "detail",
 )
-ENV_COLUMNS = ("device", "torch", "cuda", "lms_backend", "date")
 
 
 # ---------------------------------------------------------------------------------------
@@ -490,18 +500,6 @@ def row_record(r: Row) -> dict[str, str]:
     }
 
 
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    def cell(text: str) -> str:
-        return str(text).replace("|", "\\|").replace("\n", " ")
-
-    lines = [
-        "| " + " | ".join(cell(h) for h in headers) + " |",
-        "| " + " | ".join("---" for _ in headers) + " |",
-    ]
-    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def rows_markdown(records: Sequence[dict[str, str]]) -> str:
     headers = (
         "config",
@@ -552,11 +550,7 @@ def write_outputs(
     caller when ``final``."""
     out.mkdir(parents=True, exist_ok=True)
     records = [row_record(r) for r in rows]
-    with (out / CSV_NAME).open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=[*ROW_COLUMNS, *ENV_COLUMNS])
-        writer.writeheader()
-        for rec in records:
-            writer.writerow({**rec, **{k: str(env.get(k, "") or "") for k in ENV_COLUMNS}})
+    write_csv(out / CSV_NAME, ROW_COLUMNS, records, env, csv_env_columns(env))
     payload = {
         "environment": env,
         **meta,
@@ -564,7 +558,7 @@ def write_outputs(
         "rows": [{**asdict(r), "trains_at_cap": r.trains_at_cap} for r in rows],
         "final": final,
     }
-    (out / JSON_NAME).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    write_json(out / JSON_NAME, payload)
     return rows_markdown(records)
 
 
@@ -580,7 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
         "and compile-time activation offloading, under the same GPU memory caps, in one run.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--out", type=Path, default=Path("out/compile-peers"), help="output folder")
+    add_out_option(parser, Path("out/compile-peers"))
     parser.add_argument(
         "--caps",
         type=parse_caps,
@@ -595,28 +589,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(the reference 'compiled' always runs)",
     )
     parser.add_argument("--batch", type=positive_int, default=8, help="sequences per batch")
-    parser.add_argument("--gpt-layers", type=positive_int, default=12, help="GPT layers")
-    parser.add_argument("--gpt-dim", type=positive_int, default=1024, help="GPT width")
-    parser.add_argument("--gpt-heads", type=positive_int, default=16, help="attention heads")
-    parser.add_argument("--gpt-seq", type=positive_int, default=2048, help="sequence length")
-    parser.add_argument("--gpt-vocab", type=positive_int, default=8192, help="vocabulary")
-    parser.add_argument(
-        "--amp", action="store_true", help="bf16 autocast (default fp32 with TF32 matmuls)"
-    )
+    add_gpt_options(parser, layers=12, dim=1024, heads=16, seq=2048, vocab=8192)
+    add_amp_option(parser)
     parser.add_argument(
         "--vary-seq",
         action="store_true",
         help="a sequence length of its own for every step (half to all of --gpt-seq)",
     )
-    parser.add_argument(
-        "--warmup",
-        type=positive_int,
-        default=5,
-        help="untimed steps per configuration (the first compiles; LMS's learned schedule "
-        "settles in the next ones)",
-    )
-    parser.add_argument(
-        "--iterations", type=positive_int, default=5, help="timed steps per configuration"
+    add_step_options(
+        parser,
+        warmup=5,
+        iterations=5,
+        min_warmup=1,
+        warmup_help="untimed steps per configuration (the first compiles; LMS's learned "
+        "schedule settles in the next ones)",
+        iterations_help="timed steps per configuration",
     )
     add_limit_share_option(parser, default=0.8)
     add_lms_tuning_options(parser, speculative=False, old_names=True)
@@ -659,12 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=40.0,
         help="a configuration is started only with at least this much of the budget left",
     )
-    parser.add_argument(
-        "--time-budget-s",
-        type=positive_float,
-        default=480.0,
-        help="stop starting configurations after this long (the rest is reported skipped)",
-    )
+    add_time_budget_option(parser, 480.0, "configurations")
     parser.add_argument(
         "--cache-dir",
         type=Path,
@@ -909,7 +891,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _worker_environment(cuda: bool) -> dict[str, Any]:
-    env = versions(device=cuda)
+    env = record_environment(device=cuda)
     try:
         import triton
 
@@ -1078,11 +1060,7 @@ def _train(
 
 
 def worker_main(spec_path: Path) -> int:
-    spec = json.loads(spec_path.read_text())
-    result = run_worker(spec)
-    Path(spec["result_path"]).write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print(f"{spec['config']}: {result['status']} {result.get('detail', '')}", file=sys.stderr)
-    return 0
+    return serve_worker(spec_path, run_worker)
 
 
 # ---------------------------------------------------------------------------------------
@@ -1097,63 +1075,7 @@ def subprocess_runner(
 ) -> dict[str, Any]:
     """Runs one configuration in a fresh Python process (its own process group, so that a
     timeout also stops Inductor's compile workers); returns its result."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    spec_path = log_path.with_suffix(".spec.json")
-    result_path = log_path.with_suffix(".result.json")
-    result_path.unlink(missing_ok=True)
-    spec_path.write_text(json.dumps({**spec, "result_path": str(result_path)}, indent=2) + "\n")
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _stop(proc)
-            return {"status": "timeout", "detail": f"stopped after {timeout_s:.0f} s"}
-        finally:
-            if proc.poll() is None:
-                _stop(proc)
-            else:
-                _stop_leftovers(proc)
-    if result_path.exists():
-        return dict(json.loads(result_path.read_text()))
-    tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-    return {
-        "status": "error",
-        "detail": f"worker exited with {proc.returncode} and no result: {' / '.join(tail)}",
-    }
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=10)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-def _stop_leftovers(proc: subprocess.Popen[Any]) -> None:
-    """Stops what the finished worker left in its process group (compile workers)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-class Deadline:
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._end = clock() + seconds
-
-    def left(self) -> float:
-        return self._end - self._clock()
+    return harness.run_worker(Path(__file__), spec, log_path, env, timeout_s)
 
 
 def child_environment(cache: Path) -> dict[str, str]:
@@ -1234,7 +1156,8 @@ def run_benchmark(
             )
             row.worker_seconds = clock() - began
             row.absorb(result)
-            run_env.update({k: v for k, v in result.get("environment", {}).items() if v})
+            found = result.get("environment", {})
+            run_env.update({k: v for k, v in found.items() if v is not None and v != ""})
             if row.status == retry_on and i + 1 < len(specs):
                 row.attempts.append(f"{row.settings}: {row.status} ({row.detail[:120]})")
                 continue

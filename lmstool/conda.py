@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from lmstool.errors import LmsToolError
+from lmstool.hints import option, via_make
 from lmstool.naming import CONDA_SUBDIRS, conda_build_string
 
 # conda-build's placeholder for the install prefix, replaced by the client at link time.
@@ -478,7 +479,10 @@ def _package_files(folder: Path) -> list[Path]:
 def index_channel(channel: Path) -> dict[str, int]:
     """Write <subdir>/repodata.json for every subdir (and noarch); return package counts."""
     if not channel.is_dir():
-        raise LmsToolError(f"{channel} is not a folder: create it or build a package into it")
+        other = f", or index another with {option('channel', 'DIR')}" if via_make() else ""
+        raise LmsToolError(
+            f"{channel} is not a folder: create it or build a package into it{other}"
+        )
     subdirs = {p.name for p in channel.iterdir() if p.is_dir() and not p.name.startswith(".")}
     subdirs.add("noarch")
     counts: dict[str, int] = {}

@@ -29,6 +29,7 @@ _SPELLINGS: dict[str, tuple[str, str]] = {
     "python_exe": ("--python-exe ", "PYTHON_EXE="),
     "max_jobs": ("--max-jobs ", "MAX_JOBS="),
     "preflight": ("--preflight", "PREFLIGHT=1"),
+    "channel": ("", "CHANNEL="),  # `lmstool channel index DIR`: a positional argument
 }
 
 

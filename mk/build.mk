@@ -3,7 +3,8 @@
 #   make build TAG=v2.6.0 [ARCH=x86_64|ppc64le] [CUDA=12.6] [PYTHON=3.11] [PYTHON_EXE=PATH]
 #              [SOURCES=DIR | REMOTE=URL | MIRROR=PATH] [WORK=work] [MAX_JOBS=N]
 #              [DRY_RUN=1] [PREFLIGHT=1] [SKIP_TESTS=1]
-#   make channel [CHANNEL=$(WORK)/channel]          reindex the private conda channel
+#   make channel [CHANNEL=DIR]                      reindex the private conda channel in DIR
+#                                                   (default WORK/channel)
 #   make recipe-render [ARCH=..] [PYTHON=..] [CUDA=..]   show the rendered conda recipe
 #
 # A full build needs a CUDA build host (see recipes/README.md); `make build DRY_RUN=1` prints
@@ -38,7 +39,8 @@ LMS_BUILD_ARGS = $(TAG) --work $(WORK) \
 build: venv ## check out, patch, build wheel + conda package, run the regression suite (DRY_RUN=1: plan only)
 	$(LMSTOOL) build $(LMS_BUILD_ARGS)
 
-channel: venv ## index the private conda channel (CHANNEL=...)
+channel: venv ## index the private conda channel in CHANNEL=DIR (default WORK/channel)
+	@echo "make channel: indexing $(CHANNEL) (CHANNEL=DIR indexes another folder)"
 	$(LMSTOOL) channel index $(CHANNEL)
 
 recipe-render: venv ## render the conda recipe for ARCH/CUDA/PYTHON

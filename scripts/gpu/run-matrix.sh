@@ -23,7 +23,9 @@
 # with PYTEST_ARGS, each part with its own OUT, and summarize them together:
 # python tests/regression/lms_matrix_summary.py out/matrix-*/regression-results.json).
 # Writes under OUT: run-matrix.log, build.log (when it builds), junit.xml,
-# regression-results.json/.csv, matrix-summary.md.
+# regression-results.json/.csv, matrix-summary.md. Every row of the results names the engine
+# commit, dirty flag and engine sources hash (git; on a copy of the checkout without its .git,
+# export LMS_ENGINE_COMMIT and LMS_ENGINE_DIRTY=0|1), torch, CUDA, driver and device.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)

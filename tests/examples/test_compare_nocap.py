@@ -34,7 +34,7 @@ from compare import (
 GB = 1e9
 GiB = 1 << 30
 BW = Bandwidth(d2h=50 * GB, h2d=40 * GB, bidirectional=80 * GB)
-COMMITTED = Path(compare.__file__).resolve().parent / "results" / "compare"
+COMMITTED = compare.DEFAULT_CAPPED_RESULTS
 ENV = {
     "device": "Fake GPU",
     "torch": "9.9",
@@ -729,7 +729,9 @@ def test_porcelain_dirty() -> None:
     assert not _lms_setup.porcelain_dirty("")
     assert not _lms_setup.porcelain_dirty("?? out/x.json\n?? benchmarks/results/nocap/a.csv\n")
     assert _lms_setup.porcelain_dirty("?? benchmarks/new.py\n")
-    assert _lms_setup.porcelain_dirty(" M benchmarks/results/compare/compare-gpt.csv\n")
+    assert _lms_setup.porcelain_dirty(
+        " M benchmarks/results/compare/2026-11-24-h100-unrecorded/compare-gpt.csv\n"
+    )
     assert _lms_setup.porcelain_dirty("R  a.py -> b.py\n")
 
 

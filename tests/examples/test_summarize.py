@@ -131,8 +131,8 @@ def test_nocap_table_says_which_engine_ran_it(tmp_path: Path) -> None:
 
 def test_committed_goals_are_rescored(tmp_path: Path) -> None:
     """The committed compare-MODEL-goals.csv files are what this version's goals make of the
-    committed compare-MODEL.json files (rescore them with
-    `python benchmarks/compare.py --rescore benchmarks/results/compare`)."""
+    committed compare-MODEL.json files (rescore them with `python benchmarks/compare.py
+    --rescore benchmarks/results/compare/2026-11-24-h100-unrecorded`)."""
     runs = sorted(summarize.DEFAULT_RESULTS.glob("compare-*.json"))
     assert runs, "no committed runs"
     for run in runs:
@@ -141,3 +141,238 @@ def test_committed_goals_are_rescored(tmp_path: Path) -> None:
         assert goals
         committed = summarize.DEFAULT_RESULTS / out.name
         assert out.read_bytes() == committed.read_bytes(), committed
+
+
+def test_readme_tables_are_up_to_date() -> None:
+    """README.md's generated tables (no cap, the regression matrix, the comparison under a
+    cap), benchmarks/README.md's summary and the index of benchmarks/results/ are what the
+    committed results make (regenerate them with `python benchmarks/summarize.py --tables`)."""
+    assert summarize.main(["--tables", "--check"]) == 0
+
+
+def test_tables_takes_no_other_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert summarize.main(["--tables", "--readme", "README.md"]) == 2
+    assert "--tables takes no other" in capsys.readouterr().err
+
+
+def test_results_index(tmp_path: Path) -> None:
+    """One row per run folder: the engine its results record, else its name's, else
+    unrecorded; a folder off the layout is flagged."""
+    run = tmp_path / "nocap" / "2030-01-01-h100-unrecorded" / "gpt"
+    run.mkdir(parents=True)
+    (run / "nocap-gpt.json").write_text(json.dumps({"environment": {"engine_commit": "c" * 40}}))
+    (run.parent / "README.md").write_text("# A run\n\nmore\n")
+    named = tmp_path / "stress" / "2030-01-02-h200-abc1234"
+    named.mkdir(parents=True)
+    (named / "results.jsonl").write_text("")
+    (tmp_path / "stress" / "stress-h100-2030-01-01").mkdir()
+    index = summarize.results_index(tmp_path)
+    assert "| `nocap/2030-01-01-h100-unrecorded/` | 2030-01-01 | h100 | ccccccc (recorded) |" in (
+        index
+    )
+    assert "| A run; `gpt/` |" in index
+    assert "| `stress/2030-01-02-h200-abc1234/` | 2030-01-02 | h200 | abc1234 (folder name) | " in (
+        index
+    )
+    assert "| `stress/stress-h100-2030-01-01/` |  |  | not in the layout |  |" in index
+
+
+def test_committed_results_follow_the_layout() -> None:
+    """benchmarks/results/<topic>/<date>-<device>-<commit>/ for every run folder."""
+    assert "not in the layout" not in summarize.results_index()
+    loose = [p.name for p in summarize.RESULTS.iterdir() if p.is_file() and p.name != "README.md"]
+    assert not loose, loose
+
+
+def test_readme_tables_name_committed_results() -> None:
+    """Every folder summarize.README_TABLES names is committed, and the no-cap table is made
+    of the newest no-cap run."""
+    for folders in summarize.README_TABLES.values():
+        for folder in folders:
+            assert (REPO / folder).is_dir(), folder
+    runs = sorted(p for p in (REPO / "benchmarks/results/nocap").iterdir() if p.is_dir())
+    assert REPO / summarize.README_TABLES["nocap"][0] == runs[-1]
+
+
+def test_commit_from_folder() -> None:
+    results = Path("benchmarks/results")
+    assert summarize.commit_from_folder(results / "matrix/2026-11-25-h100-59e7f86") == "59e7f86"
+    assert summarize.commit_from_folder(results / "matrix/2026-11-25-h100-59e7f86/capped") == (
+        "59e7f86"
+    )
+    assert summarize.commit_from_folder(results / "stress/2026-11-24-h100-42a6575") == "42a6575"
+    assert summarize.commit_from_folder(results / "compare/2026-11-24-h100-unrecorded") is None
+    assert summarize.commit_from_folder(results / "regression/2026-11-24-h100-unrecorded/x") is None
+
+
+SHA = "a" * 64
+
+
+def matrix_entry(test: str, outcome: str = "passed", **fields: object) -> dict[str, object]:
+    return {"test": f"tests/regression/test_families.py::{test}", "outcome": outcome, **fields}
+
+
+def write_matrix(folder: Path, env: dict[str, object], *entries: dict[str, object]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "regression-results.json").write_text(
+        json.dumps({"environment": env, "tests": list(entries)})
+    )
+
+
+def test_matrix_tables(tmp_path: Path) -> None:
+    """Capped rows and rows beyond the device in two tables; a later folder's test replaces
+    an earlier one's unless skipped there; each table names the engine of each results file
+    its rows come from."""
+    gib = 1 << 30
+    env = {"device": "GPU A", "torch": "9.9", "cuda": "13.0", "date": "2030-01-02T00:00:00"}
+    old = tmp_path / "matrix" / "2030-01-01-a-abc1234"
+    write_matrix(
+        old,
+        env,
+        matrix_entry("test_capped[lstm-half]", family="lstm", cap="1/2", s_per_iter=1.0),
+        matrix_entry(
+            "test_share_host_budget",
+            "failed",
+            cap="budget",
+            s_per_iter=[None, None],
+            worker_outcomes=["host OOM", "host OOM"],
+        ),
+        matrix_entry("test_nocap[2x]", cap="none (2x)", s_per_iter=5.0, host_limit_bytes=0),
+    )
+    new_env = {
+        **env,
+        "engine_commit": "def5678" + "0" * 33,
+        "engine_dirty": False,
+        "engine_sources_sha256": SHA,
+        "driver": "580.1",
+    }
+    write_matrix(
+        tmp_path / "matrix" / "2030-01-02-a-unrecorded" / "part",
+        new_env,
+        matrix_entry(
+            "test_capped[cnn2d-quarter]",
+            family="cnn2d",
+            cap="1/4",
+            s_per_iter=0.5,
+            reference_s_per_iter=0.25,
+            pageout_bytes_per_iter=3 * gib,
+            bit_identical=True,
+        ),
+        matrix_entry(
+            "test_share_host_budget",
+            cap="budget",
+            s_per_iter=[1.5, None],
+            host_limit_bytes=[2 * gib, 2 * gib],
+            worker_outcomes=["finished", "host OOM"],
+        ),
+        matrix_entry("test_nocap[2x]", "skipped"),
+        matrix_entry(
+            "test_ddp_two_gpus",
+            family="ddp_resnet50",
+            cap="1/2 per GPU",
+            reference_s_per_iter=[0.36, 0.36],
+            bit_identical=[True, True],
+        ),
+    )
+    write_matrix(tmp_path / "bare", env, matrix_entry("test_nocap[1.25x]", cap="none (1.25x)"))
+    folders = [old, tmp_path / "matrix" / "2030-01-02-a-unrecorded", tmp_path / "bare"]
+    capped, beyond = summarize.matrix_summaries(folders, lambda p: p.name, SHA)
+
+    first, second, _, header, _, *rows = capped.splitlines()
+    assert first.startswith("Engine def5678 (the engine of this checkout), GPU A, torch 9.9, ")
+    assert "driver 580.1, 2030-01-02; from `part`." in first
+    assert second.startswith("Engine abc1234 (from the folder name; the results record no")
+    assert "driver unrecorded" in second
+    assert header.startswith("| family | cap | s/iter LMS |")
+    assert [r.split(" | ")[0] for r in rows] == [
+        "| 2D CNN 1536²",
+        "| cuDNN LSTM stack",
+        "| ResNet-50, DDP on 2 GPUs (per rank)",
+    ]
+    assert rows[0] == ("| 2D CNN 1536² | 1/4 | 0.500 | 0.250 | 3.00 GiB |  |  |  | yes | passed |")
+    assert "| 0.360 |" in rows[2] and "| yes |" in rows[2]  # the same on both ranks
+
+    lines = beyond.splitlines()
+    # In the order of the rows: test_nocap[1.25x], test_nocap[2x], test_share_host_budget.
+    assert lines[0].startswith("Engine unrecorded (neither the results nor their folder name")
+    assert lines[1].startswith("Engine abc1234 (from the folder name")
+    assert lines[2].startswith("Engine def5678 (the engine of this checkout)")
+    rows = lines[6:]
+    assert rows[0].startswith("| none (1.25x) |")
+    assert rows[1].startswith("| none (2x) | 5.000 |")  # the skipped rerun does not replace it
+    assert rows[2] == "| budget | 1.500 / - |  |  | 2.00 GiB | finished / host OOM | passed |"
+
+    other = summarize.matrix_summaries(folders, lambda p: p.name, "b" * 64)[0]
+    assert "Engine def5678 (not the engine of this checkout (its engine/ sources differ))" in (
+        other
+    )
+    empty = summarize.matrix_summaries([tmp_path / "none"], lambda p: p.name, SHA)
+    assert empty[0].startswith("No capped matrix rows") and empty[1].startswith("No matrix rows")
+
+
+CAPPED = REPO / "benchmarks/results/compare/2026-11-24-h100-unrecorded"
+
+
+def test_capped_table_and_figures(tmp_path: Path) -> None:
+    text = summarize.capped_summary(CAPPED, "here", SHA)
+    lines = text.splitlines()
+    assert lines[0].startswith("Engine unrecorded (neither the results nor their folder name")
+    rows = [line for line in lines if line.startswith("| ") and "---" not in line][1:]
+    assert len(rows) == 9  # 3 models x 3 caps
+    assert rows[0].startswith("| ResNet-152 512², batch 64 (0.239 s, 28.8 GiB) | 1.5x | 0.544 |")
+    assert "LMS is faster than `save_on_cpu` in all 7 rows where both trained" in text
+    assert "not in ViT-L at 1.5x, 280.6 against 280.4 ms" in text
+    assert "Checkpointing is faster than LMS in all 6 rows where both trained" in text
+    assert "`lms_faster_than_save_on_cpu` (> 1.00x) met in 9 of 9" in text
+
+    # A run that records its engine says whether it is this checkout's.
+    for path in CAPPED.glob("compare-*"):
+        shutil.copy(path, tmp_path / path.name)
+    run = tmp_path / "compare-gpt.json"
+    data = json.loads(run.read_text())
+    data["environment"].update(
+        engine_commit="1234567abc", engine_dirty=True, engine_sources_sha256=SHA, driver="580"
+    )
+    run.write_text(json.dumps(data))
+    text = summarize.capped_summary(tmp_path, "here", SHA)
+    assert "Engine 1234567 (a tree with changes; the engine of this checkout)" in text
+    assert "driver 580," in text and "Engine unrecorded" in text  # the other two runs
+    assert "No capped comparison" in summarize.capped_summary(tmp_path / "x", "here", SHA)
+
+
+def test_check_fails_when_readme_and_results_disagree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sections = "\n\n".join(
+        f"{begin}\nold\n{end}"
+        for begin, end in (
+            (summarize.MATRIX_CAPPED_BEGIN, summarize.MATRIX_CAPPED_END),
+            (summarize.MATRIX_BEYOND_BEGIN, summarize.MATRIX_BEYOND_END),
+            (summarize.CAPPED_BEGIN, summarize.CAPPED_END),
+        )
+    )
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Results\n\n{sections}\n")
+    results = tmp_path / "compare"
+    shutil.copytree(CAPPED, results)
+    matrix = tmp_path / "matrix"
+    write_matrix(
+        matrix,
+        {"device": "GPU"},
+        matrix_entry("test_capped[lstm-half]", family="lstm", cap="1/2", s_per_iter=1),
+    )
+    argv = ["--readme", str(readme), "--matrix", str(matrix), "--capped", str(results)]
+    assert summarize.main([*argv, "--check"]) == 1
+    assert "matrix-capped, matrix-beyond, capped-compare" in capsys.readouterr().err
+    assert summarize.main(argv) == 0
+    assert summarize.main([*argv, "--check"]) == 0
+    # A result changes: the README is stale.
+    run = results / "compare-gpt.json"
+    data = json.loads(run.read_text())
+    data["measurements"][3]["iteration_s"] = 0.5
+    run.write_text(json.dumps(data))
+    assert summarize.main([*argv, "--check"]) == 1
+    assert "(capped-compare)" in capsys.readouterr().err
+    # Without --readme the tables are printed.
+    assert summarize.main(["--matrix", str(matrix)]) == 0
+    assert "cuDNN LSTM stack" in capsys.readouterr().out

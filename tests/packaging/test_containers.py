@@ -126,6 +126,20 @@ def test_make_build_passes_variables(repo: Path) -> None:
     assert words == [
         "LMSTOOL_FRONTEND=make", "python3", "-m", "lmstool", "channel", "index", "/w/channel"
     ]  # fmt: skip
+    words = _make_dry_run(repo, "channel", "PY=python3", "CHANNEL=/c")
+    assert words[-1] == "/c"
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")
+def test_make_channel_says_channel_names_the_folder(repo: Path) -> None:
+    """`make help` and `make channel` name CHANNEL=."""
+    env = {k: v for k, v in os.environ.items() if k not in {"MAKEFLAGS", "MFLAGS", "CHANNEL"}}
+    run = ["make", "-n", "--no-print-directory", "channel", "PY=python3", "WORK=/w"]
+    out = subprocess.run(run, cwd=repo, env=env, capture_output=True, text=True, check=True)
+    assert "make channel: indexing /w/channel (CHANNEL=DIR indexes another folder)" in out.stdout
+    makefile = (repo / "mk" / "build.mk").read_text()
+    help_line = next(line for line in makefile.splitlines() if line.startswith("channel:"))
+    assert "CHANNEL=DIR" in help_line
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="GNU make is not installed")

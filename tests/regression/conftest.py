@@ -6,7 +6,9 @@ done here when ``torch.cuda`` lacks the API). Without a CUDA device, or without 
 is skipped with the reason.
 
 ``LMS_RESULTS_DIR``: when set, the suite writes ``regression-results.json`` and
-``regression-results.csv`` there (device, versions, date, per-test outcome, time, LMS stats).
+``regression-results.csv`` there (``lms_results.py``: device, versions, date, per-test
+outcome, time, LMS stats, and on every row the engine commit, dirty flag, engine sources
+hash, torch, CUDA, driver and device).
 
 ``LMS_REGRESSION_CUDNN=0`` disables cuDNN for the whole run (a triage switch: when a capped
 run differs from its reference only with cuDNN on, cuDNN chose another algorithm under the
@@ -15,11 +17,7 @@ cap); the results record it.
 
 from __future__ import annotations
 
-import csv
-import datetime
-import json
 import os
-import platform
 import time
 from pathlib import Path
 from typing import Any
@@ -92,50 +90,13 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
         _RESULTS.append(entry)
 
 
-def _environment() -> dict[str, Any]:
-    env: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "python": platform.python_version(),
-        "lms_backend": _BACKEND,
-    }
-    if torch is not None:
-        env["torch"] = torch.__version__
-        env["cuda"] = torch.version.cuda
-        env["cudnn"] = torch.backends.cudnn.version() if torch.cuda.is_available() else None
-        env["cudnn_enabled"] = CUDNN_ENABLED
-        if torch.cuda.is_available():
-            props = torch.cuda.get_device_properties(0)
-            env["device"] = props.name
-            env["device_memory_bytes"] = props.total_memory
-        try:
-            import torchvision
-
-            env["torchvision"] = torchvision.__version__
-        except ImportError:
-            env["torchvision"] = None
-    return env
-
-
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     out = os.environ.get("LMS_RESULTS_DIR", "").strip()
     if not out or not _RESULTS:
         return
-    path = Path(out)
-    path.mkdir(parents=True, exist_ok=True)
-    env = _environment()
-    (path / "regression-results.json").write_text(
-        json.dumps({"environment": env, "tests": _RESULTS}, indent=2, default=str) + "\n"
-    )
-    columns = ["test", "outcome", "seconds"]
-    extra = sorted({k for r in _RESULTS for k in r} - set(columns) - {"error"})
-    with (path / "regression-results.csv").open("w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow([*columns, *extra, *env.keys()])
-        for r in _RESULTS:
-            row = [r.get(c) for c in columns]
-            row += [json.dumps(r[k], default=str) if k in r else "" for k in extra]
-            writer.writerow(row + list(env.values()))
+    from lms_results import session_environment, write_results
+
+    write_results(Path(out), session_environment(_BACKEND, CUDNN_ENABLED), _RESULTS)
 
 
 @pytest.fixture(autouse=True)

@@ -21,6 +21,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
+
+from lms_results import engine_words  # noqa: E402
+
 GiB = 1024**3
 
 COLUMNS = (
@@ -104,7 +110,8 @@ def row(entry: dict[str, Any]) -> list[str]:
 
 def render(*documents: dict[str, Any]) -> str:
     """The markdown table of one or more results documents (runs of parts of the matrix,
-    e.g. on a one-GPU and a two-GPU machine), after a line naming each one's device."""
+    e.g. on a one-GPU and a two-GPU machine), after a line naming each one's device, versions
+    and engine commit."""
     entries = [
         t
         for results in documents
@@ -117,7 +124,9 @@ def render(*documents: dict[str, Any]) -> str:
         if env:
             lines.append(
                 f"Device: {env.get('device', 'unknown')}, torch {env.get('torch', '?')}, "
-                f"LMS backend {env.get('lms_backend', '?')}, {env.get('date', '')}"
+                f"CUDA {env.get('cuda', '?')}, driver {env.get('driver', '?')}, "
+                f"LMS backend {env.get('lms_backend', '?')}, {engine_words(env)}, "
+                f"{env.get('date', '')}"
             )
             lines.append("")
     lines.append("| " + " | ".join(COLUMNS) + " |")

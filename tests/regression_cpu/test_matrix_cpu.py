@@ -1139,6 +1139,61 @@ def test_summary_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "| cnn2d | 1/2 |" in table and "(no matrix results)" not in table
 
 
+def test_summary_names_each_documents_engine() -> None:
+    recorded = {
+        **SYNTHETIC,
+        "environment": {
+            **SYNTHETIC["environment"],
+            "cuda": "13.0",
+            "driver": "580.1",
+            "engine_commit": "59e7f86" + "0" * 33,
+            "engine_dirty": False,
+        },
+    }
+    first, _, second, *_ = lms_matrix_summary.render(recorded, SYNTHETIC).splitlines()
+    assert "CUDA 13.0, driver 580.1," in first and "engine 59e7f8600000," in first
+    assert "engine not recorded" in second
+    dirty = {**recorded, "environment": {**recorded["environment"], "engine_dirty": True}}
+    assert "(tree with changes)" in lms_matrix_summary.render(dirty).splitlines()[0]
+
+
+def test_results_files_record_provenance_on_every_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """regression-results.json/.csv: every row names the engine commit, dirty flag, engine
+    sources hash, torch, CUDA, driver and device it ran with."""
+    import csv
+
+    import lms_results
+
+    monkeypatch.setenv("LMS_ENGINE_COMMIT", "abc1234")
+    monkeypatch.setenv("LMS_ENGINE_DIRTY", "0")
+    env = lms_results.session_environment("stand-in")
+    assert env["engine_commit"] == "abc1234" and env["engine_dirty"] is False
+    assert len(env["engine_sources_sha256"]) == 64 and env["torch"] == torch.__version__
+    rows = [
+        {"test": "t::a", "outcome": "passed", "seconds": 1.5, "device": "NVIDIA H200"},
+        {"test": "t::b", "outcome": "skipped", "seconds": 0.0, "lms": {"pageout_count": 2}},
+    ]
+    lms_results.write_results(tmp_path, env, rows)
+    written = json.loads((tmp_path / "regression-results.json").read_text())
+    assert written["environment"]["engine_commit"] == "abc1234"
+    for row in written["tests"]:
+        assert set(lms_results.ROW_PROVENANCE) <= set(row), row
+        assert row["engine_commit"] == "abc1234" and row["engine_dirty"] is False
+    a, b = written["tests"]
+    assert a["device"] == "NVIDIA H200"  # the row's own device wins
+    assert b["device"] == env.get("device", "unknown")
+    with (tmp_path / "regression-results.csv").open(newline="") as f:
+        header, *lines = list(csv.reader(f))
+    assert len(header) == len(set(header)), "a column twice"
+    assert len(lines) == 2
+    first = dict(zip(header, lines[0]))
+    assert first["engine_commit"] == "abc1234" and first["engine_dirty"] == "false"
+    assert first["device"] == "NVIDIA H200" and first["seconds"] == "1.5"
+    assert json.loads(dict(zip(header, lines[1]))["lms"]) == {"pageout_count": 2}
+
+
 def test_run_matrix_script_parses() -> None:
     script = REPO / "scripts" / "gpu" / "run-matrix.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)

@@ -35,3 +35,20 @@ def test_make_commands_keep_the_users_variables(monkeypatch: pytest.MonkeyPatch)
     )
     monkeypatch.setenv("LMSTOOL_MAKE_VARS", "")
     assert make_command("make patches TAG=v1.13.1") == "make patches TAG=v1.13.1"
+
+
+def test_channel_folder_error_names_channel_under_make(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`make channel` on a missing folder says that CHANNEL= names another."""
+    from lmstool import conda
+    from lmstool.errors import LmsToolError
+
+    missing = tmp_path / "channel"
+    monkeypatch.setenv("LMSTOOL_FRONTEND", "make")
+    with pytest.raises(LmsToolError, match="or index another with CHANNEL=DIR"):
+        conda.index_channel(missing)
+    monkeypatch.delenv("LMSTOOL_FRONTEND")
+    with pytest.raises(LmsToolError) as raised:
+        conda.index_channel(missing)
+    assert "CHANNEL" not in str(raised.value)

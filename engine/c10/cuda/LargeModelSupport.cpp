@@ -1208,7 +1208,7 @@ size_t prefetchBudget(size_t limit, size_t paged_in_per_iteration) {
   // early page-outs pay for themselves. A quarter was faster than an eighth
   // where iterations paged in several times the limit and slower where they
   // paged in less; half was no faster than a quarter (measured on an H100:
-  // benchmarks/results/prefetch-budget-h100-2026-11-24/).
+  // benchmarks/results/probes/2026-11-24-h100-unrecorded/prefetch-budget/).
   const double scale = std::clamp(
       static_cast<double>(paged_in_per_iteration) /
           static_cast<double>(std::max<size_t>(limit, 1)),
@@ -1731,7 +1731,7 @@ size_t pageInAheadOn(DeviceEngine& e, const std::vector<Record*>& planned) {
       // on a compiled GPT-style decoder (H100): with both, iterations were
       // up to 6% slower than with the schedule alone; before the schedule
       // settles, the plan alone made the first iterations faster
-      // (benchmarks/results/compile-graph-prefetch-h100-2026-11-24/).
+      // (benchmarks/results/compile/2026-11-24-h100-unrecorded/graph-prefetch/).
       return 0;
     }
   }
