@@ -13,9 +13,9 @@ then on as the plain compiled function, whose tensors LMS pages like those of ea
 until ``torch._dynamo.reset()``. The whole tree, because its regions share one pool: the
 pool goes back to the device only once every graph recorded in it is gone, and a region left
 recording into it would keep the memory the plain code needs. One warning names the region,
-the bytes its pool held and the limits it did not fit under, and Inductor counts the skip
-(``counters["inductor"]["cudagraph_skips"]``). With ``torch._inductor.config.triton.
-cudagraph_or_error`` set, the error is raised instead.
+the bytes its pool held and the limits it did not fit under, and Inductor's skip counter
+counts it (``counters["inductor"]["cudagraph_skips"]``). Under Inductor's
+``triton.cudagraph_or_error`` setting the error is raised instead.
 
 Results stay those of CUDA graphs, which run the same compiled code: the failed call runs
 again on its own inputs, kept for this (Inductor's compiled functions clear the list they are
@@ -174,7 +174,7 @@ def _pool_bytes(device: int, pool: Any) -> int | None:
         ):
             try:
                 segments = call()
-            except (TypeError, RuntimeError):
+            except (TypeError, RuntimeError, AttributeError):  # older signature; no CUDA
                 continue
             return sum(
                 int(segment.get("total_size", 0))
@@ -208,12 +208,20 @@ def _limits(device: int) -> str:
     return " and ".join(parts) if parts else "the memory of the device"
 
 
-def _log_skip(message: str) -> None:
-    """Inductor's record of a skipped CUDA graph: its log and its skip counter."""
+def _count_skip(message: str) -> None:
+    """Inductor's record of a skipped CUDA graph: its skip counter
+    (``counters["inductor"]["cudagraph_skips"]``) and its CUDA graph log, at info level.
+
+    Inductor's ``log_cudagraph_skip_and_bump_counter`` would log at warning level, a second
+    message besides the warning users get here (and raises under ``cudagraph_or_error``,
+    which is honoured before any fallback)."""
     utils = sys.modules.get("torch._inductor.cudagraph_utils")
-    log_skip = getattr(utils, "log_cudagraph_skip_and_bump_counter", None)
-    if log_skip is not None:
-        log_skip(message)
+    log = getattr(utils, "cudagraphs_log", None) or getattr(utils, "perf_hint_log", None)
+    if log is not None:
+        log.info(message)
+    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+    if counters is not None:
+        counters["inductor"]["cudagraph_skips"] += 1
 
 
 def _tree_nodes(manager: Any) -> list[Any]:
@@ -286,7 +294,7 @@ def _release(device: int | None) -> None:
 
 
 def _fall_back(message: str) -> None:
-    _log_skip(message)
+    _count_skip(message)
     warnings.warn(message, GraphPoolFallbackWarning, stacklevel=4)
 
 
