@@ -169,6 +169,8 @@ def trees(
     for name in ("run", "run_eager", "record_function"):
         monkeypatch.setattr(manager_class, name, getattr(manager_class, name))
     monkeypatch.setattr(manager_class, "_lms_graph_pool_fallback", False, raising=False)
+    monkeypatch.setattr(ct, "cudagraphify_impl", ct.cudagraphify_impl)
+    monkeypatch.setattr(fallback, "_TREES_WITHOUT_GRAPHS", {})
     fallback.install_tree_fallback(ct)
     no_asserts = {
         "triton.slow_path_cudagraph_asserts": False,
@@ -293,14 +295,20 @@ def test_skip_counter_counts_the_fallback(
 
 
 def test_functions_compiled_after_the_fallback_run_without_graphs(
-    trees: tuple[ModuleType, Stubs], fallback: ModuleType
+    trees: tuple[ModuleType, Stubs], fallback: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ct, stubs = trees
     x, stats = torch.ones(3), torch.zeros(2)
     first = tree_compile(ct, Region(stubs, fail="warm-up"), x, stats)
     with pytest.warns(fallback.GraphPoolFallbackWarning):
         first([x, stats])
-    # A region that would fail in the pool never goes there: no warm-up, no warning.
+
+    # A region that would fail in the pool never goes there: no warm-up, no warning, and no
+    # look at the addresses of its static inputs (which pages in every paged-out parameter).
+    def no_address_probe(*args: Any) -> None:
+        raise AssertionError("the tree probed the addresses of the static inputs")
+
+    monkeypatch.setattr(ct, "remove_unaligned_input_idxs", no_address_probe)
     region = Region(stubs, fail="warm-up")
     second = tree_compile(ct, region, x, stats)
     with warnings.catch_warnings(record=True) as caught:
@@ -572,3 +580,43 @@ def test_lms_module_installs_the_fallback_when_inductor_is_imported(tmp_path: Pa
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.split() == ["True", "True", "True"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Input alignment without CUDA graphs
+
+
+class _NoAddress(torch.Tensor):
+    """A tensor whose address must not be asked for (it would page a paged-out storage in)."""
+
+    def data_ptr(self) -> int:
+        raise AssertionError("asked for the address of a paged-out storage")
+
+
+def test_alignment_of_paged_out_inputs_comes_from_their_offsets(
+    fallback: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    states = {"paged out": "paged out", "unmanaged": "unmanaged"}
+    namespace = ModuleType("fake_inductor")
+    namespace.get_input_idxs_to_check = lambda inputs, static: [0, 1, 2]  # type: ignore[attr-defined]
+    storage = torch.zeros(16)
+    aligned = storage[4:].as_subclass(_NoAddress)  # 16 bytes in: aligned
+    misaligned = storage[1:9].as_subclass(_NoAddress)  # 4 bytes in: misaligned, mutated
+    unmanaged = torch.zeros(4)
+    kinds = {id(aligned): "paged out", id(misaligned): "paged out", id(unmanaged): "unmanaged"}
+    monkeypatch.setattr(fallback, "_storage_state", lambda: lambda t: states[kinds[id(t)]])
+    seen: list[list[Any]] = []
+
+    def model(args: list[Any]) -> list[Any]:
+        seen.append(list(args))
+        args[1].add_(1)
+        args.clear()
+        return ["out"]
+
+    run = fallback._aligned(namespace, model, [aligned, misaligned, unmanaged], (), (1,))
+    assert run([aligned, misaligned, unmanaged]) == ["out"]
+    given = seen[0]
+    assert given[0] is aligned and given[2] is unmanaged  # left as they are
+    assert given[1] is not misaligned and given[1].storage_offset() == 0  # an aligned copy
+    assert torch.equal(misaligned, torch.ones(8))  # the mutation written back
+    assert torch.equal(storage[9:], torch.zeros(7))

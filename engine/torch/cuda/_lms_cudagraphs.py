@@ -40,6 +40,7 @@ import importlib
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Callable
@@ -69,6 +70,11 @@ _STALE_OUTPUT = (
 )
 
 _OutOfMemoryError: type[Exception] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+# Per device: the tree manager that runs without CUDA graphs, if any. Looked up by every call
+# of a compiled region of a tree (an empty dict on the hot path); only where it names a
+# manager is the current one of the device (per thread) asked for.
+_TREES_WITHOUT_GRAPHS: dict[int, weakref.ReferenceType[Any]] = {}
 
 
 class GraphPoolFallbackWarning(UserWarning):
@@ -111,6 +117,68 @@ def _trees_in_use() -> bool:
     config = sys.modules.get("torch._inductor.config")
     triton = getattr(config, "triton", None)
     return bool(getattr(triton, "cudagraph_trees", False))
+
+
+def _storage_state() -> Callable[[torch.Tensor], str] | None:
+    """LMS's state of a tensor's storage ("unmanaged", "paged out", ...), where it can tell."""
+    try:
+        state = _lms_api()._lms_bindings()._cuda_lms_storageState
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+    return lambda tensor: str(state(tensor))
+
+
+def _aligned(
+    namespace: ModuleType,
+    model: Callable[..., Any],
+    inputs: Sequence[Any],
+    static_input_idxs: Sequence[int],
+    mutated_input_idxs: Sequence[int],
+) -> Callable[..., Any]:
+    """``model`` with the input alignment that Inductor gives a compiled function that runs
+    without CUDA graphs: an input whose alignment the compiled code assumed but cannot be sure
+    of (Inductor's ``get_input_idxs_to_check`` in ``namespace``, the module of the CUDA graph
+    path) is copied at each call when it is misaligned, and a mutated one written back.
+
+    Inductor tells by the input's address; asked of a paged-out storage, the address pages it
+    in, and at a call's start that would page in every such input at once (all the
+    activations a backward reads). The storages LMS manages are blocks of the caching
+    allocator, aligned far beyond what the compiled code needs: their tensors are aligned
+    exactly when their storage offsets are. The address decides for the others."""
+    get_idxs = getattr(namespace, "get_input_idxs_to_check", None)
+    check = list(get_idxs(inputs, static_input_idxs)) if get_idxs is not None else []
+    if not check:
+        return model
+    utils = sys.modules.get("torch._inductor.utils")
+    alignment = int(getattr(utils, "ALIGNMENT", 16))
+    clone: Callable[[torch.Tensor], torch.Tensor] = getattr(
+        utils, "clone_preserve_strides", torch.clone
+    )
+    mutated = set(mutated_input_idxs)
+    state = _storage_state()
+
+    def misaligned(tensor: torch.Tensor) -> bool:
+        if state is None or state(tensor) == "unmanaged":
+            return tensor.data_ptr() % alignment != 0
+        return (tensor.storage_offset() * tensor.element_size()) % alignment != 0
+
+    @functools.wraps(model)
+    def run(new_inputs: list[Any]) -> Any:
+        originals: list[torch.Tensor] = []
+        copies: list[torch.Tensor] = []
+        for index in check:
+            tensor = new_inputs[index]
+            if isinstance(tensor, torch.Tensor) and misaligned(tensor):
+                new_inputs[index] = clone(tensor)
+                if index in mutated:
+                    originals.append(tensor)
+                    copies.append(new_inputs[index])
+        outputs = model(new_inputs)
+        if originals:
+            torch._foreach_copy_(originals, copies)
+        return outputs
+
+    return run
 
 
 def _default_generators(device: int | None) -> list[torch.Generator]:
@@ -326,6 +394,7 @@ def _without_graphs(manager: Any, function_id: Any, step: str) -> None:
         + "To keep CUDA graphs, leave room for the pool under the cap."
     )
     setattr(manager, _WITHOUT_GRAPHS, message)
+    _TREES_WITHOUT_GRAPHS[device] = weakref.ref(manager)
     _release(device)
     _fall_back(message)
 
@@ -380,6 +449,45 @@ def install_tree_fallback(module: ModuleType) -> None:
     manager_class.run = run_or_fall_back
     setattr(manager_class, _MARK, True)
 
+    impl = getattr(module, "cudagraphify_impl", None)
+    get_manager = getattr(module, "get_manager", None)
+    if not callable(impl) or not callable(get_manager):
+        return
+
+    def without_graphs(device: int) -> bool:
+        ref = _TREES_WITHOUT_GRAPHS.get(device)
+        if ref is None:
+            return False
+        manager = ref()
+        return manager is not None and get_manager(device, create_if_none_exists=False) is manager
+
+    @functools.wraps(impl)
+    def cudagraphify_impl(
+        model: Callable[..., Any],
+        inputs: list[Any],
+        static_input_idxs: Sequence[int],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Callable[..., Any]:
+        deferred = impl(model, inputs, static_input_idxs, *args, **kwargs)
+        device = kwargs.get("device_index")
+        mutated = kwargs.get("mutated_input_idxs", ())
+        plain: list[Callable[..., Any]] = []
+
+        # Once the device's tree runs without CUDA graphs, so does a region first called
+        # afterwards (the backward of a forward whose warm-up did not fit), without the tree's
+        # first look at the address of every static input.
+        def run(new_inputs: list[Any]) -> Any:
+            if device in _TREES_WITHOUT_GRAPHS and without_graphs(device):
+                if not plain:
+                    plain.append(_aligned(module, model, new_inputs, static_input_idxs, mutated))
+                return plain[0](new_inputs)
+            return deferred(new_inputs)
+
+        return run
+
+    module.cudagraphify_impl = cudagraphify_impl
+
 
 class _SingleGraph:
     """A region that ``compile_fx.cudagraphify`` gave one CUDA graph of its own (no trees):
@@ -388,21 +496,25 @@ class _SingleGraph:
 
     def __init__(
         self,
+        namespace: ModuleType,
         model: Callable[..., Any],
         run: Callable[..., Any],
+        static_input_idxs: Sequence[int],
         mutated: Sequence[int],
         device: int | None,
     ) -> None:
+        self.namespace = namespace
         self.model = model
         self.run = run
+        self.static_input_idxs = tuple(static_input_idxs)
         self.mutated = tuple(mutated)
         self.device = device
-        self.without_graph = False
+        self.plain: Callable[..., Any] | None = None
         self.captured = threading.local()
 
     def __call__(self, new_inputs: list[Any]) -> Any:
-        if self.without_graph:
-            return self.model(new_inputs)
+        if self.plain is not None:
+            return self.plain(new_inputs)
         if getattr(self.captured, "done", False) or not _lms_enabled() or _errors_wanted():
             return self.run(new_inputs)
         attempt = _Attempt(new_inputs, self.mutated, self.device)
@@ -414,7 +526,8 @@ class _SingleGraph:
             self.captured.done = True
             return outputs
         inputs = attempt.undo()
-        self.without_graph = True
+        plain = _aligned(self.namespace, self.model, inputs, self.static_input_idxs, self.mutated)
+        self.plain = plain
         device = self.device if self.device is not None else 0
         message = (
             f"Large Model Support: the CUDA graph of the compiled function "
@@ -426,7 +539,7 @@ class _SingleGraph:
         )
         _release(self.device)
         _fall_back(message)
-        return self.model(inputs)
+        return plain(inputs)
 
 
 def install_cudagraphify_fallback(module: ModuleType) -> None:
@@ -444,8 +557,14 @@ def install_cudagraphify_fallback(module: ModuleType) -> None:
         run = cudagraphify(model, *args, **kwargs)
         if _trees_in_use():
             return run
+        static_input_idxs = args[0] if args else kwargs.get("static_input_idxs", ())
         graph = _SingleGraph(
-            model, run, kwargs.get("mutated_input_idxs", ()), kwargs.get("device_index")
+            module,
+            model,
+            run,
+            static_input_idxs,
+            kwargs.get("mutated_input_idxs", ()),
+            kwargs.get("device_index"),
         )
         return graph.__call__
 
