@@ -387,7 +387,7 @@ def _without_graphs(manager: Any, function_id: Any, step: str) -> None:
         "torch._dynamo.reset(): plain compiled code, whose tensors LMS pages like those of "
         "eager code, with the same results. "
         + (
-            "The pool's memory went back to the device. "
+            "The pool's cached memory went back to the device. "
             if released
             else "The pool could not be released. "
         )
@@ -456,10 +456,11 @@ def install_tree_fallback(module: ModuleType) -> None:
 
     def without_graphs(device: int) -> bool:
         ref = _TREES_WITHOUT_GRAPHS.get(device)
-        if ref is None:
+        manager = ref() if ref is not None else None
+        if manager is None:  # gone with torch._dynamo.reset()
+            _TREES_WITHOUT_GRAPHS.pop(device, None)
             return False
-        manager = ref()
-        return manager is not None and get_manager(device, create_if_none_exists=False) is manager
+        return get_manager(device, create_if_none_exists=False) is manager
 
     @functools.wraps(impl)
     def cudagraphify_impl(
