@@ -20,6 +20,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_set>
+#include <vector>
 
 // The CUDAAllocator interface grows between releases; the LMS allocator
 // forwards every virtual of the release it is built against, so a new
@@ -45,9 +46,18 @@ size_t statCurrent(const c10::CachingDeviceAllocator::StatArray& stat) {
 
 // Device memory LMS must never adopt and move: blocks the caching allocator
 // handed out into a private pool (CUDA graph pools, torch.cuda.MemPool),
-// which the stock allocator reveals only through its trace, and memory used
-// during CUDA graph capture. A captured graph bakes in these addresses. Only
-// storages allocated before LMS took the allocation path are ever adopted.
+// which the stock allocator reveals through its trace and its snapshot, and
+// memory used during CUDA graph capture. A captured graph bakes in these
+// addresses. Only storages allocated before LMS took the allocation path are
+// ever adopted.
+//
+// The trace is attached when LMS is first enabled, but a pool may be older: a
+// CUDA graph pool made while LMS was off (an uncapped first run), which later
+// warm-ups and captures of the same CUDA graph tree reuse. What the pools hold
+// is therefore read from the allocator's snapshot, not counted from the trace
+// (which would miss such a pool's segments, and count below zero once they
+// are freed), and the blocks they handed out before the trace was attached
+// are taken from the snapshot once, before the first adoption.
 class PrivatePoolTracker {
  public:
   void addGraphUsed(const void* ptr) {
@@ -56,12 +66,9 @@ class PrivatePoolTracker {
   }
 
   void onTrace(const alloc::TraceEntry& entry) {
-    const auto& pool = entry.mempool_;
-    const bool private_pool = pool.first != 0 || pool.second != 0;
-    const auto size = static_cast<int64_t>(entry.size_);
     switch (entry.action_) {
       case alloc::TraceEntry::ALLOC:
-        if (private_pool) {
+        if (isPrivate(entry.mempool_)) {
           std::lock_guard<std::mutex> lock(mutex_);
           ptrs_.insert(entry.addr_);
         }
@@ -71,45 +78,76 @@ class PrivatePoolTracker {
         ptrs_.erase(entry.addr_);
         break;
       }
-      case alloc::TraceEntry::SEGMENT_ALLOC:
-      case alloc::TraceEntry::SEGMENT_MAP:
-        if (private_pool) {
-          reservedOf(entry.device_).fetch_add(size);
-        }
-        break;
-      case alloc::TraceEntry::SEGMENT_FREE:
-      case alloc::TraceEntry::SEGMENT_UNMAP:
-        if (private_pool) {
-          reservedOf(entry.device_).fetch_sub(size);
-        }
-        break;
       default:
         break;
     }
   }
 
-  // Bytes the private pools of `device` reserved since the trace was
-  // attached (segments reserved before that are not counted).
+  // Bytes the private pools of `device` reserve now: the segments of the
+  // allocator's snapshot that a private pool owns (those of pools waiting to
+  // be freed included). A snapshot walks every block of the allocator: this is
+  // for statistics and error messages, not for the allocation path.
   size_t reservedBytes(c10::DeviceIndex device) {
-    const int64_t bytes = reservedOf(device).load();
-    return bytes > 0 ? static_cast<size_t>(bytes) : 0;
+    size_t bytes = 0;
+    for (const auto& segment : snapshot().segments) {
+      if (segment.device == device &&
+          isPrivate(segment.owner_private_pool_id)) {
+        bytes += segment.total_size;
+      }
+    }
+    return bytes;
   }
 
   bool contains(const void* ptr) {
+    std::call_once(seeded_, [this] { addLiveBlocksOfPools(); });
     std::lock_guard<std::mutex> lock(mutex_);
     return ptrs_.count(reinterpret_cast<size_t>(ptr)) != 0;
   }
 
  private:
-  std::atomic<int64_t>& reservedOf(c10::DeviceIndex device) {
-    static std::atomic<int64_t> unknown{0};
-    return device >= 0 && device < C10_COMPILE_TIME_MAX_GPUS ? reserved_[device]
-                                                             : unknown;
+  static bool isPrivate(const c10::MempoolId_t& pool) {
+    return pool.first != 0 || pool.second != 0;
+  }
+
+  static alloc::SnapshotInfo snapshot() {
+    return alloc::get()->snapshot(
+        c10::MempoolId_t{0, 0}, /*include_traces=*/false);
+  }
+
+  // The blocks that private pools have handed out, as the snapshot lists
+  // them (each segment's blocks in address order), so that those handed out
+  // before the trace was attached are never adopted either. Blocks freed
+  // between the snapshot and this insertion stay listed: their memory is
+  // only left alone, never moved.
+  void addLiveBlocksOfPools() {
+    std::vector<size_t> live;
+    try {
+      for (const auto& segment : snapshot().segments) {
+        if (!isPrivate(segment.owner_private_pool_id)) {
+          continue;
+        }
+        size_t address = segment.address;
+        for (const auto& block : segment.blocks) {
+          if (block.allocated) {
+            live.push_back(address);
+          }
+          address += block.size;
+        }
+      }
+    } catch (const std::exception& e) {
+      TORCH_WARN(
+          "torch_lms: the caching allocator's snapshot failed (",
+          e.what(),
+          "); CUDA graph pool memory allocated before LMS was enabled is not "
+          "protected from adoption");
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    ptrs_.insert(live.begin(), live.end());
   }
 
   std::mutex mutex_;
+  std::once_flag seeded_;
   std::unordered_set<size_t> ptrs_;
-  std::array<std::atomic<int64_t>, C10_COMPILE_TIME_MAX_GPUS> reserved_{};
 };
 
 PrivatePoolTracker& privatePools() {

@@ -4,12 +4,20 @@ storages; its Triton kernels are launched from Python, and each launch pins its 
 arguments for the launch (``torch/cuda/lms.py``), so the activations they write are
 reclaimable between forward and backward. The same checks as ``test_models.py``: the cap
 makes training without LMS fail, LMS trains under it, bit-identical to the uncapped compiled
-run."""
+run.
+
+Compiled with ``mode="reduce-overhead"``, the compiled regions are captured into CUDA graphs,
+whose private pool LMS never pages out. Where that pool fits under the cap, LMS makes room for
+it; where it does not, the warm-up or capture that runs out of memory makes the compiled code
+run without CUDA graphs (one warning), paged like eager code, and training goes on with the
+results of the uncapped run."""
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
+import warnings
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -177,17 +185,194 @@ def test_reduce_overhead_under_a_cap_that_leaves_room_for_the_graph_pool(
     assert off <= 10 * spread + 1e-6, f"parameters differ by {off:.3g}; references by {spread:.3g}"
 
 
-def test_graph_pool_that_cannot_fit_raises_the_lms_message() -> None:
-    """Under a cap far below what the graphs need, the error names the private pools."""
-    from lms_regression_harness import memory_cap, settle
+def _graph_pool_fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The warnings LMS gave when a CUDA graph pool did not fit and compiled code went on
+    without CUDA graphs."""
+    return [
+        str(w.message)
+        for w in caught
+        if type(w.message).__name__ == "GraphPoolFallbackWarning"
+        or "now run without CUDA graphs" in str(w.message)
+    ]
+
+
+def _cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
+
+
+def test_graph_pool_that_cannot_fit_falls_back_to_running_without_graphs(
+    record: Callable[[str, Any], None],
+) -> None:
+    """Under a cap far below what the graph pool needs (a quarter of the peak: the forward's
+    activations alone, which its warm-up keeps in the pool, do not fit), the warm-up runs out
+    of memory in the pool: LMS warns once, the compiled code runs without CUDA graphs from then
+    on, paged like eager code, and training gives the uncapped run's losses and parameters."""
+    from lms_regression_harness import lms_summary, memory_cap, settle
 
     settle()
-    _, _, peak = _train_reduce_overhead(steps=1)
+    losses, params, peak = _train_reduce_overhead(steps=3)
     settle()
-    with memory_cap(peak // 4):
+    losses_2, params_2, _ = _train_reduce_overhead(steps=3)
+    settle()
+    repeats = all(torch.equal(a, b) for a, b in zip(losses + params, losses_2 + params_2))
+    record("reference_repeats", repeats)
+    cap = peak // 4
+    record("peak_mib", round(peak / 2**20, 1))
+    record("cap_mib", round(cap / 2**20, 1))
+    skips = _cudagraph_skips()
+    with memory_cap(cap), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         torch.cuda.set_enabled_lms(True)
-        with pytest.raises(torch.OutOfMemoryError, match="Large Model Support"):
-            _train_reduce_overhead(steps=3)
+        torch.cuda.reset_accumulated_lms_stats()
+        capped_losses, capped_params, _ = _train_reduce_overhead(steps=3)
+        stats = torch.cuda.lms_stats()
+    fallbacks = _graph_pool_fallbacks(caught)
+    record("lms", lms_summary(stats))
+    record("fallback_warnings", fallbacks)
+    assert len(fallbacks) == 1, f"expected one fallback warning, got {fallbacks}"
+    assert "the pool held" in fallbacks[0] and "MiB" in fallbacks[0], fallbacks[0]
+    record("cudagraph_skips", _cudagraph_skips() - skips)
+    assert _cudagraph_skips() > skips, "Inductor's skip counter did not count the fallback"
+    assert stats["pageout_bytes"] > 0, "LMS paged nothing out after the fallback"
+    if repeats:
+        for step, (a, b) in enumerate(zip(losses, capped_losses)):
+            assert torch.equal(a, b), f"loss of step {step} differs"
+        for i, (a, b) in enumerate(zip(params, capped_params)):
+            assert torch.equal(a, b), f"parameter {i} differs"
+        return
+    spread = max((a - b).abs().max().item() for a, b in zip(params, params_2))
+    off = max((a - c).abs().max().item() for a, c in zip(params, capped_params))
+    record("reference_spread", spread)
+    record("capped_difference", off)
+    assert off <= 10 * spread + 1e-6, f"parameters differ by {off:.3g}; references by {spread:.3g}"
+
+
+def _resnet50_batches(step: int) -> Batch:
+    g = torch.Generator(device="cuda").manual_seed(1000 + step)
+    images = torch.randn(32, 3, 192, 192, device="cuda", generator=g)
+    labels = torch.randint(0, 100, (32,), device="cuda", generator=g)
+    return images, labels
+
+
+def _train_resnet50_reduce_overhead(steps: int) -> tuple[Any, list[torch.Tensor]]:
+    """The harness's deterministic ``train`` of ResNet-50 compiled with
+    mode="reduce-overhead", in a fresh CUDA graph tree (the graphs and the pool of an earlier
+    run go back to the device first); returns the run and the model's buffers (batch norm
+    statistics, which the compiled forward mutates) after it."""
+    from lms_regression_harness import settle, train
+
+    models = pytest.importorskip("torchvision.models", reason="torchvision is not installed")
+    torch._dynamo.reset()
+    settle()
+    built: list[nn.Module] = []
+
+    def make_model() -> nn.Module:
+        model = models.resnet50(weights=None, num_classes=100)
+        built.append(model)
+        return torch.compile(model, mode="reduce-overhead")
+
+    run = train(make_model, _resnet50_batches, F.cross_entropy, steps)
+    buffers = [b.detach().cpu() for b in built[0].buffers()]
+    built.clear()
+    gc.collect()
+    return run, buffers
+
+
+def _settle_graphs_and_workspaces() -> None:
+    """No CUDA graph tree and no cuBLAS workspace left: CUDA graph trees clear cuBLAS's
+    workspaces around each warm-up and capture, compiled code without CUDA graphs keeps them
+    for the life of the process, and neither is memory of the model or of LMS."""
+    from lms_regression_harness import settle
+
+    torch._dynamo.reset()
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        torch.cuda.synchronize()
+        clear_workspaces()
+    settle()
+
+
+def test_compiled_resnet50_reduce_overhead_at_half_its_peak(
+    record: Callable[[str, Any], None],
+) -> None:
+    """ResNet-50 compiled with mode="reduce-overhead" under a cap of half its uncapped peak
+    (above its parameters and Adam state, as in ``check_capped_training``): the warm-up keeps
+    the forward's activations in the graph pool, which does not fit; LMS warns once and
+    trains without CUDA graphs, bit-identical to the uncapped reduce-overhead run (losses,
+    gradients, parameters and batch norm statistics). Two uncapped runs are compared first:
+    where CUDA graph replays are not repeatable here, the capped run is held to their
+    spread."""
+    from lms_regression_harness import (
+        MiB,
+        first_difference,
+        host_bytes,
+        lms_summary,
+        max_relative_difference,
+        memory_cap,
+    )
+
+    steps = 3
+    reference, reference_buffers = _train_resnet50_reduce_overhead(steps)
+    repeat, repeat_buffers = _train_resnet50_reduce_overhead(steps)
+    _settle_graphs_and_workspaces()
+    baseline = torch.cuda.memory_allocated()
+    peak, static = reference.peak_bytes, reference.static_bytes
+    cap = int(static + 0.5 * (peak - static))
+    record("peak_mib", round(peak / MiB, 1))
+    record("static_mib", round(static / MiB, 1))
+    record("cap_mib", round(cap / MiB, 1))
+    assert peak > cap
+    difference = first_difference(reference, repeat)
+    if difference is None and not all(
+        torch.equal(a, b) for a, b in zip(reference_buffers, repeat_buffers)
+    ):
+        difference = "batch norm statistics differ"
+    record("references_identical", difference is None)
+    spread = 0.0
+    if difference is not None:
+        spread = max_relative_difference(reference, repeat)
+        record("references_difference", difference)
+        record("references_max_relative_difference", spread)
+
+    skips = _cudagraph_skips()
+    with memory_cap(cap), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        host_baseline = host_bytes()
+        torch.cuda.set_enabled_lms(True)
+        torch.cuda.set_limit_lms(int(cap * 0.75))
+        torch.cuda.reset_accumulated_lms_stats()
+        torch.cuda.reset_peak_lms_stats()
+        capped, capped_buffers = _train_resnet50_reduce_overhead(steps)
+        stats = torch.cuda.lms_stats()
+    fallbacks = _graph_pool_fallbacks(caught)
+    record("lms", lms_summary(stats))
+    record("fallback_warnings", fallbacks)
+    assert len(fallbacks) == 1, f"expected one fallback warning, got {fallbacks}"
+    record("cudagraph_skips", _cudagraph_skips() - skips)
+    assert _cudagraph_skips() > skips, "Inductor's skip counter did not count the fallback"
+    assert stats["pageout_count"] > 0, "LMS trained under the cap without paging anything out"
+    assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
+    assert capped.peak_bytes <= cap
+    if difference is None:
+        mismatch = first_difference(reference, capped)
+        assert mismatch is None, f"the capped run differs from the uncapped one: {mismatch}"
+        for i, (a, b) in enumerate(zip(reference_buffers, capped_buffers)):
+            assert torch.equal(a, b), f"buffer {i} (batch norm statistics) differs"
+    else:
+        off = max_relative_difference(reference, capped)
+        record("capped_max_relative_difference", off)
+        assert off <= 2 * spread, (
+            f"the capped run is {off:.3g} off the reference, the two references {spread:.3g}"
+        )
+
+    torch.cuda.set_enabled_lms(False)
+    del reference, repeat, capped
+    _settle_graphs_and_workspaces()
+    assert torch.cuda.memory_allocated() == baseline, "device memory did not return to baseline"
+    assert host_bytes() == host_baseline, "LMS still holds pinned host memory"
+    assert torch.cuda.lms_stats()["managed_bytes"]["current"] == 0
 
 
 # ---------------------------------------------------------------------------------------

@@ -38,7 +38,10 @@ reclaimable again after it (Inductor's ``CachingAutotuner.run``, wrapped when
 its module is first imported). Before a region compiled with
 ``mode="reduce-overhead"`` is captured into a CUDA graph, its inputs are paged
 in (Inductor's ``CUDAGraphNode._record``, wrapped likewise): the graph bakes in
-their addresses, and a page-in cannot be captured.
+their addresses, and a page-in cannot be captured. When a region's warm-up or
+capture runs out of memory in the graph pool, which LMS never pages out, the
+compiled code of that device runs without CUDA graphs from then on, paged like
+eager code, with one warning (``_lms_cudagraphs.py`` beside this file).
 """
 
 from __future__ import annotations
@@ -262,6 +265,40 @@ def _resident_graph_inputs(module: ModuleType) -> None:
     node._record = _record
 
 
+def _install_graph_pool_fallback(module: ModuleType, installer: str) -> None:
+    """Makes compiled code run without CUDA graphs once their memory pool does not fit
+    (``_lms_cudagraphs``, the module beside this one: ``installer`` of it wraps ``module``)."""
+    package = __name__.rpartition(".")[0] or "torch.cuda"
+    try:
+        fallback = importlib.import_module(f"{package}._lms_cudagraphs")
+    except ImportError:  # a build or package without it
+        return
+    try:
+        getattr(fallback, installer)(module)
+    except Exception as e:  # never break the import of Inductor
+        import warnings
+
+        warnings.warn(
+            f"LMS: compiled code that runs out of memory in a CUDA graph pool will not fall "
+            f"back to running without CUDA graphs: {e}",
+            stacklevel=2,
+        )
+
+
+def _wrap_cudagraph_trees(module: ModuleType) -> None:
+    _resident_graph_inputs(module)
+    _install_graph_pool_fallback(module, "install_tree_fallback")
+
+
+# Inductor's compiler, whose cudagraphify gives a region a CUDA graph of its own when CUDA
+# graph trees are off.
+_COMPILE_FX = "torch._inductor.compile_fx"
+
+
+def _wrap_compile_fx(module: ModuleType) -> None:
+    _install_graph_pool_fallback(module, "install_cudagraphify_fallback")
+
+
 # Inductor's configuration, whose post_grad_custom_post_pass gets the LMS page-in hint pass.
 _INDUCTOR_CONFIG = "torch._inductor.config"
 
@@ -285,14 +322,15 @@ def _install_graph_prefetch(module: ModuleType) -> None:
 # Inductor modules LMS wraps when they are first imported, and how.
 _WRAP_ON_IMPORT: dict[str, Callable[[ModuleType], None]] = {
     _TRITON_RUNTIME: _pin_compiled_kernel_launches,
-    _CUDAGRAPH_TREES: _resident_graph_inputs,
+    _CUDAGRAPH_TREES: _wrap_cudagraph_trees,
+    _COMPILE_FX: _wrap_compile_fx,
     _INDUCTOR_CONFIG: _install_graph_prefetch,
 }
 
 
 class _WrapOnImport(importlib.abc.MetaPathFinder):
-    """Wraps Inductor's kernel launcher and CUDA graph recorder when their modules are
-    imported (never imports them)."""
+    """Wraps Inductor's kernel launcher, CUDA graph recorder and cudagraphify when their
+    modules are imported (never imports them)."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None

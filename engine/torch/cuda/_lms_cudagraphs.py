@@ -1,0 +1,573 @@
+r"""Compiled code that runs without CUDA graphs when their memory pool does not fit (LMS).
+
+``torch.compile(mode="reduce-overhead")`` records compiled regions into CUDA graphs. Their
+memory lives in a private pool that Large Model Support never pages out: a graph bakes in its
+addresses. Inductor's CUDA graph trees warm each region up in that pool (its first call runs
+the compiled code with its allocations routed to the pool), then capture it (the second call).
+Under a memory cap the pool may not fit even after LMS paged out everything else, and the
+warm-up or the capture raises :class:`torch.OutOfMemoryError`.
+
+With LMS enabled, such a failure no longer ends training. The tree of the failing region's
+device stops using CUDA graphs: the region, and every other region of the tree, runs from
+then on as the plain compiled function, whose tensors LMS pages like those of eager code,
+until ``torch._dynamo.reset()``. The whole tree, because its regions share one pool: the
+pool goes back to the device only once every graph recorded in it is gone, and a region left
+recording into it would keep the memory the plain code needs. One warning names the region,
+the bytes its pool held and the limits it did not fit under, and Inductor's skip counter
+counts it (``counters["inductor"]["cudagraph_skips"]``). Under Inductor's
+``triton.cudagraph_or_error`` setting the error is raised instead.
+
+Results stay those of CUDA graphs, which run the same compiled code: the failed call runs
+again on its own inputs, kept for this (Inductor's compiled functions clear the list they are
+given); a failed warm-up, which ran part of the region, first gets back the inputs the region
+mutates (copied before it) and the states of the random number generators it uses. A failed
+capture ran nothing: a capture only records.
+
+Inductor's tree manager (``CUDAGraphTreeManager``) is wrapped where it warms a region up
+(``run_eager``), captures one (``record_function``) and runs one (``run``), when
+``torch._inductor.cudagraph_trees`` is imported (``torch/cuda/lms.py``). Regions compiled
+with ``torch._inductor.config.triton.cudagraph_trees = False`` get one CUDA graph each from
+``torch._inductor.compile_fx.cudagraphify``; its wrapper does the same for the one region.
+
+The module imports nothing of Inductor when it is imported itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import importlib
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "GraphPoolFallbackWarning",
+    "install_cudagraphify_fallback",
+    "install_tree_fallback",
+]
+
+_MiB = 1024 * 1024
+
+# Set on what this module wrapped, so that wrapping again changes nothing.
+_MARK = "_lms_graph_pool_fallback"
+# Set on a tree manager that runs without CUDA graphs: the warning it gave.
+_WITHOUT_GRAPHS = "_lms_without_graphs"
+
+# What a storage reads as once its CUDA graph pool went back to the device.
+_STALE_OUTPUT = (
+    "Error: accessing a tensor output of CUDA graphs whose memory pool was released: "
+    "Large Model Support ran the compiled code without CUDA graphs from the next call on, "
+    "since the pool did not fit on the device. Clone outputs that must outlive the next "
+    "call of the compiled code, or call torch.compiler.cudagraph_mark_step_begin() before "
+    "each step."
+)
+
+_OutOfMemoryError: type[Exception] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+# Per device: the tree manager that runs without CUDA graphs, if any. Looked up by every call
+# of a compiled region of a tree (an empty dict on the hot path); only where it names a
+# manager is the current one of the device (per thread) asked for.
+_TREES_WITHOUT_GRAPHS: dict[int, weakref.ReferenceType[Any]] = {}
+
+
+class GraphPoolFallbackWarning(UserWarning):
+    """Compiled code runs without CUDA graphs: their memory pool did not fit on the device."""
+
+
+class _PoolDidNotFit(_OutOfMemoryError):  # type: ignore[misc,valid-type]
+    """Carries a failed warm-up or capture, and what is needed to run the call again, from the
+    tree manager's step up to its ``run``. Raised outside the handler of the original error,
+    so that the frames of the failed call (and the pool memory they hold) are freed."""
+
+    def __init__(self, message: str, attempt: _Attempt, step: str) -> None:
+        super().__init__(message)
+        self.attempt = attempt
+        self.step = step
+
+
+def _lms_api() -> ModuleType:
+    """The LMS API module beside this one (``torch.cuda.lms``, or ``torch_lms.lms`` in the
+    drop-in extension)."""
+    package = __name__.rpartition(".")[0] or "torch.cuda"
+    return importlib.import_module(f"{package}.lms")
+
+
+def _lms_enabled() -> bool:
+    try:
+        return bool(_lms_api()._lms_bindings()._cuda_lms_getEnabled())
+    except (ImportError, RuntimeError, AttributeError):
+        return False
+
+
+def _errors_wanted() -> bool:
+    """Whether the user asked Inductor to raise rather than skip CUDA graphs."""
+    config = sys.modules.get("torch._inductor.config")
+    triton = getattr(config, "triton", None)
+    return bool(getattr(triton, "cudagraph_or_error", False))
+
+
+def _trees_in_use() -> bool:
+    config = sys.modules.get("torch._inductor.config")
+    triton = getattr(config, "triton", None)
+    return bool(getattr(triton, "cudagraph_trees", False))
+
+
+def _storage_state() -> Callable[[torch.Tensor], str] | None:
+    """LMS's state of a tensor's storage ("unmanaged", "paged out", ...), where it can tell."""
+    try:
+        state = _lms_api()._lms_bindings()._cuda_lms_storageState
+    except (ImportError, RuntimeError, AttributeError):
+        return None
+    return lambda tensor: str(state(tensor))
+
+
+def _aligned(
+    namespace: ModuleType,
+    model: Callable[..., Any],
+    inputs: Sequence[Any],
+    static_input_idxs: Sequence[int],
+    mutated_input_idxs: Sequence[int],
+) -> Callable[..., Any]:
+    """``model`` with the input alignment that Inductor gives a compiled function that runs
+    without CUDA graphs: an input whose alignment the compiled code assumed but cannot be sure
+    of (Inductor's ``get_input_idxs_to_check`` in ``namespace``, the module of the CUDA graph
+    path) is copied at each call when it is misaligned, and a mutated one written back.
+
+    Inductor tells by the input's address; asked of a paged-out storage, the address pages it
+    in, and at a call's start that would page in every such input at once (all the
+    activations a backward reads). The storages LMS manages are blocks of the caching
+    allocator, aligned far beyond what the compiled code needs: their tensors are aligned
+    exactly when their storage offsets are. The address decides for the others."""
+    get_idxs = getattr(namespace, "get_input_idxs_to_check", None)
+    check = list(get_idxs(inputs, static_input_idxs)) if get_idxs is not None else []
+    if not check:
+        return model
+    utils = sys.modules.get("torch._inductor.utils")
+    alignment = int(getattr(utils, "ALIGNMENT", 16))
+    clone: Callable[[torch.Tensor], torch.Tensor] = getattr(
+        utils, "clone_preserve_strides", torch.clone
+    )
+    mutated = set(mutated_input_idxs)
+    state = _storage_state()
+
+    def misaligned(tensor: torch.Tensor) -> bool:
+        if state is None or state(tensor) == "unmanaged":
+            return tensor.data_ptr() % alignment != 0
+        return (tensor.storage_offset() * tensor.element_size()) % alignment != 0
+
+    @functools.wraps(model)
+    def run(new_inputs: list[Any]) -> Any:
+        originals: list[torch.Tensor] = []
+        copies: list[torch.Tensor] = []
+        for index in check:
+            tensor = new_inputs[index]
+            if isinstance(tensor, torch.Tensor) and misaligned(tensor):
+                new_inputs[index] = clone(tensor)
+                if index in mutated:
+                    originals.append(tensor)
+                    copies.append(new_inputs[index])
+        outputs = model(new_inputs)
+        if originals:
+            torch._foreach_copy_(originals, copies)
+        return outputs
+
+    return run
+
+
+def _default_generators(device: int | None) -> list[torch.Generator]:
+    """The default CUDA generator of ``device``, where CUDA is initialized."""
+    if device is None or not torch.cuda.is_initialized():
+        return []
+    return [torch.cuda.default_generators[device]]
+
+
+class _Attempt:
+    """What a call into a CUDA graph pool may change before it fails, kept to undo it.
+
+    The call's inputs (Inductor's compiled functions clear the list they are given, and drop
+    each input after its last use), copies of the inputs that it mutates, made before it runs,
+    and the states of the random number generators it may draw from (those among its inputs
+    and the device's default one).
+    """
+
+    def __init__(self, inputs: list[Any], mutated: Sequence[int], device: int | None) -> None:
+        self.inputs = list(inputs)
+        self.backups: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with torch.no_grad():
+            for index in mutated:
+                if 0 <= index < len(inputs) and isinstance(inputs[index], torch.Tensor):
+                    tensor = inputs[index].detach()
+                    self.backups.append((tensor, tensor.clone()))
+        generators = [g for g in inputs if isinstance(g, torch.Generator)]
+        generators += _default_generators(device)
+        seen: set[int] = set()
+        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
+        for generator in generators:
+            if id(generator) not in seen:
+                seen.add(id(generator))
+                self.generators.append((generator, generator.get_state()))
+
+    def undo(self) -> list[Any]:
+        """Puts the mutated inputs and the generators back; returns the call's inputs."""
+        with torch.no_grad():
+            for tensor, backup in self.backups:
+                tensor.copy_(backup)
+        for generator, state in self.generators:
+            generator.set_state(state)
+        self.backups.clear()
+        self.generators.clear()
+        inputs, self.inputs = self.inputs, []
+        return inputs
+
+
+def _mib(size: int) -> str:
+    return f"{size / _MiB:.2f} MiB"
+
+
+def _pool_bytes(device: int, pool: Any) -> int | None:
+    """Device memory that the private pool ``pool`` reserves on ``device``: its segments in
+    the allocator's snapshot, else what LMS reports for all private pools of the device."""
+    if pool is not None:
+        snapshot: Callable[..., Any] = torch.cuda.memory_snapshot
+        for call in (
+            lambda: snapshot(tuple(pool), include_traces=False),
+            lambda: snapshot(tuple(pool)),
+        ):
+            try:
+                segments = call()
+            except (TypeError, RuntimeError, AttributeError):  # older signature; no CUDA
+                continue
+            return sum(
+                int(segment.get("total_size", 0))
+                for segment in segments
+                if segment.get("device", device) == device
+            )
+    try:
+        stats = _lms_api().lms_stats(device)
+        return int(stats["private_pool_bytes"]["current"])
+    except (ImportError, RuntimeError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def _limits(device: int) -> str:
+    """The LMS limit in force on ``device`` and the allocator's cap, as words."""
+    parts: list[str] = []
+    try:
+        limit = int(_lms_api().lms_stats(device)["limit_bytes"])
+    except (ImportError, RuntimeError, AttributeError, KeyError, TypeError):
+        limit = 0
+    if limit > 0:
+        parts.append(f"the LMS limit of {_mib(limit)}")
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    try:
+        fraction = float(get_fraction(device)) if get_fraction is not None else 1.0
+        if 0.0 < fraction < 1.0:
+            total = torch.cuda.get_device_properties(device).total_memory
+            parts.append(f"the allocator's cap of {_mib(int(fraction * total))}")
+    except (RuntimeError, AssertionError, TypeError, ValueError):
+        pass
+    return " and ".join(parts) if parts else "the memory of the device"
+
+
+def _count_skip(message: str) -> None:
+    """Inductor's record of a skipped CUDA graph: its skip counter
+    (``counters["inductor"]["cudagraph_skips"]``) and its CUDA graph log, at info level.
+
+    Inductor's ``log_cudagraph_skip_and_bump_counter`` would log at warning level, a second
+    message besides the warning users get here (and raises under ``cudagraph_or_error``,
+    which is honoured before any fallback)."""
+    utils = sys.modules.get("torch._inductor.cudagraph_utils")
+    log = getattr(utils, "cudagraphs_log", None) or getattr(utils, "perf_hint_log", None)
+    if log is not None:
+        log.info(message)
+    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+    if counters is not None:
+        counters["inductor"]["cudagraph_skips"] += 1
+
+
+def _tree_nodes(manager: Any) -> list[Any]:
+    """Every graph node recorded in a tree manager's tree."""
+    roots = getattr(manager, "roots", None) or {}
+    pending = [node for nodes in roots.values() for node in nodes]
+    found: list[Any] = []
+    while pending:
+        node = pending.pop()
+        found.append(node)
+        for children in getattr(node, "children", {}).values():
+            pending.extend(children)
+    return found
+
+
+def _drop_graphs(manager: Any) -> None:
+    """Drops every CUDA graph of a tree, so that its pool goes back to the device.
+
+    What graph outputs a program still holds stay valid where they own their memory (the
+    outputs of warm-ups and recordings, and those of replays that Inductor checkpointed
+    before this warm-up or capture); the outputs of earlier replays do not own theirs, and
+    Inductor counts them overwritten already: they are made to raise on access, as Inductor
+    does, instead of reading memory that the device may have given to something else.
+    """
+    owning = getattr(torch._C, "_has_Standard_Deleter", None)
+    invalidate = getattr(torch._C, "_set_storage_data_ptr_access_error_msg", None)
+    for node in _tree_nodes(manager):
+        remove_cached = getattr(node, "remove_node_cached_tensors", None)
+        if remove_cached is not None:
+            remove_cached()
+        if owning is not None and invalidate is not None:
+            for ref in getattr(node, "outputs_weakrefs", ()):
+                storage = ref() if ref is not None else None
+                if storage is not None and not owning(storage):
+                    invalidate(storage, _STALE_OUTPUT)
+        node.graph = None
+    # Warm-up nodes hold the tree's own graph, which keeps the pool alive.
+    node = getattr(manager, "current_node", None)
+    while node is not None:
+        if hasattr(node, "existing_cuda_graph"):
+            node.existing_cuda_graph = None
+        node = getattr(node, "parent", None)
+    manager.graph = None
+
+
+def _describe_tree_function(manager: Any, function_id: Any) -> str:
+    try:
+        name = str(manager.get_func_name(function_id))
+    except (AttributeError, KeyError):
+        name = "unknown"
+    details: list[str] = []
+    mode = getattr(getattr(manager, "id_to_mode", {}).get(function_id), "name", None)
+    if mode:
+        details.append(str(mode).lower())
+    compile_id = getattr(manager, "id_to_compile_id", {}).get(function_id)
+    if compile_id is not None:
+        details.append(f"compile id {compile_id}")
+    suffix = f" ({', '.join(details)})" if details else ""
+    return f"the compiled function {name!r}{suffix}"
+
+
+def _release(device: int | None) -> None:
+    """Frees what the failed call left (its frames may sit in reference cycles) and returns
+    the cached memory, the released pool's with it, to the device."""
+    gc.collect()
+    if torch.cuda.is_initialized():
+        if device is not None:
+            torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _fall_back(message: str) -> None:
+    _count_skip(message)
+    warnings.warn(message, GraphPoolFallbackWarning, stacklevel=4)
+
+
+def _without_graphs(manager: Any, function_id: Any, step: str) -> None:
+    """Makes a tree manager run every function without CUDA graphs, releases its pool and
+    warns once."""
+    device = int(getattr(manager, "device_index", 0))
+    pool = getattr(manager, "cuda_graphs_thread_pool", None)
+    held = _pool_bytes(device, pool)
+    what = _describe_tree_function(manager, function_id)
+    released = True
+    try:
+        _drop_graphs(manager)
+    except Exception:  # an Inductor of other internals: still never use the graphs again
+        released = False
+    message = (
+        f"Large Model Support: the CUDA graph {step} of {what} on cuda:{device} ran out of "
+        "memory in the graph pool, which LMS never pages out"
+        + (f" (the pool held {_mib(held)})" if held else "")
+        + f", under {_limits(device)}. It and every other function compiled with "
+        f'mode="reduce-overhead" on cuda:{device} now run without CUDA graphs, until '
+        "torch._dynamo.reset(): plain compiled code, whose tensors LMS pages like those of "
+        "eager code, with the same results. "
+        + (
+            "The pool's cached memory went back to the device. "
+            if released
+            else "The pool could not be released. "
+        )
+        + "To keep CUDA graphs, leave room for the pool under the cap."
+    )
+    setattr(manager, _WITHOUT_GRAPHS, message)
+    _TREES_WITHOUT_GRAPHS[device] = weakref.ref(manager)
+    _release(device)
+    _fall_back(message)
+
+
+def install_tree_fallback(module: ModuleType) -> None:
+    r"""Wrap the CUDA graph tree manager of ``module`` (``torch._inductor.cudagraph_trees``)
+    so that a warm-up or capture that runs out of memory while LMS is enabled makes the tree
+    run without CUDA graphs (see the module's description). Wrapping again changes nothing;
+    a module without the manager's methods is left alone."""
+    manager_class = getattr(module, "CUDAGraphTreeManager", None)
+    if manager_class is None or getattr(manager_class, _MARK, False):
+        return
+    run = getattr(manager_class, "run", None)
+    run_eager = getattr(manager_class, "run_eager", None)
+    record_function = getattr(manager_class, "record_function", None)
+    if not (callable(run) and callable(run_eager) and callable(record_function)):
+        return
+
+    def guarded(step: Callable[..., Any], name: str, executes: bool) -> Callable[..., Any]:
+        @functools.wraps(step)
+        def call(self: Any, new_inputs: list[Any], function_id: Any) -> Any:
+            if not _lms_enabled() or _errors_wanted():
+                return step(self, new_inputs, function_id)
+            wrapped = self.ids_to_funcs[function_id]
+            # A capture only records, and runs nothing of the region before it succeeded.
+            mutated = getattr(wrapped, "mutated_input_idxs", ()) if executes else ()
+            attempt = _Attempt(new_inputs, mutated, getattr(self, "device_index", None))
+            try:
+                return step(self, new_inputs, function_id)
+            except _PoolDidNotFit:
+                raise
+            except _OutOfMemoryError as error:
+                message = str(error)
+            raise _PoolDidNotFit(message, attempt, name)
+
+        return call
+
+    @functools.wraps(run)
+    def run_or_fall_back(self: Any, new_inputs: list[Any], function_id: Any) -> Any:
+        if getattr(self, _WITHOUT_GRAPHS, None) is not None:
+            return self.ids_to_funcs[function_id].model(new_inputs)
+        try:
+            return run(self, new_inputs, function_id)
+        except _PoolDidNotFit as failure:
+            attempt, step = failure.attempt, failure.step
+        inputs = attempt.undo()
+        _without_graphs(self, function_id, step)
+        return self.ids_to_funcs[function_id].model(inputs)
+
+    manager_class.run_eager = guarded(run_eager, "warm-up", executes=True)
+    manager_class.record_function = guarded(record_function, "capture", executes=False)
+    manager_class.run = run_or_fall_back
+    setattr(manager_class, _MARK, True)
+
+    impl = getattr(module, "cudagraphify_impl", None)
+    get_manager = getattr(module, "get_manager", None)
+    if not callable(impl) or not callable(get_manager):
+        return
+
+    def without_graphs(device: int) -> bool:
+        ref = _TREES_WITHOUT_GRAPHS.get(device)
+        manager = ref() if ref is not None else None
+        if manager is None:  # gone with torch._dynamo.reset()
+            _TREES_WITHOUT_GRAPHS.pop(device, None)
+            return False
+        return get_manager(device, create_if_none_exists=False) is manager
+
+    @functools.wraps(impl)
+    def cudagraphify_impl(
+        model: Callable[..., Any],
+        inputs: list[Any],
+        static_input_idxs: Sequence[int],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Callable[..., Any]:
+        deferred = impl(model, inputs, static_input_idxs, *args, **kwargs)
+        device = kwargs.get("device_index")
+        mutated = kwargs.get("mutated_input_idxs", ())
+        plain: list[Callable[..., Any]] = []
+
+        # Once the device's tree runs without CUDA graphs, so does a region first called
+        # afterwards (the backward of a forward whose warm-up did not fit), without the tree's
+        # first look at the address of every static input.
+        def run(new_inputs: list[Any]) -> Any:
+            if device in _TREES_WITHOUT_GRAPHS and without_graphs(device):
+                if not plain:
+                    plain.append(_aligned(module, model, new_inputs, static_input_idxs, mutated))
+                return plain[0](new_inputs)
+            return deferred(new_inputs)
+
+        return run
+
+    module.cudagraphify_impl = cudagraphify_impl
+
+
+class _SingleGraph:
+    """A region that ``compile_fx.cudagraphify`` gave one CUDA graph of its own (no trees):
+    its first call in each thread warms it up and captures it; one that runs out of memory
+    while LMS is enabled makes the region run without the graph from then on."""
+
+    def __init__(
+        self,
+        namespace: ModuleType,
+        model: Callable[..., Any],
+        run: Callable[..., Any],
+        static_input_idxs: Sequence[int],
+        mutated: Sequence[int],
+        device: int | None,
+    ) -> None:
+        self.namespace = namespace
+        self.model = model
+        self.run = run
+        self.static_input_idxs = tuple(static_input_idxs)
+        self.mutated = tuple(mutated)
+        self.device = device
+        self.plain: Callable[..., Any] | None = None
+        self.captured = threading.local()
+
+    def __call__(self, new_inputs: list[Any]) -> Any:
+        if self.plain is not None:
+            return self.plain(new_inputs)
+        if getattr(self.captured, "done", False) or not _lms_enabled() or _errors_wanted():
+            return self.run(new_inputs)
+        attempt = _Attempt(new_inputs, self.mutated, self.device)
+        try:
+            outputs = self.run(new_inputs)
+        except _OutOfMemoryError:
+            pass
+        else:
+            self.captured.done = True
+            return outputs
+        inputs = attempt.undo()
+        plain = _aligned(self.namespace, self.model, inputs, self.static_input_idxs, self.mutated)
+        self.plain = plain
+        device = self.device if self.device is not None else 0
+        message = (
+            f"Large Model Support: the CUDA graph of the compiled function "
+            f"{getattr(self.model, '__name__', 'unknown')!r} on cuda:{device} ran out of "
+            f"memory while it was warmed up or captured, under {_limits(device)}. It now "
+            "runs without a CUDA graph: plain compiled code, whose tensors LMS pages like "
+            "those of eager code, with the same results. To keep CUDA graphs, leave room "
+            "for them under the cap."
+        )
+        _release(self.device)
+        _fall_back(message)
+        return plain(inputs)
+
+
+def install_cudagraphify_fallback(module: ModuleType) -> None:
+    r"""Wrap ``cudagraphify`` of ``module`` (``torch._inductor.compile_fx``): a region it
+    gives a CUDA graph of its own (``torch._inductor.config.triton.cudagraph_trees`` off) runs
+    without it once its warm-up or capture ran out of memory while LMS is enabled. Regions of
+    CUDA graph trees are left to :func:`install_tree_fallback`. Wrapping again changes
+    nothing."""
+    cudagraphify = getattr(module, "cudagraphify", None)
+    if not callable(cudagraphify) or getattr(cudagraphify, _MARK, False):
+        return
+
+    @functools.wraps(cudagraphify)
+    def cudagraphify_or_fall_back(model: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        run = cudagraphify(model, *args, **kwargs)
+        if _trees_in_use():
+            return run
+        static_input_idxs = args[0] if args else kwargs.get("static_input_idxs", ())
+        graph = _SingleGraph(
+            module,
+            model,
+            run,
+            static_input_idxs,
+            kwargs.get("mutated_input_idxs", ()),
+            kwargs.get("device_index"),
+        )
+        return graph.__call__
+
+    setattr(cudagraphify_or_fall_back, _MARK, True)
+    module.cudagraphify = cudagraphify_or_fall_back
