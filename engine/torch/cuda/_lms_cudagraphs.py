@@ -11,9 +11,10 @@ With LMS enabled, such a failure no longer ends training where nothing else live
 pool (the first region of a step: a forward, whose warm-up keeps its activations in the
 pool). The tree of the failing region's device then stops using CUDA graphs: the region, and
 every other region of the tree, runs from then on as the plain compiled function, whose
-tensors LMS pages like those of eager code, until ``torch._dynamo.reset()``. The whole tree, because its regions share one pool: the
-pool goes back to the device only once every graph recorded in it is gone, and a region left
-recording into it would keep the memory the plain code needs. One warning names the region,
+tensors LMS pages like those of eager code, until ``torch._dynamo.reset()``. The whole tree,
+because its regions share one pool: the pool goes back to the device only once every graph
+recorded in it is gone, and a region left recording into it would keep the memory the plain
+code needs. One warning names the region,
 the bytes its pool held and the limits it did not fit under, and Inductor's skip counter
 counts it (``counters["inductor"]["cudagraph_skips"]``). Under Inductor's
 ``triton.cudagraph_or_error`` setting the error is raised instead.
