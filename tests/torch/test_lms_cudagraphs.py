@@ -71,11 +71,17 @@ def fallback(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     releases: list[Any] = []
     monkeypatch.setattr(module, "_release", releases.append)
 
+    live = {"bytes": 0}  # allocated in the pool once the failed call's memory is freed
+
     def memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> list[Any]:
         assert mempool_id == POOL
-        return [{"device": 0, "total_size": 3 * MiB}, {"device": 0, "total_size": 1 * MiB}]
+        return [
+            {"device": 0, "total_size": 3 * MiB, "allocated_size": live["bytes"]},
+            {"device": 0, "total_size": 1 * MiB, "allocated_size": 0},
+        ]
 
     monkeypatch.setattr(torch.cuda, "memory_snapshot", memory_snapshot)
+    module.live = live  # type: ignore[attr-defined]
     module.bindings = bindings  # type: ignore[attr-defined]
     module.releases = releases  # type: ignore[attr-defined]
     return module
@@ -331,6 +337,46 @@ def test_without_lms_the_error_stands(
     manager = ct.get_manager(0, create_if_none_exists=False)
     assert getattr(manager, "_lms_without_graphs", None) is None
     assert fallback.releases == []
+
+
+def test_no_fallback_while_tensors_live_in_the_pool(
+    trees: tuple[ModuleType, Stubs], fallback: ModuleType
+) -> None:
+    """Tensors of earlier graphs or warm-ups still in the pool: it cannot be released under
+    them, and the error stands, saying so."""
+    ct, stubs = trees
+    fallback.live["bytes"] = 2 * MiB
+    x, stats = torch.ones(3), torch.zeros(2)
+    fn = tree_compile(ct, Region(stubs, fail="warm-up"), x, stats)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(torch.OutOfMemoryError, match="tensors still live in the CUDA graph"):
+            fn([x, stats])
+    assert fallback_warnings(caught, fallback) == []
+    assert torch.equal(stats, torch.zeros(2))  # the failed warm-up's mutation undone
+    manager = ct.get_manager(0, create_if_none_exists=False)
+    assert getattr(manager, "_lms_without_graphs", None) is None
+    assert fallback.releases == []
+
+
+def test_a_call_that_reads_pool_tensors_is_not_retried(
+    trees: tuple[ModuleType, Stubs], fallback: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A region reading tensors of the pool (a backward reading its forward's): they are not
+    kept alive through the call, which frees them as it goes; its error stands."""
+    ct, stubs = trees
+    monkeypatch.setattr(
+        ct.CUDAGraphTreeManager,
+        "_get_cuda_graph_recorded_tensor_checker",
+        lambda self: lambda tensor: tensor.dim() == 1 and tensor.numel() == 3,
+    )
+    x, stats = torch.ones(3), torch.zeros(2)
+    fn = tree_compile(ct, Region(stubs, fail="warm-up"), x, stats)
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA graph pool") as raised:
+        fn([x, stats])
+    assert "did not fall back" not in str(raised.value)
+    manager = ct.get_manager(0, create_if_none_exists=False)
+    assert getattr(manager, "_lms_without_graphs", None) is None
 
 
 def test_cudagraph_or_error_keeps_the_error(

@@ -7,15 +7,21 @@ the compiled code with its allocations routed to the pool), then capture it (the
 Under a memory cap the pool may not fit even after LMS paged out everything else, and the
 warm-up or the capture raises :class:`torch.OutOfMemoryError`.
 
-With LMS enabled, such a failure no longer ends training. The tree of the failing region's
-device stops using CUDA graphs: the region, and every other region of the tree, runs from
-then on as the plain compiled function, whose tensors LMS pages like those of eager code,
-until ``torch._dynamo.reset()``. The whole tree, because its regions share one pool: the
-pool goes back to the device only once every graph recorded in it is gone, and a region left
-recording into it would keep the memory the plain code needs. One warning names the region,
+With LMS enabled, such a failure no longer ends training where nothing else lives in the
+pool (the first region of a step: a forward, whose warm-up keeps its activations in the
+pool). The tree of the failing region's device then stops using CUDA graphs: the region, and
+every other region of the tree, runs from then on as the plain compiled function, whose
+tensors LMS pages like those of eager code, until ``torch._dynamo.reset()``. The whole tree,
+because its regions share one pool: the pool goes back to the device only once every graph
+recorded in it is gone, and a region left recording into it would keep the memory the plain
+code needs. One warning names the region,
 the bytes its pool held and the limits it did not fit under, and Inductor's skip counter
 counts it (``counters["inductor"]["cudagraph_skips"]``). Under Inductor's
 ``triton.cudagraph_or_error`` setting the error is raised instead.
+
+Where tensors of the pool still live (a backward that reads what its forward left in the
+pool), the pool cannot be released under them, and such a region is not kept from freeing
+them as it runs: the error stands, as without LMS, saying so.
 
 Results stay those of CUDA graphs, which run the same compiled code: the failed call runs
 again on its own inputs, kept for this (Inductor's compiled functions clear the list they are
@@ -195,11 +201,28 @@ class _Attempt:
     each input after its last use), copies of the inputs that it mutates, made before it runs,
     and the states of the random number generators it may draw from (those among its inputs
     and the device's default one).
+
+    A call that reads tensors of the graph pool (a backward reading what its forward's
+    warm-up or graph left there) is not retried: kept alive, they would hold pool memory that
+    the call frees as it goes, and the pool can only be released once nothing in it lives.
+    ``in_pool`` tells such tensors; ``retry`` is then false and nothing is kept.
     """
 
-    def __init__(self, inputs: list[Any], mutated: Sequence[int], device: int | None) -> None:
-        self.inputs = list(inputs)
+    def __init__(
+        self,
+        inputs: list[Any],
+        mutated: Sequence[int],
+        device: int | None,
+        in_pool: Callable[[torch.Tensor], bool] | None = None,
+    ) -> None:
+        self.retry = in_pool is None or not any(
+            isinstance(value, torch.Tensor) and in_pool(value) for value in inputs
+        )
+        self.inputs = list(inputs) if self.retry else []
         self.backups: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
+        if not self.retry:
+            return
         with torch.no_grad():
             for index in mutated:
                 if 0 <= index < len(inputs) and isinstance(inputs[index], torch.Tensor):
@@ -208,7 +231,6 @@ class _Attempt:
         generators = [g for g in inputs if isinstance(g, torch.Generator)]
         generators += _default_generators(device)
         seen: set[int] = set()
-        self.generators: list[tuple[torch.Generator, torch.Tensor]] = []
         for generator in generators:
             if id(generator) not in seen:
                 seen.add(id(generator))
@@ -231,29 +253,45 @@ def _mib(size: int) -> str:
     return f"{size / _MiB:.2f} MiB"
 
 
+def _pool_segments(device: int, pool: Any) -> list[dict[str, Any]] | None:
+    """The segments of the private pool ``pool`` on ``device`` in the allocator's snapshot, or
+    ``None`` where the snapshot cannot tell."""
+    if pool is None:
+        return None
+    snapshot: Callable[..., Any] = torch.cuda.memory_snapshot
+    pool = tuple(pool)
+    for call in (
+        lambda: snapshot(pool, include_traces=False),
+        lambda: snapshot(pool),
+        lambda: [s for s in snapshot() if tuple(s.get("segment_pool_id", ())) == pool],
+    ):
+        try:
+            segments = call()
+        except (TypeError, RuntimeError, AttributeError):  # older signature; no CUDA
+            continue
+        return [s for s in segments if s.get("device", device) == device]
+    return None
+
+
 def _pool_bytes(device: int, pool: Any) -> int | None:
-    """Device memory that the private pool ``pool`` reserves on ``device``: its segments in
-    the allocator's snapshot, else what LMS reports for all private pools of the device."""
-    if pool is not None:
-        snapshot: Callable[..., Any] = torch.cuda.memory_snapshot
-        for call in (
-            lambda: snapshot(tuple(pool), include_traces=False),
-            lambda: snapshot(tuple(pool)),
-        ):
-            try:
-                segments = call()
-            except (TypeError, RuntimeError, AttributeError):  # older signature; no CUDA
-                continue
-            return sum(
-                int(segment.get("total_size", 0))
-                for segment in segments
-                if segment.get("device", device) == device
-            )
+    """Device memory that the private pool ``pool`` reserves on ``device``, else what LMS
+    reports for all private pools of the device."""
+    segments = _pool_segments(device, pool)
+    if segments is not None:
+        return sum(int(segment.get("total_size", 0)) for segment in segments)
     try:
         stats = _lms_api().lms_stats(device)
         return int(stats["private_pool_bytes"]["current"])
     except (ImportError, RuntimeError, AttributeError, KeyError, TypeError):
         return None
+
+
+def _pool_in_use(device: int, pool: Any) -> bool:
+    """Whether tensors still live in the private pool ``pool`` (or the snapshot cannot tell)."""
+    segments = _pool_segments(device, pool)
+    if segments is None:
+        return True
+    return any(int(segment.get("allocated_size", 0)) > 0 for segment in segments)
 
 
 def _limits(device: int) -> str:
@@ -421,7 +459,11 @@ def install_tree_fallback(module: ModuleType) -> None:
             wrapped = self.ids_to_funcs[function_id]
             # A capture only records, and runs nothing of the region before it succeeded.
             mutated = getattr(wrapped, "mutated_input_idxs", ()) if executes else ()
-            attempt = _Attempt(new_inputs, mutated, getattr(self, "device_index", None))
+            checker = getattr(self, "_get_cuda_graph_recorded_tensor_checker", None)
+            in_pool = checker() if callable(checker) else None
+            attempt = _Attempt(new_inputs, mutated, getattr(self, "device_index", None), in_pool)
+            if not attempt.retry:
+                return step(self, new_inputs, function_id)
             try:
                 return step(self, new_inputs, function_id)
             except _PoolDidNotFit:
@@ -439,7 +481,17 @@ def install_tree_fallback(module: ModuleType) -> None:
         try:
             return run(self, new_inputs, function_id)
         except _PoolDidNotFit as failure:
-            attempt, step = failure.attempt, failure.step
+            attempt, step, message = failure.attempt, failure.step, str(failure)
+        gc.collect()  # the failed call's memory first
+        device = int(getattr(self, "device_index", 0))
+        if _pool_in_use(device, getattr(self, "cuda_graphs_thread_pool", None)):
+            # Tensors of the pool still live (outputs of earlier graphs or warm-ups): the pool
+            # cannot go back to the device under them, nor could the plain code find room.
+            attempt.undo()
+            raise _OutOfMemoryError(
+                f"{message} (Large Model Support did not fall back to running without CUDA "
+                "graphs: tensors still live in the CUDA graph pool.)"
+            )
         inputs = attempt.undo()
         _without_graphs(self, function_id, step)
         return self.ids_to_funcs[function_id].model(inputs)
