@@ -305,6 +305,7 @@ FAMILY_LABELS = {
     "amp_fp16": "fp16 autocast + GradScaler",
     "grad_accum": "gradient accumulation x4",
     "adamw_foreach": "AdamW foreach, state > room",
+    "moe": "mixture of experts, loads change",
     "ddp_resnet50": "ResNet-50, DDP on 2 GPUs (per rank)",
 }
 # The matrix's tests of rows beyond the device, in the README's order.
@@ -862,6 +863,7 @@ README_TABLES: dict[str, tuple[str, ...]] = {
         "benchmarks/results/matrix/2026-11-24-h200x2-unrecorded/ddp",
         "benchmarks/results/matrix/2026-11-25-h100-cb6b81b",
         "benchmarks/results/matrix/2026-11-25-h100-59e7f86",
+        "benchmarks/results/fragmentation/2026-11-25-h100-d87e17a/moe-exp",
     ),
     "capped": ("benchmarks/results/compare/2026-11-24-h100-unrecorded",),
 }
