@@ -283,6 +283,33 @@ class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
     return true;
   }
 
+  // The stock allocator's snapshot, read on the allocation-failure path only
+  // (it walks every block).
+  std::vector<lms::SegmentMap> segments(
+      c10::DeviceIndex device,
+      cudaStream_t stream) override {
+    std::vector<lms::SegmentMap> maps;
+    const alloc::SnapshotInfo info =
+        stock_->snapshot(c10::MempoolId_t{0, 0}, /*include_traces=*/false);
+    for (const auto& segment : info.segments) {
+      if (segment.device != device || !segment.is_large ||
+          segment.stream != stream ||
+          segment.owner_private_pool_id.first != 0 ||
+          segment.owner_private_pool_id.second != 0) {
+        continue;
+      }
+      lms::SegmentMap map;
+      map.base = static_cast<uintptr_t>(segment.address);
+      map.blocks.reserve(segment.blocks.size());
+      for (const auto& block : segment.blocks) {
+        map.blocks.emplace_back(
+            static_cast<size_t>(block.size), block.allocated);
+      }
+      maps.push_back(std::move(map));
+    }
+    return maps;
+  }
+
   // Under torch.cuda.set_per_process_memory_fraction the stock allocator
   // refuses to reserve more than that share of the device: the LMS limit
   // stays within it, so reclaims happen before the allocator fails.

@@ -734,6 +734,39 @@ TEST_CASE(a_small_storage_in_a_large_segment_is_paged_out_to_place_a_request) {
   env.checkBaseline();
 }
 
+// A failed allocation pages out the storage that holds the range the request
+// fits in, not the least recently used one: X (24 MiB, used longest ago) has
+// a segment of its own; Z (4 MiB) sits at the start of a 30 MiB segment whose
+// other 26 MiB are free. A 28 MiB request fits in Z's segment once Z is out.
+TEST_CASE(a_failed_allocation_pages_out_the_storage_in_its_way) {
+  Env env(64 * kMiB);
+  lms::getBackend()->releaseCachedMemory(0);
+  const size_t base = lms::getBackend()->reservedBytes(0);
+  {
+    const lms_test::AllocatorCap cap(base + 64 * kMiB);
+    auto x = newStorage(24 * kMiB);
+    auto y = newStorage(30 * kMiB);
+    y.reset(); // its segment stays cached, free
+    auto z = newStorage(4 * kMiB); // carved out of y's segment
+    write(*x, 1);
+    write(*z, 2);
+    lms::releaseOutput(*x); // least recently used first
+    lms::releaseOutput(*z);
+    const auto before = lms::getStats(0);
+    auto d = newStorage(28 * kMiB); // 56 MiB of tensors, 78 MiB of segments
+    write(*d, 3);
+    const auto after = lms::getStats(0);
+    CHECK_EQ(after.fragment_reclaims, before.fragment_reclaims + 1);
+    CHECK_EQ(after.pageout_bytes - before.pageout_bytes, int64_t(4 * kMiB));
+    CHECK(lms::getState(*z) == lms::StorageState::PagedOut);
+    CHECK(lms::getState(*x) == lms::StorageState::Inactive);
+    CHECK(matches(*x, 1));
+    CHECK(matches(*z, 2));
+    CHECK(matches(*d, 3));
+  }
+  env.checkBaseline();
+}
+
 // An operator whose own inputs, outputs so far and next allocation pass the
 // allocator's cap: the error says that no page-out could help, with the
 // figures.

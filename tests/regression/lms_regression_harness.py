@@ -147,12 +147,20 @@ def lms_summary(stats: dict[str, Any]) -> dict[str, Any]:
     out = {k: stats[k] for k in keys}
     for gauge in ("managed_bytes", "pagedout_bytes", "host_bytes"):
         out[f"{gauge}_peak"] = stats[gauge]["peak"]
+    # Counters that newer engines add (fragment_reclaims), where this LMS build has them.
+    for key in OPTIONAL_STATS:
+        if key in stats:
+            out[key] = stats[key]
     # The host-memory budget, where this LMS build has one.
     for key in HOST_BUDGET_STATS:
         if key in stats:
             out[key] = stats[key]
     return out
 
+
+# lms_stats() counters an engine may lack: failed allocations placed by paging out the
+# storages that held a range the request fits in.
+OPTIONAL_STATS = ("fragment_reclaims",)
 
 # lms_stats() keys of the host-memory budget (torch.cuda.set_host_limit_lms): the budget in
 # force, the pinned memory of all LMS processes of the host, the page-outs it refused.

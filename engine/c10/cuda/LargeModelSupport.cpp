@@ -21,6 +21,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace c10::cuda::lms {
@@ -735,6 +736,51 @@ void addUpcoming(DeviceEngine& e, Record& r);
 void removeUpcoming(DeviceEngine& e, Record& r);
 void clearPrefetched(DeviceEngine& e, Record& r);
 
+// Pages out a victim of a reclaim, busy and off every list; the engine lock
+// is not held. Returns false, the victim back on the reclaim list, when no
+// pinned host memory could be had: the caller's allocation decides whether
+// that is an error. `keep_alive` must outlive the call (see pageOut).
+bool pageOutVictim(DeviceEngine& e, Record& victim, StorageRef& keep_alive) {
+  bool ok = false;
+  try {
+    ok = pageOut(e, victim, keep_alive);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    victim.busy = false;
+    e.reclaim_list.push_back(&victim);
+    e.settled.notify_all();
+    throw;
+  }
+  std::lock_guard<std::mutex> lock(e.mutex);
+  victim.busy = false;
+  if (!ok) {
+    t_host_refused = true;
+    e.reclaim_list.push_back(&victim);
+    e.settled.notify_all();
+    return false;
+  }
+  markPagedOut(e, victim, e.pagedout_list);
+  e.settled.notify_all();
+  return true;
+}
+
+void countReclaim(DeviceEngine& e, Trigger trigger) {
+  switch (trigger) {
+    case Trigger::Limit:
+      ++e.stats.reclaim_limit;
+      break;
+    case Trigger::Speculative:
+      ++e.stats.reclaim_speculative;
+      break;
+    case Trigger::AllocFailure:
+      ++e.stats.reclaim_alloc_failure;
+      break;
+    case Trigger::Explicit:
+      ++e.stats.reclaim_explicit;
+      break;
+  }
+}
+
 // Pages out inactive storages until `bytes` are freed or none is left: the
 // one used furthest in the future while a learned schedule is active, else
 // the least recently used. Returns the bytes freed.
@@ -760,45 +806,132 @@ size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
       victim->busy = true;
       if (!counted) {
         counted = true;
-        switch (trigger) {
-          case Trigger::Limit:
-            ++e.stats.reclaim_limit;
-            break;
-          case Trigger::Speculative:
-            ++e.stats.reclaim_speculative;
-            break;
-          case Trigger::AllocFailure:
-            ++e.stats.reclaim_alloc_failure;
-            break;
-          case Trigger::Explicit:
-            ++e.stats.reclaim_explicit;
-            break;
+        countReclaim(e, trigger);
+      }
+    }
+    if (!pageOutVictim(e, *victim, keep_alive)) {
+      break;
+    }
+    freed += victim->size;
+  }
+  return freed;
+}
+
+// After an allocation of `size` bytes on `stream` failed: pages out the
+// storages that hold the cheapest contiguous run of blocks, in one range the
+// allocator has mapped, whose blocks are free or held by reclaimable storages
+// and together hold `size` bytes. Once they are out, the allocator has a free
+// range for the request. Victims picked by their next use free memory
+// wherever they lie, scattered over segments that tensors still in use keep
+// mapped; the allocator then returns its cache to the device and tries again,
+// and so on until everything reclaimable is out. Returns the bytes freed, 0
+// when no such run exists (or the allocator cannot tell).
+size_t reclaimFragments(DeviceEngine& e, size_t size, cudaStream_t stream) {
+  if (size <= kMiB) {
+    return 0; // the small pool: its 2 MiB segments do not fragment this way
+  }
+  const std::vector<SegmentMap> maps = backend().segments(e.device, stream);
+  if (maps.empty()) {
+    return 0;
+  }
+  std::vector<Record*> victims;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    std::unordered_map<uintptr_t, Record*> held;
+    for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
+      if (!r->busy && r->device_ptr != nullptr) {
+        held.emplace(reinterpret_cast<uintptr_t>(r->device_ptr), r);
+      }
+    }
+    if (held.empty()) {
+      return 0;
+    }
+    // Per range, a window [lo, hi] of blocks, none held by anything that
+    // stays, shrunk from the left while it still holds `size` bytes.
+    const SegmentMap* best_map = nullptr;
+    size_t best_lo = 0;
+    size_t best_hi = 0;
+    size_t best_cost = SIZE_MAX;
+    for (const SegmentMap& map : maps) {
+      const size_t n = map.blocks.size();
+      std::vector<Record*> owner(n, nullptr);
+      uintptr_t address = map.base;
+      for (size_t i = 0; i < n; ++i) {
+        if (map.blocks[i].second) {
+          const auto it = held.find(address);
+          owner[i] = it != held.end() ? it->second : nullptr;
+        }
+        address += map.blocks[i].first;
+      }
+      size_t lo = 0;
+      size_t bytes = 0;
+      size_t cost = 0;
+      for (size_t hi = 0; hi < n; ++hi) {
+        const auto [block, allocated] = map.blocks[hi];
+        if (allocated && owner[hi] == nullptr) {
+          lo = hi + 1; // a block that stays splits the range
+          bytes = 0;
+          cost = 0;
+          continue;
+        }
+        bytes += block;
+        cost += allocated ? block : 0;
+        while (lo < hi && bytes - map.blocks[lo].first >= size) {
+          bytes -= map.blocks[lo].first;
+          cost -= map.blocks[lo].second ? map.blocks[lo].first : 0;
+          ++lo;
+        }
+        if (bytes >= size && cost > 0 && cost < best_cost) {
+          best_map = &map;
+          best_lo = lo;
+          best_hi = hi;
+          best_cost = cost;
         }
       }
     }
+    if (best_map == nullptr) {
+      return 0;
+    }
+    uintptr_t address = best_map->base;
+    for (size_t i = 0; i <= best_hi; ++i) {
+      if (i >= best_lo && best_map->blocks[i].second) {
+        Record* r = held.at(address);
+        e.reclaim_list.remove(r);
+        r->busy = true;
+        victims.push_back(r);
+      }
+      address += best_map->blocks[i].first;
+    }
+    countReclaim(e, Trigger::AllocFailure);
+  }
+  // The victims after the i-th go back, resident, when it cannot go out.
+  auto put_back_after = [&](size_t i) {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    for (size_t j = i + 1; j < victims.size(); ++j) {
+      victims[j]->busy = false;
+      e.reclaim_list.push_back(victims[j]);
+    }
+    e.settled.notify_all();
+  };
+  size_t freed = 0;
+  for (size_t i = 0; i < victims.size(); ++i) {
+    StorageRef keep_alive;
     bool ok = false;
     try {
-      ok = pageOut(e, *victim, keep_alive);
+      ok = pageOutVictim(e, *victims[i], keep_alive);
     } catch (...) {
-      std::lock_guard<std::mutex> lock(e.mutex);
-      victim->busy = false;
-      e.reclaim_list.push_back(victim);
-      e.settled.notify_all();
+      put_back_after(i);
       throw;
     }
-    std::lock_guard<std::mutex> lock(e.mutex);
-    victim->busy = false;
     if (!ok) {
-      // Out of pinned host memory: keep the victim resident and stop; the
-      // caller's allocation decides whether that is an error.
-      t_host_refused = true;
-      e.reclaim_list.push_back(victim);
-      e.settled.notify_all();
+      put_back_after(i);
       break;
     }
-    markPagedOut(e, *victim, e.pagedout_list);
-    e.settled.notify_all();
-    freed += victim->size;
+    freed += victims[i]->size;
+  }
+  if (freed > 0) {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    ++e.stats.fragment_reclaims;
   }
   return freed;
 }
@@ -872,8 +1005,10 @@ void* allocateDevice(DeviceEngine& e, size_t size, cudaStream_t stream) {
       reclaimed = reclaimed || t_reclaimed_in_malloc;
     } catch (const c10::OutOfMemoryError&) {
       // The allocator has already tried its free list, its free-memory
-      // callbacks and releasing its cache. Page out what is left, LRU first.
-      if (reclaim(e, size, Trigger::AllocFailure) == 0) {
+      // callbacks and releasing its cache. Page out the storages that hold a
+      // range the request fits in, else what is left in reclaim order.
+      if (reclaimFragments(e, size, stream) == 0 &&
+          reclaim(e, size, Trigger::AllocFailure) == 0) {
         throwOutOfMemory(e, size);
       }
       reclaimed = true;
@@ -2753,8 +2888,9 @@ bool reclaimForFailedAllocation(c10::DeviceIndex device, size_t size) {
   if (!isEnabled() || t_no_reclaim) {
     return false;
   }
-  const bool freed =
-      reclaim(engineFor(device), size, Trigger::AllocFailure) > 0;
+  DeviceEngine& e = engineFor(device);
+  const bool freed = reclaimFragments(e, size, currentStream(device)) > 0 ||
+      reclaim(e, size, Trigger::AllocFailure) > 0;
   t_reclaimed_in_malloc = t_reclaimed_in_malloc || freed;
   return freed;
 }

@@ -54,6 +54,8 @@
 #include <exception>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 namespace c10::cuda::lms {
 
@@ -304,6 +306,9 @@ struct LmsStats {
   int64_t reclaim_speculative = 0; // speculative page-out margin crossed
   int64_t reclaim_alloc_failure = 0; // the device allocation failed
   int64_t reclaim_explicit = 0; // reclaimInactive()
+  // Failed allocations placed by paging out the storages that held a range
+  // the request fits in (reclaimFragments).
+  int64_t fragment_reclaims = 0;
   // Where allocations of the LMS path were satisfied from.
   int64_t alloc_from_cache = 0; // the caching allocator's free list
   int64_t alloc_from_device = 0; // a new device allocation
@@ -384,6 +389,13 @@ C10_CUDA_API void resetAccumulatedStats(c10::DeviceIndex device);
 // Allocator integration
 // ---------------------------------------------------------------------------
 
+// A contiguous range of device memory that the allocator has mapped, with
+// its blocks in address order: each block's size and whether it is allocated.
+struct SegmentMap {
+  uintptr_t base = 0;
+  std::vector<std::pair<size_t, bool>> blocks;
+};
+
 // What the engine needs from the allocator that owns device memory.
 class C10_CUDA_API DeviceMemoryBackend {
  public:
@@ -433,6 +445,16 @@ class C10_CUDA_API DeviceMemoryBackend {
   virtual bool releaseCachedMemory(c10::DeviceIndex device) {
     (void)device;
     return false;
+  }
+  // The ranges the allocator has mapped for requests of more than 1 MiB on
+  // `stream` in its default pool (private pools left out), or none when it
+  // cannot tell. Read when an allocation has failed, never on the fast path.
+  virtual std::vector<SegmentMap> segments(
+      c10::DeviceIndex device,
+      cudaStream_t stream) {
+    (void)device;
+    (void)stream;
+    return {};
   }
 };
 

@@ -104,6 +104,7 @@ _COUNTER_KEYS = (
     "reclaim_speculative",
     "reclaim_alloc_failure",
     "reclaim_explicit",
+    "fragment_reclaims",
     "alloc_from_cache",
     "alloc_from_device",
     "alloc_after_reclaim",
@@ -755,7 +756,9 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     - ``reclaim_limit``, ``reclaim_speculative``, ``reclaim_alloc_failure``,
       ``reclaim_explicit``: reclaim rounds, by what triggered them (an
       allocation would pass the limit, the speculative margin was crossed, the
-      device allocation failed, :func:`reclaim_inactive`).
+      device allocation failed, :func:`reclaim_inactive`); ``fragment_reclaims``:
+      failed allocations placed by paging out the storages that held a range of
+      the allocator's memory the request fits in.
     - ``alloc_from_cache``, ``alloc_from_device``, ``alloc_after_reclaim``:
       where LMS allocations were satisfied from.
     - ``prefetch_count``, ``prefetch_hits``: storages prefetched, and those an
@@ -992,6 +995,10 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
         f"{counters['reclaim_speculative']} speculative, "
         f"{counters['reclaim_alloc_failure']} on failed alloc, "
         f"{counters['reclaim_explicit']} explicit".ljust(_WIDTH)
+    )
+    lines.append(
+        f" Failed allocations placed by paging out a range: "
+        f"{counters['fragment_reclaims']}".ljust(_WIDTH)
     )
     lines.append(
         f" Allocations: {counters['alloc_from_cache']} from cache, "
