@@ -24,6 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lms_paths import use_shared_modules
+
+use_shared_modules()
+from harness import signal_name  # noqa: E402
+
 MiB = 1024**2
 GiB = 1024**3
 
@@ -311,13 +316,6 @@ def host_refusals(data: Mapping[str, Any]) -> int | None:
         if isinstance(stats, Mapping) and "host_refusals" in stats:
             return count_of(stats["host_refusals"])
     return None
-
-
-def signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def exit_description(returncode: int | None) -> str:

@@ -603,8 +603,10 @@ def test_every_run_of_a_case_gets_the_capped_runs_allocator_setting(tmp_path: Pa
 
 
 def test_records_carry_provenance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    setup = runner._lms_setup()
+    import _lms_setup as setup  # on sys.path through the runner (tests/regression/lms_paths.py)
+
     assert setup.__file__ == str(REPO / "examples" / "_lms_setup.py")
+    assert runner.harness.__file__ == str(REPO / "benchmarks" / "harness.py")
     monkeypatch.setenv("LMS_ENGINE_COMMIT", "0123456789abcdef")
     monkeypatch.setenv("LMS_ENGINE_DIRTY", "1")
     settings = runner.Settings(out=tmp_path, device="cpu")
