@@ -8,11 +8,13 @@ help each; the default is the tool's), and one record schema with provenance.
   :func:`wait_pid` does the same for a child this process forked (the stress suite's fork
   server). :func:`run_worker` runs ``SCRIPT --worker SPEC.json`` in a fresh Python process
   and returns the result the worker wrote (:func:`serve_worker` is the worker's side);
-  :func:`read_json` and :func:`log_tail` read what a run left.
+  :func:`read_json` and :func:`log_tail` read what a run left; :func:`worker_env` is the
+  environment of a worker.
 - :class:`Deadline`: a time budget.
 - :data:`ENV_COLUMNS` / :data:`RECORD_ENV_COLUMNS`: the environment columns every CSV row
-  carries; :func:`csv_env_columns` picks them for an environment; :func:`write_csv` and
-  :func:`write_json` replace a file whole, so a run stopped at any moment leaves valid files;
+  carries; :func:`csv_env_columns` picks them for an environment; :func:`write_csv`,
+  :func:`write_json` and :func:`write_text` replace a file whole, so a run stopped at any
+  moment leaves valid files;
   :func:`record_environment` is what every JSON record's ``environment`` holds (versions,
   device and provenance: engine commit, dirty flag, engine sources hash, driver);
   :data:`RECORD_PROVENANCE` the fields each row of a record names its run by
@@ -148,10 +150,14 @@ def write_csv(
     replace_atomically(path, write)
 
 
+def write_text(path: Path, text: str) -> None:
+    """``text`` as the whole of ``path`` (:func:`replace_atomically`)."""
+    replace_atomically(path, lambda f: f.write(text))
+
+
 def write_json(path: Path, record: dict[str, Any]) -> None:
     """``record`` as indented JSON (what JSON cannot hold, as its ``str``)."""
-    text = json.dumps(record, indent=2, default=str) + "\n"
-    replace_atomically(path, lambda f: f.write(text))
+    write_text(path, json.dumps(record, indent=2, default=str) + "\n")
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
@@ -210,6 +216,23 @@ def signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+# The cuBLAS workspace setting that makes its kernels deterministic (read when the first
+# cuBLAS handle is created).
+DETERMINISTIC_CUBLAS_WORKSPACE = ":4096:8"
+
+
+def worker_env(deterministic: bool = False, **overrides: str) -> dict[str, str]:
+    """This process's environment for a worker: unbuffered output (its log is current when it
+    is stopped), with ``deterministic`` cuBLAS's deterministic workspace unless the
+    environment chose one, and ``overrides``."""
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if deterministic:
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS_WORKSPACE)
+    env.update(overrides)
+    return env
 
 
 def start_process(

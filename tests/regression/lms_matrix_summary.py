@@ -28,7 +28,7 @@ if str(HERE) not in sys.path:
 from lms_paths import use_shared_modules  # noqa: E402
 
 use_shared_modules()
-from harness import engine_words, markdown_table  # noqa: E402
+from harness import engine_words, markdown_table, write_text  # noqa: E402
 
 GiB = 1024**3
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(*(json.loads(path.read_text()) for path in args.results))
     sys.stdout.write(table)
     if args.output is not None:
-        args.output.write_text(table)
+        write_text(args.output, table)
     return 0
 
 

@@ -12,16 +12,11 @@ imports torch at module level.
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-from lms_paths import use_shared_modules  # noqa: E402
+from lms_paths import use_shared_modules
 
 use_shared_modules()
 from harness import (  # noqa: E402

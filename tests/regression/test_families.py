@@ -45,6 +45,7 @@ from lms_regression_harness import MiB, ensure_lms_api
 
 use_shared_modules()
 from harness import Deadline, read_json, start_process, stop_group  # noqa: E402
+from harness import worker_env as harness_worker_env  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "lms_matrix_worker.py"
@@ -68,11 +69,8 @@ SHARE_TIMEOUT_S = 480
 
 def worker_env() -> dict[str, str]:
     """The test session's environment, with this folder on ``PYTHONPATH`` for ``mp.spawn``."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    return harness_worker_env(deterministic=True, PYTHONPATH=path)
 
 
 def run_worker(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:

@@ -75,7 +75,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import sys
 import time
@@ -566,9 +565,7 @@ class ForkServerLauncher(Launcher):
 
 def make_launcher(kind: str, python: str) -> Launcher:
     """The launcher ``kind`` (``fork`` or ``spawn``) with the workers' environment."""
-    env = dict(os.environ)
-    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    env["PYTHONUNBUFFERED"] = "1"
+    env = harness.worker_env(deterministic=True)
     if kind == "fork":
         env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         return ForkServerLauncher(python, env)
@@ -1068,7 +1065,7 @@ class _ResultsFile:
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(record, default=str) + "\n")
-        (self.out / "summary.md").write_text(summarize(self.records, self.extra))
+        harness.write_text(self.out / "summary.md", summarize(self.records, self.extra))
 
 
 def run_suite(
@@ -1273,7 +1270,7 @@ def main(argv: list[str] | None = None) -> int:
         with (out / "results.jsonl").open("w") as f:
             for record in records:
                 f.write(json.dumps(record, default=str) + "\n")
-        (out / "summary.md").write_text(summarize(records))
+        harness.write_text(out / "summary.md", summarize(records))
     else:
         seeds = (
             [args.seed]
