@@ -210,6 +210,13 @@ class Deadline:
         return self._end - self._clock()
 
 
+def first_line(text: str, limit: int = 300, mark: str = "") -> str:
+    """The first line of ``text`` (of an error message), at most ``limit`` characters; one
+    cut short ends with ``mark`` (within the limit)."""
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= limit else line[: limit - len(mark)] + mark
+
+
 def signal_name(number: int) -> str:
     """``SIGKILL`` and the like; ``signal N`` for a number without a name."""
     try:

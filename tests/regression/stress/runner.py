@@ -191,7 +191,7 @@ def run_status(outcome: Outcome | None) -> tuple[str, str]:
         return "no-result", f"exited with status {code} without a result{suffix}"
     if result.get("status") == "exception":
         exc = result.get("exception", {})
-        text = f"{exc.get('type', '?')}: {_first_line(exc.get('message', ''))}"
+        text = f"{exc.get('type', '?')}: {harness.first_line(exc.get('message', ''))}"
         if exc.get("is_oom"):
             return "oom", text
         if exc.get("is_cuda_error"):
@@ -205,11 +205,6 @@ def run_status(outcome: Outcome | None) -> tuple[str, str]:
 
 
 CRASH_STATUSES = ("signal", "cuda-error", "hang", "no-result", "exit")
-
-
-def _first_line(text: str, limit: int = 300) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line[:limit]
 
 
 def _pin_failure(outcome: Outcome) -> str:
@@ -229,7 +224,7 @@ def _pin_failure(outcome: Outcome) -> str:
 def oom_reason(message: str) -> str:
     """Which allocator ran out and for what, from an out-of-memory message (for the reason
     text only)."""
-    first = _first_line(message, 200)
+    first = harness.first_line(message, 200)
     if "Large Model Support" in message:
         return f"LMS out of memory ({first})"
     if "CUDNN" in message or "CUBLAS" in message:
