@@ -54,6 +54,7 @@ from _lms_setup import (  # noqa: E402
     run_stamp,
     versions,
 )
+from _lms_setup import utc_now as utc_now  # noqa: E402  (a record's date)
 
 # ---------------------------------------------------------------------------------------
 # Records

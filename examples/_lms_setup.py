@@ -201,16 +201,18 @@ def is_oom(error: BaseException) -> bool:
     )
 
 
-def run_stamp() -> dict[str, Any]:
-    """When and where a run ran: the date (UTC), the host and the Python version."""
+def utc_now() -> str:
+    """Now, in UTC, to the second (ISO 8601): the date a record gives."""
     import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_stamp() -> dict[str, Any]:
+    """When and where a run ran: the date (:func:`utc_now`), the host and the Python version."""
     import platform
 
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "python": platform.python_version(),
-    }
+    return {"date": utc_now(), "host": platform.node(), "python": platform.python_version()}
 
 
 def versions(device: bool = True) -> dict[str, Any]:

@@ -73,7 +73,6 @@ seed's later attempts).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import subprocess
 import sys
@@ -622,10 +621,6 @@ def replay_command(seed: int) -> str:
     return f"PYTHONPATH=extension python3 -m {RUNNER_MODULE} --seed {seed} --out {out}"
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
 def runs_dir_of(out: Path, seed: int, attempt: int) -> Path:
     """Where the runs of one attempt of a seed write their results and logs."""
     base = out / "runs" / str(seed)
@@ -704,7 +699,7 @@ def run_case(seed: int, launcher: Launcher, settings: Settings, attempt: int = 1
     if verdict["class"] == "mismatch" and settings.triage:
         record["triage"] = triage(case, ref1, capped, no_lms, cap_bytes, launch)
     record["case_wall_s"] = round(time.perf_counter() - started, 3)
-    record["timestamp"] = _now()
+    record["timestamp"] = harness.utc_now()
     worker_env = environment_of(
         [{"env": (run.result or {}).get("env")} for run in (capped, no_lms, ref1) if run]
     )
@@ -1086,7 +1081,7 @@ def run_suite(
     if jobs > 1:
         assert make_job_launcher is not None
         return _run_suite_parallel(seeds, settings, make_job_launcher, jobs, time_budget_s, log)
-    book = _ResultsFile(settings.out, {"date": _now()})
+    book = _ResultsFile(settings.out, {"date": harness.utc_now()})
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     run_timeout_s = settings.run_timeout_s
@@ -1125,7 +1120,7 @@ def _run_suite_parallel(
     import concurrent.futures
     import threading
 
-    book = _ResultsFile(settings.out, {"date": _now(), "parallel_jobs": jobs})
+    book = _ResultsFile(settings.out, {"date": harness.utc_now(), "parallel_jobs": jobs})
     local = threading.local()
     launchers: list[Launcher] = []
     lock = threading.Lock()
