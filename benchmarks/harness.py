@@ -28,6 +28,7 @@ on ``sys.path``. Nothing here imports torch at module level.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -353,7 +354,8 @@ def wait_pid(pid: int, timeout_s: float) -> ProcessRun:
             time.sleep(delay)
             delay = min(0.05, delay * 2)
     except BaseException:
-        _kill_and_reap(pid)
+        with contextlib.suppress(ChildProcessError):  # already reaped
+            _kill_and_reap(pid)
         raise
     code = _kill_and_reap(pid)
     return ProcessRun(code, True, round(time.perf_counter() - start, 3))

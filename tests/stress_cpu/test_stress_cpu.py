@@ -1006,6 +1006,17 @@ def test_spawn_launcher_reports_a_worker_killed_by_a_signal(tmp_path: Path) -> N
     assert run_status(outcome) == ("signal", "killed by SIGSEGV")
 
 
+def test_spawn_launcher_kills_a_hung_worker(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="PyTorch is not installed")
+    launcher = runner.make_launcher("spawn", sys.executable)
+    case = tiny(generate(0), "mlp_tokens")
+    start = time.perf_counter()
+    outcome = launcher.launch(_request(tmp_path, case, "hang", fault="hang"), 6)
+    assert outcome.timed_out and outcome.returncode == -9
+    assert run_status(outcome)[0] == "hang"
+    assert time.perf_counter() - start < 30
+
+
 def test_fork_launcher_falls_back_to_spawning_when_forked_cuda_fails(tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="PyTorch is not installed")
     launcher = fork_server()
