@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import shutil
 import statistics
 import sys
@@ -1079,11 +1078,9 @@ def subprocess_runner(
 
 
 def child_environment(cache: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
-    env["TRITON_CACHE_DIR"] = str(cache / "triton")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return harness.worker_env(
+        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TRITON_CACHE_DIR=str(cache / "triton")
+    )
 
 
 def run_benchmark(

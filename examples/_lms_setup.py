@@ -201,21 +201,27 @@ def is_oom(error: BaseException) -> bool:
     )
 
 
+def utc_now() -> str:
+    """Now, in UTC, to the second (ISO 8601): the date a record gives."""
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_stamp() -> dict[str, Any]:
+    """When and where a run ran: the date (:func:`utc_now`), the host and the Python version."""
+    import platform
+
+    return {"date": utc_now(), "host": platform.node(), "python": platform.python_version()}
+
+
 def versions(device: bool = True) -> dict[str, Any]:
     """Date, host, Python, torch and CUDA versions and, with ``device`` and a GPU, the
     device's name and memory: what every result file records."""
-    import datetime
-    import platform
-
     import torch
 
-    env: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-    }
+    env = run_stamp()
+    env.update(torch=torch.__version__, cuda=torch.version.cuda)
     if device and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         env["device"] = props.name

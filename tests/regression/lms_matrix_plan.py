@@ -24,6 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lms_paths import use_shared_modules
+
+use_shared_modules()
+from harness import first_line, signal_name  # noqa: E402
+
 MiB = 1024**2
 GiB = 1024**3
 
@@ -313,13 +318,6 @@ def host_refusals(data: Mapping[str, Any]) -> int | None:
     return None
 
 
-def signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
 def exit_description(returncode: int | None) -> str:
     """``exit status N``, or the signal that ended the process (a negative return code, as
     ``subprocess`` gives it)."""
@@ -350,11 +348,6 @@ class Outcome:
         return self.kind != SIGNALLED
 
 
-def first_line(text: str, limit: int = 300) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
 def classify(returncode: int | None, data: Mapping[str, Any]) -> Outcome:
     """What became of a worker, from its exit status (negative: the signal that ended it,
     as ``subprocess`` reports it) and the results it wrote (``stage``, ``error_type``,
@@ -379,10 +372,12 @@ def classify(returncode: int | None, data: Mapping[str, Any]) -> Outcome:
             kind,
             returncode,
             f"torch.OutOfMemoryError in stage {stage!r} (host refusals {refusals}): "
-            f"{first_line(message)}",
+            f"{first_line(message, mark='...')}",
         )
     if error_type:
-        return Outcome(ERROR, returncode, f"{error_type} in stage {stage!r}: {first_line(message)}")
+        return Outcome(
+            ERROR, returncode, f"{error_type} in stage {stage!r}: {first_line(message, mark='...')}"
+        )
     if returncode == 0 and stage == "done":
         return Outcome(FINISHED, returncode, "finished")
     if returncode is None:

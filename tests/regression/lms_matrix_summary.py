@@ -25,7 +25,10 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from lms_results import engine_words  # noqa: E402
+from lms_paths import use_shared_modules  # noqa: E402
+
+use_shared_modules()
+from harness import engine_words, markdown_table, write_text  # noqa: E402
 
 GiB = 1024**3
 
@@ -129,13 +132,10 @@ def render(*documents: dict[str, Any]) -> str:
                 f"{env.get('date', '')}"
             )
             lines.append("")
-    lines.append("| " + " | ".join(COLUMNS) + " |")
-    lines.append("|" + " --- |" * len(COLUMNS))
-    for entry in entries:
-        cells = [c.replace("|", "\\|") for c in row(entry)]
-        lines.append("| " + " | ".join(cells) + " |")
-    if not entries:
-        lines.append("| " + " | ".join(["(no matrix results)"] + [""] * (len(COLUMNS) - 1)) + " |")
+    rows = [row(entry) for entry in entries]
+    if not rows:
+        rows = [["(no matrix results)"] + [""] * (len(COLUMNS) - 1)]
+    lines.append(markdown_table(COLUMNS, rows))
     return "\n".join(lines) + "\n"
 
 
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     table = render(*(json.loads(path.read_text()) for path in args.results))
     sys.stdout.write(table)
     if args.output is not None:
-        args.output.write_text(table)
+        write_text(args.output, table)
     return 0
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import math
 import os
 import socket
@@ -54,6 +53,11 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
+from lms_paths import use_shared_modules  # noqa: E402
+
+use_shared_modules()
+from _lms_setup import nonneg_int, positive_int  # noqa: E402
+from harness import write_json  # noqa: E402
 from lms_families import (  # noqa: E402
     DeepMLP,
     Family,
@@ -118,9 +122,7 @@ class Results:
         self.data.update(values)
 
     def save(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
-        tmp.replace(self.path)
+        write_json(self.path, self.data)
 
 
 def environment(backend: str) -> dict[str, Any]:
@@ -953,20 +955,6 @@ def run_ddp(cap_share: float, steps: int, out_dir: Path) -> int:
 HOST_LIMIT_HELP = "LMS's host-memory budget in MiB (set_host_limit_lms); 0: the default"
 
 
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not positive")
-    return value
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -980,7 +968,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = sub.add_parser("nocap", help="a need of FACTOR x the device, no cap")
     p.add_argument("--factor", type=float, required=True)
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--host-limit-mb", type=non_negative_int, default=0, help=HOST_LIMIT_HELP)
+    p.add_argument("--host-limit-mb", type=nonneg_int, default=0, help=HOST_LIMIT_HELP)
     p.add_argument(
         "--no-reference",
         dest="reference",
@@ -998,8 +986,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cap-share", type=float, default=0.0, help="cap the allocator at this share of the device"
     )
-    p.add_argument("--host-limit-mb", type=non_negative_int, default=0, help=HOST_LIMIT_HELP)
-    p.add_argument("--wave", type=non_negative_int, default=0)
+    p.add_argument("--host-limit-mb", type=nonneg_int, default=0, help=HOST_LIMIT_HELP)
+    p.add_argument("--wave", type=nonneg_int, default=0)
     p.add_argument("--waves", type=positive_int, default=1)
     p.add_argument("--barrier", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)

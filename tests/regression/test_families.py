@@ -26,9 +26,7 @@ one, are computed in ``lms_matrix_plan.py`` (checked on a CPU).
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -42,7 +40,12 @@ import lms_matrix_plan as plan
 import torch
 from lms_families import FAMILIES, mlp_need_bytes, mlp_tokens_for
 from lms_matrix_worker import LARGE_ALLOCATION_BYTES, MLP_LAYERS, MLP_WIDTH
+from lms_paths import use_shared_modules
 from lms_regression_harness import MiB, ensure_lms_api
+
+use_shared_modules()
+from harness import Deadline, read_json, start_process, stop_group  # noqa: E402
+from harness import worker_env as harness_worker_env  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "lms_matrix_worker.py"
@@ -66,49 +69,31 @@ SHARE_TIMEOUT_S = 480
 
 def worker_env() -> dict[str, str]:
     """The test session's environment, with this folder on ``PYTHONPATH`` for ``mp.spawn``."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), env.get("PYTHONPATH", "")) if p)
-    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def kill_group(proc: subprocess.Popen[Any]) -> None:
-    """Ends a worker and the processes it started (its own session: DDP ranks too)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+    return harness_worker_env(deterministic=True, PYTHONPATH=path)
 
 
 def run_worker(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
-    """Runs the worker with ``args``; a worker past ``timeout_s`` fails the test."""
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKER), *args],
-        env=worker_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    """Runs the worker with ``args`` (``harness.start_process``: a process group of its own,
+    so that its DDP ranks stop with it); a worker past ``timeout_s`` fails the test."""
+    proc = start_process([sys.executable, str(WORKER), *args], worker_env())
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        kill_group(proc)
+        stop_group(proc, grace_s=0)
         out, err = proc.communicate()
         pytest.fail(f"worker {args[0]} ran past {timeout_s:.0f} s; stderr tail:\n{err[-3000:]}")
     except BaseException:  # interrupted: leave no worker behind
-        kill_group(proc)
+        stop_group(proc, grace_s=0)
         raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def read_results(path: Path, proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     tail = f"{plan.exit_description(proc.returncode)}; stderr tail:\n{proc.stderr[-3000:]}"
-    if not path.exists():
+    data = read_json(path)
+    if data is None:
         pytest.fail(f"the worker wrote no results ({path.name}); {tail}")
-    data: dict[str, Any] = json.loads(path.read_text())
     data["_tail"] = tail
     return data
 
@@ -731,32 +716,24 @@ def launch_share(
         if extra_args is not None:
             args += extra_args(rank)
         with (folder / f"rank{rank}.log").open("w") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), *args],
-                    env=worker_env() if env is None else env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-    deadline = time.monotonic() + SHARE_TIMEOUT_S
+            command = [sys.executable, str(WORKER), *args]
+            procs.append(start_process(command, worker_env() if env is None else env, log))
+    deadline = Deadline(SHARE_TIMEOUT_S)
     try:
         while any(p.poll() is None for p in procs):
             for rank, p in enumerate(procs):
                 if p.poll() not in (None, 0):
                     (barrier / f"failed-{rank}").touch()
-            if time.monotonic() > deadline:
+            if deadline.left() < 0:
                 pytest.fail(f"the {processes} processes ran past {SHARE_TIMEOUT_S} s")
             time.sleep(0.1)
     finally:
         for p in procs:
             if p.poll() is None:
-                kill_group(p)
+                stop_group(p, grace_s=0)
     results = []
     for rank, p in enumerate(procs):
-        path = folder / f"rank{rank}.json"
-        data: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"rank": rank}
+        data = read_json(folder / f"rank{rank}.json") or {"rank": rank}
         data["returncode"] = p.returncode
         data["_tail"] = (folder / f"rank{rank}.log").read_text()[-3000:]
         results.append(data)

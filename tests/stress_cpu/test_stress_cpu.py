@@ -603,8 +603,10 @@ def test_every_run_of_a_case_gets_the_capped_runs_allocator_setting(tmp_path: Pa
 
 
 def test_records_carry_provenance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    setup = runner._lms_setup()
+    import _lms_setup as setup  # on sys.path through the runner (tests/regression/lms_paths.py)
+
     assert setup.__file__ == str(REPO / "examples" / "_lms_setup.py")
+    assert runner.harness.__file__ == str(REPO / "benchmarks" / "harness.py")
     monkeypatch.setenv("LMS_ENGINE_COMMIT", "0123456789abcdef")
     monkeypatch.setenv("LMS_ENGINE_DIRTY", "1")
     settings = runner.Settings(out=tmp_path, device="cpu")
@@ -1002,6 +1004,17 @@ def test_spawn_launcher_reports_a_worker_killed_by_a_signal(tmp_path: Path) -> N
     assert outcome.returncode == -11
     assert outcome.result is None
     assert run_status(outcome) == ("signal", "killed by SIGSEGV")
+
+
+def test_spawn_launcher_kills_a_hung_worker(tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="PyTorch is not installed")
+    launcher = runner.make_launcher("spawn", sys.executable)
+    case = tiny(generate(0), "mlp_tokens")
+    start = time.perf_counter()
+    outcome = launcher.launch(_request(tmp_path, case, "hang", fault="hang"), 6)
+    assert outcome.timed_out and outcome.returncode == -9
+    assert run_status(outcome)[0] == "hang"
+    assert time.perf_counter() - start < 30
 
 
 def test_fork_launcher_falls_back_to_spawning_when_forked_cuda_fails(tmp_path: Path) -> None:

@@ -6,4 +6,17 @@
 references and the capped runs (with LMS and without) of each case in separate processes,
 classifies the outcome and writes ``results.jsonl`` and ``summary.md``. See ``python -m
 tests.regression.stress.runner --help``.
+
+Importing the package makes ``harness`` (``benchmarks/harness.py``: a run in a process of its
+own under a time limit, the shared record schema) importable by its modules, through
+``tests/regression/lms_paths.py``: the package is ``tests.regression.stress`` under the
+runner's command and in ``tests/stress_cpu``, and ``stress`` (with ``tests/regression`` on
+``sys.path``) when pytest collects ``tests/regression``.
 """
+
+try:
+    from ..lms_paths import use_shared_modules
+except ImportError:  # imported as the top-level package ``stress``
+    from lms_paths import use_shared_modules
+
+use_shared_modules()

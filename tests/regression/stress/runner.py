@@ -58,7 +58,10 @@ Throughput: a run's own process costs an interpreter start and ``import torch`` 
 By default one fork server (``worker --serve``) imports torch once and forks a fresh child
 per run; the child sets its allocator setting and initializes CUDA itself (the server never
 does), so every run still has its own process and CUDA context. ``--launcher spawn`` starts
-a new interpreter per run.
+a new interpreter per run. Either way a run has a process group of its own, killed whole at
+``--run-timeout-s``, and the records follow the shared schema of ``benchmarks/harness.py``
+(its provenance fields, atomic JSON, markdown tables); ``tests/regression/lms_paths.py`` puts
+that folder on ``sys.path``.
 
 Output in ``--out``: ``results.jsonl`` (one line per case and attempt, appended as each
 finishes, with its attempt number, time, and provenance: engine commit, dirty flag, engine
@@ -70,11 +73,7 @@ seed's later attempts).
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -82,8 +81,9 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
+
+import harness  # on sys.path through this package's __init__
 
 from .allocator import conf_with_expandable, expandable_in_conf, user_conf
 from .generator import Case, generate
@@ -111,17 +111,9 @@ NOT_COUNTED = ("cap-not-binding",)
 CUDNN_FAMILIES = ("resnet_add", "densenet_cat", "conv3d", "lstm")
 PIN_FAILURE_MARKER = "could not all be made resident"
 GiB = float(1 << 30)
-# Provenance and versions every record and the summary header carry.
-PROVENANCE_KEYS = (
-    "engine_commit",
-    "engine_dirty",
-    "engine_sources_sha256",
-    "torch",
-    "cuda",
-    "cudnn",
-    "driver",
-    "device",
-)
+# Provenance and versions every record and the summary header carry: the shared record
+# schema's, and cuDNN's version.
+PROVENANCE_KEYS = (*harness.RECORD_PROVENANCE, "cudnn")
 
 
 @dataclass
@@ -192,17 +184,13 @@ def run_status(outcome: Outcome | None) -> tuple[str, str]:
         return "hang", f"killed after {outcome.wall_s:.0f} s without finishing{suffix}"
     code = outcome.returncode
     if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return "signal", f"killed by {name}{suffix}"
+        return "signal", f"killed by {harness.signal_name(-code)}{suffix}"
     result = outcome.result
     if result is None:
         return "no-result", f"exited with status {code} without a result{suffix}"
     if result.get("status") == "exception":
         exc = result.get("exception", {})
-        text = f"{exc.get('type', '?')}: {_first_line(exc.get('message', ''))}"
+        text = f"{exc.get('type', '?')}: {harness.first_line(exc.get('message', ''))}"
         if exc.get("is_oom"):
             return "oom", text
         if exc.get("is_cuda_error"):
@@ -216,11 +204,6 @@ def run_status(outcome: Outcome | None) -> tuple[str, str]:
 
 
 CRASH_STATUSES = ("signal", "cuda-error", "hang", "no-result", "exit")
-
-
-def _first_line(text: str, limit: int = 300) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line[:limit]
 
 
 def _pin_failure(outcome: Outcome) -> str:
@@ -240,7 +223,7 @@ def _pin_failure(outcome: Outcome) -> str:
 def oom_reason(message: str) -> str:
     """Which allocator ran out and for what, from an out-of-memory message (for the reason
     text only)."""
-    first = _first_line(message, 200)
+    first = harness.first_line(message, 200)
     if "Large Model Support" in message:
         return f"LMS out of memory ({first})"
     if "CUDNN" in message or "CUBLAS" in message:
@@ -447,47 +430,25 @@ class Launcher:
         """Releases whatever the launcher holds."""
 
 
-def _read_outcome(
-    request: dict[str, Any], code: int | None, timed_out: bool, wall_s: float
-) -> Outcome:
-    result_path, log_path = Path(request["result"]), Path(request["log"])
-    result = None
-    if result_path.is_file():
-        try:
-            result = json.loads(result_path.read_text())
-        except json.JSONDecodeError:
-            result = None
-    tail = ""
-    if log_path.is_file():
-        data = log_path.read_bytes()
-        tail = data[-200_000:].decode("utf-8", "replace")
-    return Outcome(code, timed_out, round(wall_s, 3), result, tail)
+def _read_outcome(request: dict[str, Any], run: harness.ProcessRun) -> Outcome:
+    """The outcome of a run: how its process ended, its result and the end of its log."""
+    result = harness.read_json(Path(request["result"]))
+    tail = harness.log_tail(Path(request["log"]))
+    return Outcome(run.returncode, run.timed_out, round(run.wall_s, 3), result, tail)
 
 
 class SpawnLauncher(Launcher):
-    """A new interpreter per run (``python -m tests.regression.stress.worker --request``)."""
+    """A new interpreter per run (``python -m tests.regression.stress.worker --request``), in
+    a process group of its own, killed whole at the time limit (``harness.run_process``)."""
 
     def launch(self, request: dict[str, Any], timeout_s: float) -> Outcome:
         request_path = Path(request["result"]).with_suffix(".request.json")
         request_path.write_text(json.dumps(request))
-        start = time.perf_counter()
-        timed_out = False
-        with open(request["log"], "wb") as log:
-            proc = subprocess.Popen(
-                [self.python, "-m", WORKER_MODULE, "--request", str(request_path)],
-                cwd=REPO_ROOT,
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
-            try:
-                code: int | None = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                code = proc.wait()
-                timed_out = True
-        return _read_outcome(request, code, timed_out, time.perf_counter() - start)
+        command = [self.python, "-m", WORKER_MODULE, "--request", str(request_path)]
+        run = harness.run_process(
+            command, Path(request["log"]), self.env, timeout_s, cwd=REPO_ROOT, grace_s=0
+        )
+        return _read_outcome(request, run)
 
 
 FORK_BROKEN_MARKERS = (
@@ -574,11 +535,12 @@ class ForkServerLauncher(Launcher):
             # The server itself died: count the run as one without an exit status, start
             # a new server for the next run.
             self.close()
-            return _read_outcome(request, None, False, time.perf_counter() - start)
+            return _read_outcome(
+                request, harness.ProcessRun(None, False, time.perf_counter() - start)
+            )
         answer = json.loads(line)
-        return _read_outcome(
-            request, answer["returncode"], bool(answer["timed_out"]), answer["wall_s"]
-        )
+        run = harness.ProcessRun(answer["returncode"], bool(answer["timed_out"]), answer["wall_s"])
+        return _read_outcome(request, run)
 
     def close(self) -> None:
         proc, self.proc = self.proc, None
@@ -597,9 +559,7 @@ class ForkServerLauncher(Launcher):
 
 def make_launcher(kind: str, python: str) -> Launcher:
     """The launcher ``kind`` (``fork`` or ``spawn``) with the workers' environment."""
-    env = dict(os.environ)
-    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    env["PYTHONUNBUFFERED"] = "1"
+    env = harness.worker_env(deterministic=True)
     if kind == "fork":
         env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         return ForkServerLauncher(python, env)
@@ -626,27 +586,12 @@ class Settings:
     cap_bytes: int | None = None  # for the runner's tests: this cap instead of the case's
 
 
-def _lms_setup() -> ModuleType:
-    """``examples/_lms_setup.py``, the setup the examples and benchmarks share."""
-    name = "_lms_setup"
-    module = sys.modules.get(name)
-    if module is not None:
-        return module
-    path = REPO_ROOT / "examples" / "_lms_setup.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def checkout_provenance() -> dict[str, Any]:
-    """What this checkout's results are measured with: ``_lms_setup.provenance`` (engine
-    commit, dirty flag, engine sources hash, driver; ``LMS_ENGINE_COMMIT`` and
-    ``LMS_ENGINE_DIRTY`` override git for a copy whose .git is stale)."""
-    return dict(_lms_setup().provenance(REPO_ROOT))
+    """What this checkout's results are measured with: the provenance of the shared record
+    schema (``harness.provenance``: engine commit, dirty flag, engine sources hash, driver;
+    ``LMS_ENGINE_COMMIT`` and ``LMS_ENGINE_DIRTY`` override git for a copy whose .git is
+    stale)."""
+    return dict(harness.provenance(REPO_ROOT))
 
 
 def resolve_expandable_segments(env: Mapping[str, str]) -> tuple[bool, str]:
@@ -674,10 +619,6 @@ def replay_command(seed: int) -> str:
     """The command that runs the case of ``seed`` again, from the repository root."""
     out = f"out/stress-seed-{seed}"
     return f"PYTHONPATH=extension python3 -m {RUNNER_MODULE} --seed {seed} --out {out}"
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def runs_dir_of(out: Path, seed: int, attempt: int) -> Path:
@@ -758,7 +699,7 @@ def run_case(seed: int, launcher: Launcher, settings: Settings, attempt: int = 1
     if verdict["class"] == "mismatch" and settings.triage:
         record["triage"] = triage(case, ref1, capped, no_lms, cap_bytes, launch)
     record["case_wall_s"] = round(time.perf_counter() - started, 3)
-    record["timestamp"] = _now()
+    record["timestamp"] = harness.utc_now()
     worker_env = environment_of(
         [{"env": (run.result or {}).get("env")} for run in (capped, no_lms, ref1) if run]
     )
@@ -911,6 +852,22 @@ def provenance_lines(records: list[dict[str, Any]], extra: dict[str, Any] | None
     return lines
 
 
+# The columns of the summary's table of cases.
+CASE_COLUMNS = (
+    "seed",
+    "case",
+    "class",
+    "peak",
+    "cap",
+    "bound",
+    "mapped",
+    "alloc",
+    "out",
+    "s/iter",
+    "reason",
+)
+
+
 def summarize(records: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> str:
     """The markdown summary of case records: provenance, the gate over every record, counts
     per class and family, the latest record of each seed, and every record of a seed run
@@ -947,16 +904,17 @@ def summarize(records: list[dict[str, Any]], extra: dict[str, Any] | None = None
         )
     counts = Counter(str(r["class"]) for r in records)
     present = [c for c in CLASSES if counts[c]] + sorted(set(counts) - set(CLASSES))
-    lines += ["", "| class | records |", "| --- | --- |"]
-    lines += [f"| {c} | {counts[c]} |" for c in present]
+    lines += [
+        "",
+        harness.markdown_table(("class", "records"), [[c, str(counts[c])] for c in present]),
+    ]
     for axis in ("family", "optimizer", "amp"):
-        values = sorted({r["case"][axis] for r in records})
-        lines += ["", f"| {axis} | records | " + " | ".join(present) + " |"]
-        lines.append("| --- " * (len(present) + 2) + "|")
-        for v in values:
+        rows = []
+        for v in sorted({r["case"][axis] for r in records}):
             rs = [r for r in records if r["case"][axis] == v]
             per = Counter(str(r["class"]) for r in rs)
-            lines.append(f"| {v} | {len(rs)} | " + " | ".join(str(per[c]) for c in present) + " |")
+            rows.append([str(v), str(len(rs)), *(str(per[c]) for c in present)])
+        lines += ["", harness.markdown_table((axis, "records", *present), rows)]
     lines += [
         "",
         "## Cases",
@@ -968,9 +926,8 @@ def summarize(records: list[dict[str, Any]], extra: dict[str, Any] | None = None
         "same as the allocator maps it (the oom-expected rule); alloc = largest single "
         "operator output; out = LMS page-out per capped run; s/iter reference / capped.",
         "",
-        "| seed | case | class | peak | cap | bound | mapped | alloc | out | s/iter | reason |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    cases_rows = []
     for r in latest_per_seed(records):
         runs = r.get("runs", {})
         ref = runs.get("reference-1") or {}
@@ -980,7 +937,7 @@ def summarize(records: list[dict[str, Any]], extra: dict[str, Any] | None = None
         if ref.get("s_per_iter") is not None and cap.get("s_per_iter") is not None:
             speed = f"{ref['s_per_iter']:.3f} / {cap['s_per_iter']:.3f}"
         reason = str(r.get("reason", "")).replace("|", "/")[:160]
-        sizes = " | ".join(
+        sizes = [
             _fmt_gib(v)
             for v in (
                 r.get("peak_reserved_bytes"),
@@ -990,11 +947,12 @@ def summarize(records: list[dict[str, Any]], extra: dict[str, Any] | None = None
                 r.get("largest_alloc_bytes"),
                 lms.get("pageout_bytes"),
             )
-        )
+        ]
         seed = str(r["seed"])
         if r["seed"] in reruns:
             seed += f" ({len(reruns[r['seed']])})"
-        lines.append(f"| {seed} | {r['label']} | {r['class']} | {sizes} | {speed} | {reason} |")
+        cases_rows.append([seed, str(r["label"]), str(r["class"]), *sizes, speed, reason])
+    lines.append(harness.markdown_table(CASE_COLUMNS, cases_rows))
     if reruns:
         lines += ["", "## Seeds run more than once", ""]
         for seed, rs in reruns.items():
@@ -1097,7 +1055,7 @@ class _ResultsFile:
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(record, default=str) + "\n")
-        (self.out / "summary.md").write_text(summarize(self.records, self.extra))
+        harness.write_text(self.out / "summary.md", summarize(self.records, self.extra))
 
 
 def run_suite(
@@ -1123,7 +1081,7 @@ def run_suite(
     if jobs > 1:
         assert make_job_launcher is not None
         return _run_suite_parallel(seeds, settings, make_job_launcher, jobs, time_budget_s, log)
-    book = _ResultsFile(settings.out, {"date": _now()})
+    book = _ResultsFile(settings.out, {"date": harness.utc_now()})
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     run_timeout_s = settings.run_timeout_s
@@ -1162,7 +1120,7 @@ def _run_suite_parallel(
     import concurrent.futures
     import threading
 
-    book = _ResultsFile(settings.out, {"date": _now(), "parallel_jobs": jobs})
+    book = _ResultsFile(settings.out, {"date": harness.utc_now(), "parallel_jobs": jobs})
     local = threading.local()
     launchers: list[Launcher] = []
     lock = threading.Lock()
@@ -1302,7 +1260,7 @@ def main(argv: list[str] | None = None) -> int:
         with (out / "results.jsonl").open("w") as f:
             for record in records:
                 f.write(json.dumps(record, default=str) + "\n")
-        (out / "summary.md").write_text(summarize(records))
+        harness.write_text(out / "summary.md", summarize(records))
     else:
         seeds = (
             [args.seed]

@@ -30,9 +30,10 @@ memory, 4 another exception.
 
 ``--serve`` turns the process into a fork server for ``runner``: it imports torch once, then
 for each JSON request on stdin forks a child that runs the case (the child initializes CUDA;
-the server never does), waits for it with a timeout and answers one JSON line with the exit
-status. Every run still has a process of its own; only the interpreter start and
-``import torch`` are shared.
+the server never does) in a process group of its own, waits for it with a timeout
+(``benchmarks/harness.py``'s ``wait_pid``: at the limit the child's group is killed) and
+answers one JSON line with the exit status. Every run still has a process of its own; only
+the interpreter start and ``import torch`` are shared.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ from typing import Any
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
+from harness import wait_pid, write_json  # on sys.path through this package's __init__
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -643,16 +645,9 @@ def run(request: dict[str, Any]) -> int:
     return status
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Writes ``data`` to ``path`` atomically (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
-
-
 def _child(request: dict[str, Any]) -> None:
-    """In a forked child: output to the request's log file, run, exit without cleanup."""
+    """In a forked child: a process group of its own (the server stops it whole at the time
+    limit), output to the request's log file, run, exit without cleanup."""
     status = 70
     try:
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -662,6 +657,7 @@ def _child(request: dict[str, Any]) -> None:
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.close(null)
+        os.setpgid(0, 0)
         status = run(request)
     except BaseException:
         traceback.print_exc()
@@ -669,26 +665,6 @@ def _child(request: dict[str, Any]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
-
-
-def wait_child(pid: int, timeout_s: float) -> tuple[int, bool]:
-    """Waits for ``pid``; kills it after ``timeout_s``. Returns (exit code, timed out).
-
-    The exit code is negative (minus the signal number) for a child killed by a signal, as in
-    ``subprocess``.
-    """
-    deadline = time.monotonic() + timeout_s
-    delay = 0.005
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status), False
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            _, status = os.waitpid(pid, 0)
-            return os.waitstatus_to_exitcode(status), True
-        time.sleep(delay)
-        delay = min(0.05, delay * 2)
 
 
 def _thread_count() -> int:
@@ -726,15 +702,18 @@ def serve() -> int:
             break
         sys.stdout.flush()
         sys.stderr.flush()
-        start = time.perf_counter()
         pid = os.fork()
         if pid == 0:
             _child(request)
-        code, timed_out = wait_child(pid, float(request.get("timeout_s", 300)))
+        try:
+            os.setpgid(pid, pid)  # as the child does: whichever runs first
+        except OSError:
+            pass  # the child has its group already, or has ended
+        run = wait_pid(pid, float(request.get("timeout_s", 300)))
         answer = {
-            "returncode": code,
-            "timed_out": timed_out,
-            "wall_s": round(time.perf_counter() - start, 3),
+            "returncode": run.returncode,
+            "timed_out": run.timed_out,
+            "wall_s": run.wall_s,
             "pid": pid,
         }
         print(json.dumps(answer), file=out)
