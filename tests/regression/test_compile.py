@@ -26,10 +26,43 @@ import pytest
 pytest.importorskip("torch.nn", reason="PyTorch is not installed")
 import torch
 from lms_families import TransformerLM
-from lms_regression_harness import Batch, check_capped_training
+from lms_regression_harness import (
+    Batch,
+    check_capped_training,
+    first_difference,
+    host_bytes,
+    max_relative_difference,
+)
 
 nn = torch.nn
 F = torch.nn.functional
+
+
+def check_against_references(
+    reference: Any, capped: Any, difference: Any, spread: float, record: Callable[[str, Any], None]
+) -> None:
+    """Bit-identical where the two uncapped references are (``difference`` is None), else
+    within twice their spread."""
+    if difference is None:
+        mismatch = first_difference(reference, capped)
+        assert mismatch is None, f"the capped run differs from the uncapped one: {mismatch}"
+    else:
+        off = max_relative_difference(reference, capped)
+        record("capped_max_relative_difference", off)
+        assert off <= 2 * spread, (
+            f"the capped run is {off:.3g} off the reference, the two references {spread:.3g}"
+        )
+
+
+def check_back_to_baseline(
+    baseline: int, host_baseline: int, settle_memory: Callable[[], None]
+) -> None:
+    """With LMS off and the runs' tensors gone, device and host memory are back where they
+    were."""
+    settle_memory()
+    assert torch.cuda.memory_allocated() == baseline, "device memory did not return to baseline"
+    assert host_bytes() == host_baseline, "LMS still holds pinned host memory"
+    assert torch.cuda.lms_stats()["managed_bytes"]["current"] == 0
 
 
 @pytest.fixture(autouse=True)
@@ -355,24 +388,14 @@ def test_compiled_resnet50_reduce_overhead_at_half_its_peak(
     assert stats["pageout_count"] > 0, "LMS trained under the cap without paging anything out"
     assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
     assert capped.peak_bytes <= cap
+    check_against_references(reference, capped, difference, spread, record)
     if difference is None:
-        mismatch = first_difference(reference, capped)
-        assert mismatch is None, f"the capped run differs from the uncapped one: {mismatch}"
         for i, (a, b) in enumerate(zip(reference_buffers, capped_buffers)):
             assert torch.equal(a, b), f"buffer {i} (batch norm statistics) differs"
-    else:
-        off = max_relative_difference(reference, capped)
-        record("capped_max_relative_difference", off)
-        assert off <= 2 * spread, (
-            f"the capped run is {off:.3g} off the reference, the two references {spread:.3g}"
-        )
 
     torch.cuda.set_enabled_lms(False)
     del reference, repeat, capped
-    _settle_graphs_and_workspaces()
-    assert torch.cuda.memory_allocated() == baseline, "device memory did not return to baseline"
-    assert host_bytes() == host_baseline, "LMS still holds pinned host memory"
-    assert torch.cuda.lms_stats()["managed_bytes"]["current"] == 0
+    check_back_to_baseline(baseline, host_baseline, _settle_graphs_and_workspaces)
 
 
 # ---------------------------------------------------------------------------------------
@@ -510,19 +533,8 @@ def test_compiled_decoder_under_a_share_of_its_compiled_peak(
     record("graph_prefetch_count", stats["graph_prefetch_count"])
     assert stats["graph_prefetch_count"] > 0, "the compiled graphs' plan paged nothing in"
     assert capped.peak_bytes <= cap
-    if difference is None:
-        mismatch = first_difference(reference, capped)
-        assert mismatch is None, f"the capped run differs from the uncapped one: {mismatch}"
-    else:
-        off = max_relative_difference(reference, capped)
-        record("capped_max_relative_difference", off)
-        assert off <= 2 * spread, (
-            f"the capped run is {off:.3g} off the reference, the two references {spread:.3g}"
-        )
+    check_against_references(reference, capped, difference, spread, record)
 
     torch.cuda.set_enabled_lms(False)
     del reference, repeat, capped
-    settle()
-    assert torch.cuda.memory_allocated() == baseline, "device memory did not return to baseline"
-    assert host_bytes() == host_baseline, "LMS still holds pinned host memory"
-    assert torch.cuda.lms_stats()["managed_bytes"]["current"] == 0
+    check_back_to_baseline(baseline, host_baseline, settle)
