@@ -762,12 +762,30 @@ def _request(tmp_path: Path, case: Case, name: str, **extra: Any) -> dict[str, A
     }
 
 
-def test_an_operators_working_set_counts_each_tensor_as_mapped(worker: Any) -> None:
+def test_mapped_together_is_the_most_compact_placement() -> None:
+    together = allocator.mapped_together
+    assert together([], True) == together([0], False) == 0
+    # Small tensors in 512-byte blocks, whatever the setting.
+    assert together([100, MiB], True) == together([100, MiB], False) == 512 + MiB
+    # Fixed segments: each large tensor in a segment of its own, rounded to 2 MiB.
+    assert together([3 * MiB, 3 * MiB, 21 * MiB], False) == 4 * MiB + 4 * MiB + 22 * MiB
+    # Expandable segments: packed side by side, only the last 20 MiB page partly used.
+    assert together([3 * MiB, 3 * MiB, 21 * MiB], True) == 40 * MiB
+    assert together([10 * MiB, 10 * MiB], True) == 20 * MiB
+    assert together([10 * MiB, 10 * MiB + 1], True) == 40 * MiB
+    # Never less than the tensor bytes, never more than each tensor rounded alone.
+    sizes = [5 * MiB + 7, 700, 33 * MiB, 2 * MiB]
+    for expandable in (False, True):
+        least = together(sizes, expandable)
+        assert sum(sizes) <= least <= sum(allocator.mapped_bytes(n, expandable) for n in sizes)
+
+
+def test_an_operators_working_set_counts_its_tensors_as_mapped_together(worker: Any) -> None:
     inputs = {1: 3 * MiB, 2: 100}
     outputs = {3: 3 * MiB, 1: 3 * MiB}  # an in-place output is its input
     # Without an allocation peak (CPU): the storages of the inputs and outputs.
     assert worker.op_working_set(inputs, outputs, None, False) == (6 * MiB + 100, 8 * MiB + 512)
-    assert worker.op_working_set(inputs, outputs, None, True) == (6 * MiB + 100, 40 * MiB + 512)
+    assert worker.op_working_set(inputs, outputs, None, True) == (6 * MiB + 100, 20 * MiB + 512)
     # With one (CUDA): the new output and 5 MiB of temporaries on top of the inputs; the
     # temporaries count as one allocation.
     transient = 8 * MiB
@@ -775,7 +793,7 @@ def test_an_operators_working_set_counts_each_tensor_as_mapped(worker: Any) -> N
     assert raw == 3 * MiB + 100 + transient
     assert mapped == 4 * MiB + 512 + 4 * MiB + 6 * MiB
     _, mapped = worker.op_working_set(inputs, outputs, transient, True)
-    assert mapped == 20 * MiB + 512 + 20 * MiB + 20 * MiB
+    assert mapped == 512 + 20 * MiB  # 11 MiB of large tensors in one page
 
 
 def test_the_working_set_mode_measures_tensor_and_mapped_bytes(worker: Any) -> None:
@@ -792,7 +810,7 @@ def test_the_working_set_mode_measures_tensor_and_mapped_bytes(worker: Any) -> N
     assert found[False].max_bytes == found[True].max_bytes == 9 * MiB // 2
     assert found[False].max_op == "aten.add.Tensor"
     assert found[False].max_mapped_bytes == 3 * 2 * MiB
-    assert found[True].max_mapped_bytes == 3 * 20 * MiB
+    assert found[True].max_mapped_bytes == 20 * MiB  # 4.5 MiB in one page
     assert found[True].max_mapped_op == "aten.add.Tensor"
 
 

@@ -4,9 +4,10 @@ PyTorch's CUDA caching allocator serves a request of at most 1 MiB from its smal
 blocks that are multiples of 512 bytes. A larger request comes from the large pool, whose
 memory is mapped in whole segments: without expandable segments a large request's segment is
 rounded up to a multiple of 2 MiB, with expandable segments the pool is mapped in pages of
-20 MiB. :func:`mapped_bytes` charges one tensor that rounding; the stress suite's bound (the
-largest working set of one operator, measured in the reference run) adds it up over the
-operator's tensors, with the allocator setting that the capped run uses.
+20 MiB. :func:`mapped_bytes` charges one tensor that rounding; :func:`mapped_together` what
+tensors held at once need at least, placed as compactly as the allocator can place them.
+The stress suite's mapped bound (the largest working set of one operator, measured in the
+reference run) is the latter, with the allocator setting that the capped run uses.
 
 ``expandable_segments`` is set in ``PYTORCH_CUDA_ALLOC_CONF`` (or ``PYTORCH_ALLOC_CONF``), a
 comma-separated list of ``key:value`` entries whose values may be bracketed lists.
@@ -14,7 +15,7 @@ comma-separated list of ``key:value`` entries whose values may be bracketed list
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 # Requests of at most this many bytes come from the small pool.
 SMALL_REQUEST_BYTES = 1 << 20
@@ -52,6 +53,32 @@ def mapped_bytes(nbytes: int, expandable: bool) -> int:
         return _round_up(nbytes, BLOCK_BYTES)
     unit = EXPANDABLE_PAGE_BYTES if expandable else LARGE_SEGMENT_ROUND_BYTES
     return _round_up(nbytes, unit)
+
+
+def mapped_together(sizes: Iterable[int], expandable: bool) -> int:
+    """The least device memory the allocator maps for tensors of ``sizes`` held at once.
+
+    Each tensor of at most 1 MiB in 512-byte blocks of the small pool. The larger ones:
+    without expandable segments each in a segment of its own rounded up to 2 MiB; with
+    them packed side by side in the large pool's 20 MiB pages, so that only the last page is
+    partly used. This is the best placement there is: memory that a working set needs
+    beyond it comes from where the allocator put the tensors, which the allocator and LMS
+    decide, not from the working set itself.
+    """
+    small = 0
+    large = 0
+    for nbytes in sizes:
+        if nbytes <= 0:
+            continue
+        if nbytes <= SMALL_REQUEST_BYTES:
+            small += _round_up(nbytes, BLOCK_BYTES)
+        elif expandable:
+            large += block_bytes(nbytes)
+        else:
+            large += mapped_bytes(nbytes, expandable=False)
+    if expandable:
+        large = _round_up(large, EXPANDABLE_PAGE_BYTES)
+    return small + large
 
 
 def conf_entries(conf: str) -> list[str]:

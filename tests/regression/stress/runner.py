@@ -18,13 +18,15 @@ The bound, measured in ``reference-1`` (one more iteration after the measured on
 dispatch mode that sees each ATen operator below autograd): the largest working set of one
 operator call, that is its inputs plus the most it had allocated at once (outputs and
 temporaries), or its inputs and outputs, whichever is larger. It is kept in tensor bytes
-(``bound_bytes``) and as the caching allocator maps it (``mapped_bound_bytes``): the sum over
-the operator's tensors (its inputs, the outputs it allocated, and the rest of what it had
-allocated at once counted as one allocation) of ``allocator.mapped_bytes``, which rounds a
-tensor of at most 1 MiB up to 512 B and a larger one up to 2 MiB (segments without
-expandable segments) or to the 20 MiB page of expandable segments, with the setting the
-capped run uses. Both add the library workspaces (cuBLAS, cuDNN) the process keeps from
-their first use (``library_bytes``; mapped as one allocation).
+(``bound_bytes``) and as the caching allocator maps it at least (``mapped_bound_bytes``):
+``allocator.mapped_together`` of the operator's tensors (its inputs, the outputs it
+allocated, and the rest of what it had allocated at once counted as one allocation), which
+puts a tensor of at most 1 MiB in 512-byte blocks and the larger ones each in a segment
+rounded up to 2 MiB (fixed segments) or packed in the 20 MiB pages of expandable segments,
+with the setting the capped run uses: the most compact placement there is, so that an
+out-of-memory error that only a worse placement explains counts as unexpected. Both add the
+library workspaces (cuBLAS, cuDNN) the process keeps from their first use
+(``library_bytes``; mapped as one allocation).
 
 The rules (nothing LMS says about itself, in messages, warnings or counters, decides a class;
 its page-out counter only keeps a case out of the count, never excuses a failure):

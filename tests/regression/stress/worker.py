@@ -67,6 +67,7 @@ from .allocator import (
     block_bytes,
     expandable_in_conf,
     mapped_bytes,
+    mapped_together,
     user_conf,
 )
 from .generator import Case, generate
@@ -187,22 +188,21 @@ def op_working_set(
     ``transient`` is the most the call had allocated at once (CUDA; None elsewhere).
 
     Tensor bytes: the sizes of the storages of its inputs and outputs, or its inputs plus
-    ``transient``, whichever is larger. Mapped: ``mapped_bytes`` of each of those storages
-    summed, or, with ``transient``, ``mapped_bytes`` of each input and of each output the
-    call allocated, plus ``mapped_bytes`` of the rest of ``transient`` (its temporaries, such
-    as a workspace) counted as one allocation, whichever is larger.
+    ``transient``, whichever is larger. Mapped: ``mapped_together`` of those storages, or,
+    with ``transient``, of each input, each output the call allocated and the rest of
+    ``transient`` (its temporaries, such as a workspace) as one allocation, whichever is
+    larger: the least the allocator maps for them.
     """
     everything = dict(inputs)
     everything.update(outputs)
     raw = sum(everything.values())
-    mapped = sum(mapped_bytes(n, expandable) for n in everything.values())
+    mapped = mapped_together(everything.values(), expandable)
     if transient is not None:
         # Inputs (in-place ones too) were there before; new outputs are in the peak.
         raw = max(raw, sum(inputs.values()) + transient)
         fresh = [n for ptr, n in outputs.items() if ptr not in inputs]
         rest = max(0, transient - sum(block_bytes(n) for n in fresh))
-        held = sum(mapped_bytes(n, expandable) for n in (*inputs.values(), *fresh))
-        mapped = max(mapped, held + mapped_bytes(rest, expandable))
+        mapped = max(mapped, mapped_together([*inputs.values(), *fresh, rest], expandable))
     return raw, mapped
 
 
