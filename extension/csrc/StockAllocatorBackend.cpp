@@ -44,6 +44,20 @@ size_t statCurrent(const c10::CachingDeviceAllocator::StatArray& stat) {
   return current > 0 ? static_cast<size_t>(current) : 0;
 }
 
+// Whether `pool` is a private pool (a CUDA graph pool, a torch.cuda.MemPool)
+// rather than the default one.
+bool isPrivate(const c10::MempoolId_t& pool) {
+  return pool.first != 0 || pool.second != 0;
+}
+
+// Every segment of the stock allocator with its blocks in address order. It
+// walks every block: for statistics, error messages and the allocation-failure
+// path, never the fast path.
+alloc::SnapshotInfo snapshot() {
+  return alloc::get()->snapshot(
+      c10::MempoolId_t{0, 0}, /*include_traces=*/false);
+}
+
 // Device memory LMS must never adopt and move: blocks the caching allocator
 // handed out into a private pool (CUDA graph pools, torch.cuda.MemPool),
 // which the stock allocator reveals through its trace and its snapshot, and
@@ -105,15 +119,6 @@ class PrivatePoolTracker {
   }
 
  private:
-  static bool isPrivate(const c10::MempoolId_t& pool) {
-    return pool.first != 0 || pool.second != 0;
-  }
-
-  static alloc::SnapshotInfo snapshot() {
-    return alloc::get()->snapshot(
-        c10::MempoolId_t{0, 0}, /*include_traces=*/false);
-  }
-
   // The blocks that private pools have handed out, as the snapshot lists
   // them (each segment's blocks in address order), so that those handed out
   // before the trace was attached are never adopted either. Blocks freed
@@ -283,19 +288,15 @@ class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
     return true;
   }
 
-  // The stock allocator's snapshot, read on the allocation-failure path only
-  // (it walks every block).
+  // From the stock allocator's snapshot.
   std::vector<lms::SegmentMap> segments(
       c10::DeviceIndex device,
       cudaStream_t stream) override {
     std::vector<lms::SegmentMap> maps;
-    const alloc::SnapshotInfo info =
-        stock_->snapshot(c10::MempoolId_t{0, 0}, /*include_traces=*/false);
-    for (const auto& segment : info.segments) {
+    for (const auto& segment : snapshot().segments) {
       if (segment.device != device || !segment.is_large ||
           segment.stream != stream ||
-          segment.owner_private_pool_id.first != 0 ||
-          segment.owner_private_pool_id.second != 0) {
+          isPrivate(segment.owner_private_pool_id)) {
         continue;
       }
       lms::SegmentMap map;
