@@ -512,6 +512,13 @@ void sampleDevice(DeviceEngine& e) {
   e.device_sampled = now;
 }
 
+// The device memory that anything but this process's caching allocator
+// leaves (last sample). Engine lock held.
+size_t leftByOthers(const DeviceEngine& e) {
+  return e.device_total > e.device_others ? e.device_total - e.device_others
+                                          : 0;
+}
+
 // This process's share of the device: the device, less what others hold, less
 // the headroom every LMS process leaves free. Processes sharing a device each
 // see the others' memory here, so their shares shrink as the others grow and
@@ -519,8 +526,8 @@ void sampleDevice(DeviceEngine& e) {
 size_t shareOf(const DeviceEngine& e) {
   const auto headroom = static_cast<size_t>(
       kDeviceHeadroomFraction * static_cast<double>(e.device_total));
-  const size_t taken = e.device_others + headroom;
-  return e.device_total > taken ? e.device_total - taken : 0;
+  const size_t left = leftByOthers(e);
+  return left > headroom ? left - headroom : 0;
 }
 
 // The limit set by the user (API or PYTORCH_CUDA_ALLOC_CONF), capped at this
@@ -2884,12 +2891,15 @@ void endHostUse(c10::StorageImpl& storage) {
   C10_CUDA_CHECK(cudaEventRecord(r->host_ready, currentStream(e.device)));
 }
 
-bool reclaimForFailedAllocation(c10::DeviceIndex device, size_t size) {
+bool reclaimForFailedAllocation(
+    c10::DeviceIndex device,
+    size_t size,
+    cudaStream_t stream) {
   if (!isEnabled() || t_no_reclaim) {
     return false;
   }
   DeviceEngine& e = engineFor(device);
-  const bool freed = reclaimFragments(e, size, currentStream(device)) > 0 ||
+  const bool freed = reclaimFragments(e, size, stream) > 0 ||
       reclaim(e, size, Trigger::AllocFailure) > 0;
   t_reclaimed_in_malloc = t_reclaimed_in_malloc || freed;
   return freed;
@@ -2978,8 +2988,7 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
   size_t room = capacity;
   if (capacity == SIZE_MAX) {
     std::lock_guard<std::mutex> lock(e.mutex);
-    room =
-        e.device_total > e.device_others ? e.device_total - e.device_others : 0;
+    room = leftByOthers(e);
   }
   const std::string room_name = capacity == SIZE_MAX
       ? std::string("the device memory other processes leave (")

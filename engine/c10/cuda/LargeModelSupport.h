@@ -479,11 +479,14 @@ C10_CUDA_API void* allocateRaw(
     cudaStream_t stream);
 
 // Failure trigger for allocators that can retry inside their own malloc
-// path: pages out least-recently-used inactive storages of `device` totalling
-// at least `size` bytes. Returns true when anything was freed.
+// path, after an allocation of `size` bytes on `stream` failed: pages out the
+// storages that hold a range of the allocator's memory the request fits in,
+// else inactive storages of `device` in reclaim order totalling at least
+// `size` bytes. Returns true when anything was freed.
 C10_CUDA_API bool reclaimForFailedAllocation(
     c10::DeviceIndex device,
-    size_t size);
+    size_t size,
+    cudaStream_t stream);
 
 // Records that `stream` uses the memory of an LMS storage (recordStream): a
 // page-out copy is ordered after the stream's work.
