@@ -331,19 +331,38 @@ _WRAP_ON_IMPORT: dict[str, Callable[[ModuleType], None]] = {
 
 class _WrapOnImport(importlib.abc.MetaPathFinder):
     """Wraps Inductor's kernel launcher, CUDA graph recorder and cudagraphify when their
-    modules are imported (never imports them)."""
+    modules are imported (never imports them).
+
+    The spec comes from the finders after this one, asked directly: ``sys.meta_path`` is
+    never changed while an import is in progress, since Inductor imports from several
+    threads (its compile workers), and a module imported by another thread while this finder
+    was out of the list would stay unwrapped."""
+
+    def __init__(self) -> None:
+        # Per thread, the modules this finder is finding: asked again for one of them (by a
+        # finder of another copy of this module, which asks the finders after it), it
+        # answers nothing, and the import goes on to the next finder.
+        self._finding = threading.local()
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> Any:
         wrap = _WRAP_ON_IMPORT.get(fullname)
-        if wrap is None:
+        finding: set[str] = self._finding.__dict__.setdefault("names", set())
+        if wrap is None or fullname in finding:
             return None
-        sys.meta_path.remove(self)
+        finding.add(fullname)
         try:
-            spec = importlib.util.find_spec(fullname)
+            spec = None
+            for finder in list(sys.meta_path):
+                find = getattr(finder, "find_spec", None)
+                if finder is self or find is None:
+                    continue
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    break
         finally:
-            sys.meta_path.insert(0, self)
+            finding.discard(fullname)
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
@@ -358,6 +377,10 @@ class _WrapOnImport(importlib.abc.MetaPathFinder):
 
 
 def _install_compiled_code_hooks() -> None:
+    """Wraps the Inductor modules of ``_WRAP_ON_IMPORT`` that are imported already, and
+    puts the finder that wraps the others when they are. Every wrap is done once, so this
+    runs again whenever LMS is enabled: a module that was imported unwrapped (past the
+    finder, or before this module) is wrapped before LMS manages anything."""
     pending = False
     for name, wrap in _WRAP_ON_IMPORT.items():
         module = sys.modules.get(name)
@@ -406,6 +429,7 @@ def set_enabled_lms(enable: bool) -> None:
         raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
     if enable:
         _prefer_expandable_segments()
+        _install_compiled_code_hooks()
     _lms_bindings()._cuda_lms_setEnabled(enable)
 
 
