@@ -863,7 +863,7 @@ README_TABLES: dict[str, tuple[str, ...]] = {
         "benchmarks/results/matrix/2026-11-24-h200x2-unrecorded/ddp",
         "benchmarks/results/matrix/2026-11-25-h100-cb6b81b",
         "benchmarks/results/matrix/2026-11-25-h100-59e7f86",
-        "benchmarks/results/fragmentation/2026-11-25-h100-d87e17a/moe-exp",
+        "benchmarks/results/matrix/2026-11-25-h100x2-4639078",
     ),
     "capped": ("benchmarks/results/compare/2026-11-24-h100-unrecorded",),
 }
