@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +28,7 @@ from lms_paths import use_shared_modules  # noqa: E402
 
 use_shared_modules()
 from harness import engine_words, markdown_table, write_text  # noqa: E402
-
-GiB = 1024**3
+from matrix_cells import gib, host_budget, ms, seconds, workers, yes  # noqa: E402
 
 COLUMNS = (
     "family",
@@ -49,64 +47,22 @@ COLUMNS = (
 )
 
 
-def _many(value: Any) -> list[Any]:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _join(values: Iterable[str]) -> str:
-    return " / ".join(values)
-
-
-def fmt_seconds(value: Any) -> str:
-    return _join("" if v is None else f"{float(v):.3f}" for v in _many(value))
-
-
-def fmt_gib(value: Any) -> str:
-    return _join("" if v is None else f"{float(v) / GiB:.2f} GiB" for v in _many(value))
-
-
-def fmt_ms(value: Any) -> str:
-    return _join("" if v is None else f"{float(v):.0f}" for v in _many(value))
-
-
-def fmt_flag(value: Any) -> str:
-    def one(v: Any) -> str:
-        if v is None:
-            return "n/a"
-        return "yes" if v else "no"
-
-    return _join(one(v) for v in _many(value))
-
-
-def fmt_host_budget(value: Any) -> str:
-    def one(v: Any) -> str:
-        if v is None:
-            return ""
-        return "default" if v == 0 else f"{float(v) / GiB:.2f} GiB"
-
-    return _join(one(v) for v in _many(value))
-
-
-def fmt_words(value: Any) -> str:
-    return _join("" if v is None else str(v) for v in _many(value))
-
-
 def row(entry: dict[str, Any]) -> list[str]:
     """The table cells of one test entry of ``regression-results.json``."""
     test_id = str(entry.get("test", "")).rsplit("::", 1)[-1]
     return [
         str(entry.get("family", test_id)),
         str(entry.get("cap", "")),
-        fmt_seconds(entry.get("s_per_iter")),
-        fmt_seconds(entry.get("reference_s_per_iter")),
-        fmt_gib(entry.get("pageout_bytes_per_iter")),
-        fmt_gib(entry.get("deficit_bytes")),
-        fmt_gib(entry.get("largest_alloc_bytes")),
-        fmt_ms(entry.get("stall_ms")),
-        fmt_flag(entry.get("bit_identical")),
-        fmt_flag(entry.get("reference_repeatable")),
-        fmt_host_budget(entry.get("host_limit_bytes")),
-        fmt_words(entry.get("worker_outcomes")),
+        seconds(entry.get("s_per_iter"), collapse=False),
+        seconds(entry.get("reference_s_per_iter"), collapse=False),
+        gib(entry.get("pageout_bytes_per_iter"), collapse=False),
+        gib(entry.get("deficit_bytes"), collapse=False),
+        gib(entry.get("largest_alloc_bytes"), collapse=False),
+        ms(entry.get("stall_ms"), collapse=False),
+        yes(entry.get("bit_identical"), collapse=False),
+        yes(entry.get("reference_repeatable"), collapse=False),
+        host_budget(entry.get("host_limit_bytes"), collapse=False),
+        workers(entry.get("worker_outcomes"), collapse=False),
         str(entry.get("outcome", "")),
     ]
 

@@ -1,7 +1,7 @@
 """Where the regression suite, its matrix and the stress suite find what they share with the
 benchmarks: ``benchmarks/harness.py`` (a workload in a process of its own under a time limit,
-one record schema with provenance) and ``examples/_lms_setup.py`` (versions, provenance,
-option types).
+one record schema with provenance), ``benchmarks/matrix_cells.py`` (the cells of the matrix's
+tables) and ``examples/_lms_setup.py`` (versions, provenance, option types).
 
 Those folders hold scripts, not packages; their scripts find each other by putting the folder
 on ``sys.path`` (``benchmarks/compare.py`` does so), and :func:`use_shared_modules` does the

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import subprocess
 import sys
-import textwrap
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,12 +22,11 @@ from types import ModuleType, SimpleNamespace
 from typing import Any, Callable
 
 import pytest
+from fake_torch_lms import ENGINE, build_fake_torch_lms
 
 torch = pytest.importorskip("torch", reason="needs a torch wheel (the CPU one is enough)")
 
-ENGINE = Path(__file__).resolve().parents[2] / "engine/torch/cuda"
 FALLBACK_PY = ENGINE / "_lms_cudagraphs.py"
-LMS_PY = ENGINE / "lms.py"
 MODULE_NAME = "lms_cudagraphs_under_test"
 MiB = 1024 * 1024
 POOL = (0, 7)
@@ -578,18 +575,6 @@ def test_installing_twice_wraps_once_and_other_modules_are_left_alone(
     assert vars(other).keys() == {"__name__", "__doc__", "__package__", "__loader__", "__spec__"}
 
 
-FAKE_EXTENSION_C = '''
-"""Stands for torch_lms._C: the bindings lms.py reads."""
-
-
-def _cuda_lms_setEnabled(enabled):
-    pass
-
-
-def _cuda_lms_getEnabled():
-    return True
-'''
-
 HOOK_SCRIPT = """
 import sys
 
@@ -608,14 +593,7 @@ print(getattr(cudagraph_trees.CUDAGraphNode._record, "_lms_resident_inputs", Fal
 def test_lms_module_installs_the_fallback_when_inductor_is_imported(tmp_path: Path) -> None:
     """As the drop-in extension ships the modules: lms.py wraps Inductor's tree manager and
     cudagraphify when they are imported, through the module beside it."""
-    package = tmp_path / "site" / "torch_lms"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    (package / "lms.py").write_bytes(LMS_PY.read_bytes())
-    (package / "_lms_cudagraphs.py").write_bytes(FALLBACK_PY.read_bytes())
-    (package / "_C.py").write_text(textwrap.dedent(FAKE_EXTENSION_C))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package.parent), env.get("PYTHONPATH")]))
+    env = build_fake_torch_lms(tmp_path, [FALLBACK_PY.name])
     result = subprocess.run(
         [sys.executable, "-c", HOOK_SCRIPT],
         env=env,

@@ -5,23 +5,20 @@ and its installation into Inductor's configuration, against fake bindings."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
-import textwrap
 import types
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from fake_torch_lms import ENGINE, build_fake_torch_lms
 
 torch = pytest.importorskip("torch", reason="needs a torch wheel (the CPU one is enough)")
 
-ENGINE = Path(__file__).resolve().parents[2] / "engine/torch/cuda"
 GRAPH_PY = ENGINE / "_lms_graph.py"
-LMS_PY = ENGINE / "lms.py"
 MODULE_NAME = "lms_graph_under_test"
 HINT_CALL = "torch.ops.lms.page_in_ahead.default("
 aten = torch.ops.aten
@@ -553,17 +550,9 @@ def test_compiled_backward_pages_in_ahead(
 # The hook in lms.py, as the drop-in extension ships both modules
 
 
-FAKE_EXTENSION_C = '''
-"""Stands for torch_lms._C: the bindings lms.py and _lms_graph.py read."""
+# The bindings _lms_graph.py reads, besides those of lms.py.
+GRAPH_BINDINGS = """
 page_ins = []
-
-
-def _cuda_lms_setEnabled(enabled):
-    pass
-
-
-def _cuda_lms_getEnabled():
-    return True
 
 
 def _cuda_lms_getGraphPrefetch():
@@ -576,7 +565,7 @@ def _cuda_lms_getSize():
 
 def _cuda_lms_pageInAhead(tensors):
     page_ins.append(len(tensors))
-'''
+"""
 
 HOOK_SCRIPT = """
 import importlib.util
@@ -608,14 +597,12 @@ print("hints", sum(code.count("torch.ops.lms.page_in_ahead.default(") for code i
 def test_lms_module_installs_the_pass_when_torch_compile_imports_inductor(
     tmp_path: Path,
 ) -> None:
-    package = tmp_path / "site" / "torch_lms"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("from torch_lms import lms  # noqa: F401\n")
-    (package / "lms.py").write_bytes(LMS_PY.read_bytes())
-    (package / "_lms_graph.py").write_bytes(GRAPH_PY.read_bytes())
-    (package / "_C.py").write_text(textwrap.dedent(FAKE_EXTENSION_C))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package.parent), env.get("PYTHONPATH")]))
+    env = build_fake_torch_lms(
+        tmp_path,
+        [GRAPH_PY.name],
+        init="from torch_lms import lms  # noqa: F401\n",
+        bindings=GRAPH_BINDINGS,
+    )
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor-cache")
     result = subprocess.run(
         [sys.executable, "-c", HOOK_SCRIPT, str(GRAPH_PY)],
