@@ -8,31 +8,15 @@ imported already is part of what is tested."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from fake_torch_lms import build_fake_torch_lms
 
 pytest.importorskip("torch", reason="needs a torch wheel (the CPU one is enough)")
-
-ENGINE = Path(__file__).resolve().parents[2] / "engine/torch/cuda"
-
-FAKE_BINDINGS = '''
-"""Stands for torch_lms._C: the bindings lms.py reads."""
-_enabled = False
-
-
-def _cuda_lms_setEnabled(enabled):
-    global _enabled
-    _enabled = enabled
-
-
-def _cuda_lms_getEnabled():
-    return _enabled
-'''
 
 # Prints whether each wrapped module carries LMS's wrapper.
 REPORT = """
@@ -50,14 +34,7 @@ def run_script(tmp_path: Path, *parts: str) -> list[str]:
     """Runs the parts of a script (each dedented) in a fresh interpreter that finds the
     package; returns what it printed, split into words."""
     script = "".join(textwrap.dedent(part) for part in parts)
-    package = tmp_path / "site" / "torch_lms"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text("")
-    for module in sorted(ENGINE.glob("*.py")):
-        (package / module.name).write_bytes(module.read_bytes())
-    (package / "_C.py").write_text(textwrap.dedent(FAKE_BINDINGS))
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package.parent), env.get("PYTHONPATH")]))
+    env = build_fake_torch_lms(tmp_path, ["_lms_cudagraphs.py", "_lms_graph.py"])
     result = subprocess.run(
         [sys.executable, "-c", script],
         env=env,
