@@ -19,7 +19,9 @@
 #include <cstdlib>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 // The CUDAAllocator interface grows between releases; the LMS allocator
@@ -58,6 +60,9 @@ alloc::SnapshotInfo snapshot() {
       c10::MempoolId_t{0, 0}, /*include_traces=*/false);
 }
 
+// Whether the allocator's trace reaches this file (attachAllocatorHooks).
+std::atomic<bool> g_hooks_attached{false};
+
 // Device memory LMS must never adopt and move: blocks the caching allocator
 // handed out into a private pool (CUDA graph pools, torch.cuda.MemPool),
 // which the stock allocator reveals through its trace and its snapshot, and
@@ -81,6 +86,14 @@ class PrivatePoolTracker {
 
   void onTrace(const alloc::TraceEntry& entry) {
     switch (entry.action_) {
+      case alloc::TraceEntry::SEGMENT_ALLOC:
+      case alloc::TraceEntry::SEGMENT_FREE:
+      case alloc::TraceEntry::SEGMENT_MAP:
+      case alloc::TraceEntry::SEGMENT_UNMAP:
+        // What the pools reserve may have changed: the next reservedBytes()
+        // reads a snapshot again.
+        segment_changes_.fetch_add(1, std::memory_order_relaxed);
+        break;
       case alloc::TraceEntry::ALLOC:
         if (isPrivate(entry.mempool_)) {
           std::lock_guard<std::mutex> lock(mutex_);
@@ -99,15 +112,32 @@ class PrivatePoolTracker {
 
   // Bytes the private pools of `device` reserve now: the segments of the
   // allocator's snapshot that a private pool owns (those of pools waiting to
-  // be freed included). A snapshot walks every block of the allocator: this is
-  // for statistics and error messages, not for the allocation path.
+  // be freed included). A snapshot walks every block of the allocator, so once
+  // the trace is attached the figure is kept until the allocator allocates,
+  // frees, maps or unmaps a segment: torch.cuda.lms_stats() called every step
+  // then costs a snapshot only after the segments changed.
   size_t reservedBytes(c10::DeviceIndex device) {
+    const bool traced = g_hooks_attached.load();
+    const uint64_t changes = segment_changes_.load(std::memory_order_relaxed);
+    if (traced) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      const auto it = reserved_.find(device);
+      if (it != reserved_.end() && it->second.first == changes) {
+        return it->second.second;
+      }
+    }
     size_t bytes = 0;
     for (const auto& segment : snapshot().segments) {
       if (segment.device == device &&
           isPrivate(segment.owner_private_pool_id)) {
         bytes += segment.total_size;
       }
+    }
+    if (traced) {
+      // Kept under the count read before the snapshot: a segment change
+      // during it makes the next call read again.
+      std::lock_guard<std::mutex> lock(mutex_);
+      reserved_[device] = {changes, bytes};
     }
     return bytes;
   }
@@ -153,6 +183,10 @@ class PrivatePoolTracker {
   std::mutex mutex_;
   std::once_flag seeded_;
   std::unordered_set<size_t> ptrs_;
+  // Segment allocations, frees, maps and unmaps seen in the trace.
+  std::atomic<uint64_t> segment_changes_{0};
+  // Per device: reservedBytes() and the segment_changes_ it was read at.
+  std::unordered_map<c10::DeviceIndex, std::pair<uint64_t, size_t>> reserved_;
 };
 
 PrivatePoolTracker& privatePools() {
@@ -160,8 +194,6 @@ PrivatePoolTracker& privatePools() {
   static auto* tracker = new PrivatePoolTracker();
   return *tracker;
 }
-
-std::atomic<bool> g_hooks_attached{false};
 
 // Per device: how many routings of allocations into a private pool are open
 // (beginAllocateToPool without its endAllocateToPool yet).
