@@ -32,6 +32,8 @@
 #   OUT=out/stress-b STRESS_START=100 STRESS_SEEDS=100 STRESS_ARGS="--jobs 12" \
 #     scripts/gpu/run-stress.sh
 #   python3 -m tests.regression.stress.runner --merge out/stress-a out/stress-b --out out/stress
+# The failing seeds of earlier runs again: STRESS_ARGS="--failed-of DIR ..." (STRESS_START and
+# STRESS_SEEDS are then not used).
 # A half that the budget stops early prints "continue with: --start S": run it again with
 # STRESS_START=S (and the remaining STRESS_SEEDS) into the same OUT.
 set -euo pipefail
@@ -59,7 +61,11 @@ export PYTHONUNBUFFERED=1
 cd "$ROOT"
 set +e
 # shellcheck disable=SC2086  # STRESS_ARGS is a list of arguments
-"$PY" -m tests.regression.stress.runner --start "$START" --seeds "$SEEDS" \
+which=(--start "$START" --seeds "$SEEDS")
+if [[ " ${STRESS_ARGS:-} " == *" --failed-of "* ]]; then
+  which=()
+fi
+"$PY" -m tests.regression.stress.runner "${which[@]}" \
   --time-budget-s "$BUDGET" --out "$OUT" --python "$PY" ${STRESS_ARGS:-}
 status=$?
 set -e

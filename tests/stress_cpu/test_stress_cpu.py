@@ -674,6 +674,7 @@ def test_runner_help() -> None:
         "--python",
         "--jobs",
         "--merge",
+        "--failed-of",
         "--expandable-segments",
     ):
         assert option in out.stdout
@@ -1070,3 +1071,24 @@ def test_mismatch_of_a_cudnn_model_is_triaged_without_cudnn(
     assert "with cuDNN disabled" in triage["verdict"]
     runs = sorted(p.name for p in (tmp_path / "runs" / "3").glob("*.json"))
     assert "triage-capped-no-cudnn.json" in runs and "triage-reference-no-cudnn.json" in runs
+
+
+def test_failed_of_picks_every_seed_with_a_failing_record(tmp_path: Path) -> None:
+    a = _write(
+        tmp_path / "a",
+        [
+            record(3, "identical"),
+            record(5, "mismatch"),
+            record(7, "crash", attempt=1),
+            record(7, "identical", attempt=2, timestamp="2026-11-25T11:00:00+00:00"),
+        ],
+    )
+    b = _write(tmp_path / "b", [record(2, "oom-unexpected"), record(4, "oom-expected")])
+    # An earlier failing attempt counts, as the gate counts it.
+    assert runner.failed_seeds([a, b]) == [2, 5, 7]
+    assert runner.failed_seeds([b / "results.jsonl"]) == [2]
+    assert runner.failed_seeds([_write(tmp_path / "c", [record(1, "identical")])]) == []
+    with pytest.raises(SystemExit, match=r"no results\.jsonl in"):
+        runner.failed_seeds([tmp_path / "missing"])
+    passing = tmp_path / "c"
+    assert runner.main(["--failed-of", str(passing), "--out", str(tmp_path / "out")]) == 0

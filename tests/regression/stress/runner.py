@@ -1196,6 +1196,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--seed", type=int, help="run the case of this seed only (replay)")
     which.add_argument("--seeds", type=int, default=100, help="number of seeds (default 100)")
+    which.add_argument(
+        "--failed-of",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="run again every seed with a failing record in the results.jsonl of these "
+        "folders (judged as the gate judges them), in order",
+    )
     parser.add_argument("--start", type=int, default=0, help="first seed (default 0)")
     parser.add_argument(
         "--time-budget-s",
@@ -1248,6 +1256,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def failed_seeds(paths: list[Path]) -> list[int]:
+    """The seeds with a record that fails the gate in the results.jsonl files of ``paths``
+    (folders holding one, or the files)."""
+    missing = [str(p) for p in paths if not (p / "results.jsonl" if p.is_dir() else p).is_file()]
+    if missing:
+        raise SystemExit(
+            f"error: no results.jsonl in {', '.join(missing)}; give folders of earlier "
+            "runs (--out of the runner) or their results.jsonl"
+        )
+    return sorted({int(r["seed"]) for r in gate_failures(load_records(paths))})
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line entry; returns 0 when the gate passes, 1 when it fails."""
     args = parse_args(argv)
@@ -1264,11 +1284,16 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(record, default=str) + "\n")
         harness.write_text(out / "summary.md", summarize(records))
     else:
-        seeds = (
-            [args.seed]
-            if args.seed is not None
-            else list(range(args.start, args.start + args.seeds))
-        )
+        if args.failed_of:
+            seeds = failed_seeds(args.failed_of)
+            if not seeds:
+                print(f"no seed fails the gate in {', '.join(map(str, args.failed_of))}")
+                return 0
+            print(f"running again {len(seeds)} failing seed(s): {' '.join(map(str, seeds))}")
+        elif args.seed is not None:
+            seeds = [args.seed]
+        else:
+            seeds = list(range(args.start, args.start + args.seeds))
         settings = Settings(
             out=out,
             device=args.device,
