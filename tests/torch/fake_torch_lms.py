@@ -5,6 +5,8 @@ a process of its own (``tests/torch`` is on ``sys.path`` when pytest imports its
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,3 +43,18 @@ def build_fake_torch_lms(
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(package.parent), env.get("PYTHONPATH")]))
     return env
+
+
+def run_python(env: dict[str, str], script: str, *args: str) -> str:
+    """Runs ``script`` with ``args`` in a fresh interpreter with ``env`` (from
+    :func:`build_fake_torch_lms`); returns what it printed, after checking it succeeded."""
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout

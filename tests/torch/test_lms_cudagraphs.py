@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any, Callable
 
 import pytest
-from fake_torch_lms import ENGINE, build_fake_torch_lms
+from fake_torch_lms import ENGINE, build_fake_torch_lms, run_python
 
 torch = pytest.importorskip("torch", reason="needs a torch wheel (the CPU one is enough)")
 
@@ -594,16 +593,7 @@ def test_lms_module_installs_the_fallback_when_inductor_is_imported(tmp_path: Pa
     """As the drop-in extension ships the modules: lms.py wraps Inductor's tree manager and
     cudagraphify when they are imported, through the module beside it."""
     env = build_fake_torch_lms(tmp_path, [FALLBACK_PY.name])
-    result = subprocess.run(
-        [sys.executable, "-c", HOOK_SCRIPT],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.split() == ["True", "True", "True"]
+    assert run_python(env, HOOK_SCRIPT).split() == ["True", "True", "True"]
 
 
 # ---------------------------------------------------------------------------------------------

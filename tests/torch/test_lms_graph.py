@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -14,7 +13,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from fake_torch_lms import ENGINE, build_fake_torch_lms
+from fake_torch_lms import ENGINE, build_fake_torch_lms, run_python
 
 torch = pytest.importorskip("torch", reason="needs a torch wheel (the CPU one is enough)")
 
@@ -604,15 +603,7 @@ def test_lms_module_installs_the_pass_when_torch_compile_imports_inductor(
         bindings=GRAPH_BINDINGS,
     )
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor-cache")
-    result = subprocess.run(
-        [sys.executable, "-c", HOOK_SCRIPT, str(GRAPH_PY)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "installed torch_lms._lms_graph PageInAheadPass" in result.stdout
-    hints = int(re.search(r"hints (\d+)", result.stdout).group(1))  # type: ignore[union-attr]
-    assert hints >= 2, result.stdout
+    stdout = run_python(env, HOOK_SCRIPT, str(GRAPH_PY))
+    assert "installed torch_lms._lms_graph PageInAheadPass" in stdout
+    hints = int(re.search(r"hints (\d+)", stdout).group(1))  # type: ignore[union-attr]
+    assert hints >= 2, stdout

@@ -8,13 +8,11 @@ imported already is part of what is tested."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from fake_torch_lms import build_fake_torch_lms
+from fake_torch_lms import build_fake_torch_lms, run_python
 
 pytest.importorskip("torch", reason="needs a torch wheel (the CPU one is enough)")
 
@@ -35,16 +33,7 @@ def run_script(tmp_path: Path, *parts: str) -> list[str]:
     package; returns what it printed, split into words."""
     script = "".join(textwrap.dedent(part) for part in parts)
     env = build_fake_torch_lms(tmp_path, ["_lms_cudagraphs.py", "_lms_graph.py"])
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result.stdout.split()
+    return run_python(env, script).split()
 
 
 def test_the_finder_stays_in_place_while_it_finds_a_module(tmp_path: Path) -> None:
