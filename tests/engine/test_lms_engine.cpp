@@ -721,6 +721,10 @@ TEST_CASE(a_small_storage_in_a_large_segment_is_paged_out_to_place_a_request) {
           msg.find("40.00 MiB requested <= the allocator's cap") !=
           std::string::npos);
       CHECK(msg.find("mapped for them") != std::string::npos);
+      // What would have admitted it: the mapped memory plus the request.
+      CHECK(
+          msg.find("the allocator's cap would admit it from ") !=
+          std::string::npos);
     }
     CHECK_EQ(threw, pinned);
     if (pinned) {

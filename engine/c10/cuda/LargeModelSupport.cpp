@@ -3015,7 +3015,13 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
         mib(static_cast<int64_t>(room)) + ")), but the allocator keeps " +
         mib(static_cast<int64_t>(reserved)) +
         " mapped for them (segments or pages that tensors still in use "
-        "occupy in part) and has no room for the request beside it. ";
+        "occupy in part) and has no room for the request beside it; " +
+        (capacity == SIZE_MAX ? "the device memory other processes leave"
+                              : "the allocator's cap") +
+        " would admit it from " +
+        mib(static_cast<int64_t>(reserved + segmentBytes(size))) + " (" +
+        mib(static_cast<int64_t>(reserved + segmentBytes(size) - room)) +
+        " more). ";
   }
   return "CUDA out of memory with Large Model Support. Tried to allocate " +
       mib(static_cast<int64_t>(size)) + " on device " +
