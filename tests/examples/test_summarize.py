@@ -376,3 +376,37 @@ def test_check_fails_when_readme_and_results_disagree(
     # Without --readme the tables are printed.
     assert summarize.main(["--matrix", str(matrix)]) == 0
     assert "cuDNN LSTM stack" in capsys.readouterr().out
+
+
+def test_stress_section_is_the_gate_over_every_record(tmp_path: Path) -> None:
+    env = {
+        "engine_commit": "abc1234def",
+        "engine_dirty": False,
+        "engine_sources_sha256": "5" * 64,
+        "device": "NVIDIA H100 80GB HBM3",
+        "torch": "2.11.0+cu130",
+        "cuda": "13.0",
+        "driver": "580.159.04",
+    }
+
+    def rec(seed: int, cls: str, attempt: int = 1) -> str:
+        record = {"seed": seed, "attempt": attempt, "class": cls, "reason": "why"}
+        record |= {"timestamp": f"2026-11-25T1{attempt}:00:00+00:00", "env": env}
+        return json.dumps(record) + "\n"
+
+    folder = tmp_path / "stress"
+    folder.mkdir()
+    assert "No stress results" in summarize.stress_summary(folder, "stress", "5" * 64)
+    records = [rec(0, "identical"), rec(1, "crash"), rec(1, "identical", 2)]
+    records += [rec(2, "cap-not-binding"), rec(3, "oom-expected")]
+    (folder / "results.jsonl").write_text("".join(records))
+    text = summarize.stress_summary(folder, "stress", "5" * 64)
+    assert text.startswith("Engine abc1234 (the engine of this checkout), NVIDIA H100")
+    # The earlier crash of seed 1 is judged, as the runner's gate judges it.
+    assert "4 cases where the cap binds, 1 where it does not (seeds 0-3, 5 records)" in text
+    assert "gate: **FAIL** (1 failing record(s))." in text
+    assert "| crash | 1 | fails | 1 |" in text
+    assert "| identical | 2 | passes |  |" in text
+    assert "| oom-expected | 1 | passes | 3 |" in text
+    (folder / "results.jsonl").write_text("".join(records[2:]))
+    assert "gate: **PASS**." in summarize.stress_summary(folder, "stress", "6" * 64)
