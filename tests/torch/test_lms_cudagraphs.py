@@ -544,6 +544,25 @@ def test_regions_of_graph_trees_are_left_to_the_tree_manager(
     assert getattr(fn, "__self__", None) is None  # compile_fx's own closure, unwrapped
 
 
+def test_a_region_of_graph_trees_has_the_tree_manager_wrapped_first(
+    compile_fx: ModuleType, fallback: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tree manager's module may have been imported past LMS's import hook: making a
+    region of a tree wraps what is imported before the region's first call."""
+    from torch._inductor import config
+
+    calls: list[str] = []
+    api = ModuleType("fake_lms_api")
+    api._install_compiled_code_hooks = lambda: calls.append("wrap")  # type: ignore[attr-defined]
+    monkeypatch.setattr(fallback, "_lms_api", lambda: api)
+    with config.patch({"triton.cudagraph_trees": True}):
+        single_compile(compile_fx, Region(Stubs()))
+    assert calls == ["wrap"]
+    with config.patch({"triton.cudagraph_trees": False}):
+        single_compile(compile_fx, Region(Stubs()))
+    assert calls == ["wrap"]  # a region with a graph of its own needs no tree
+
+
 # ---------------------------------------------------------------------------------------------
 # Installation
 

@@ -105,6 +105,16 @@ def _lms_api() -> ModuleType:
     return importlib.import_module(f"{package}.lms")
 
 
+def _wrap_imported_inductor() -> None:
+    """Wraps the Inductor modules that LMS wraps (``torch/cuda/lms.py``) and that are imported
+    already; each is wrapped once, so this is cheap once they are."""
+    try:
+        install = _lms_api()._install_compiled_code_hooks
+    except (ImportError, AttributeError):  # an API module without it
+        return
+    install()
+
+
 def _lms_enabled() -> bool:
     try:
         return bool(_lms_api()._lms_bindings()._cuda_lms_getEnabled())
@@ -609,6 +619,10 @@ def install_cudagraphify_fallback(module: ModuleType) -> None:
     def cudagraphify_or_fall_back(model: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         run = cudagraphify(model, *args, **kwargs)
         if _trees_in_use():
+            # The region's tree function is made at its first call, by the tree manager's
+            # module, which cudagraphify has imported by now: it must carry the fallback
+            # then, however it was imported.
+            _wrap_imported_inductor()
             return run
         static_input_idxs = args[0] if args else kwargs.get("static_input_idxs", ())
         graph = _SingleGraph(
