@@ -1092,3 +1092,29 @@ def test_failed_of_picks_every_seed_with_a_failing_record(tmp_path: Path) -> Non
         runner.failed_seeds([tmp_path / "missing"])
     passing = tmp_path / "c"
     assert runner.main(["--failed-of", str(passing), "--out", str(tmp_path / "out")]) == 0
+
+
+def test_page_use_tells_partly_used_pages_from_full_and_free_ones(worker: Any) -> None:
+    page = 20 * MiB
+    base = 7 * page  # a mapped range starts on a page of its segment
+    layout = [
+        (page, True),  # page 0: full
+        (2 * MiB, True),  # page 1: 2 MiB used ...
+        (page + 18 * MiB, False),  # ... the rest of it and all of page 2 free
+        (5 * MiB, True),  # page 3: 5 MiB at its start ...
+        (10 * MiB, False),
+        (5 * MiB, True),  # ... and 5 MiB at its end
+        (15 * MiB, True),  # page 4: 15 MiB, its last 5 MiB free
+        (5 * MiB, False),
+    ]
+    use = worker.page_use(base, layout, page)
+    assert use == {
+        "pages": 5,
+        "pages_full": 1,
+        "pages_partly_used": 3,
+        "pages_free": 1,
+        "partly_used_free_bytes": 18 * MiB + 10 * MiB + 5 * MiB,
+    }
+    # A tensor across a page boundary counts in both pages.
+    across = worker.page_use(0, [(10 * MiB, False), (20 * MiB, True), (10 * MiB, False)], page)
+    assert across["pages_partly_used"] == 2 and across["partly_used_free_bytes"] == 20 * MiB

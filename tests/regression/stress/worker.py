@@ -472,10 +472,42 @@ def allocator_state(device: torch.device) -> dict[str, Any]:
     return state
 
 
+# The page an expandable segment of the large pool maps at a time (the caching allocator's
+# kLargeBuffer).
+LARGE_PAGE_BYTES = 20 << 20
+
+
+def page_use(address: int, blocks: list[tuple[int, bool]], page: int) -> dict[str, int]:
+    """How the pages of a mapped range starting at ``address`` (its blocks in address order:
+    size, allocated) are used: pages wholly used, partly used and free, and the free bytes of
+    the partly used ones, which the allocator keeps mapped for the tensors in them."""
+    used: dict[int, int] = {}
+    at = address
+    for size, allocated in blocks:
+        end = at + size
+        while allocated and at < end:
+            index = (at - address) // page
+            upto = min(end, address + (index + 1) * page)
+            used[index] = used.get(index, 0) + upto - at
+            at = upto
+        at = end
+    pages = -(-(at - address) // page)
+    partly = [index for index, n in used.items() if n < page]
+    return {
+        "pages": pages,
+        "pages_full": sum(1 for n in used.values() if n >= page),
+        "pages_partly_used": len(partly),
+        "pages_free": pages - len(used),
+        "partly_used_free_bytes": sum(page - used[index] for index in partly),
+    }
+
+
 def memory_picture(device: torch.device) -> dict[str, Any]:
     """The caching allocator at an out-of-memory error: allocated and reserved bytes, and
-    its segments (stream, pool, mapped size, bytes allocated, the largest free block): what
-    tells a working set that does not fit from one that fits but not in one piece."""
+    its segments (stream, pool, mapped size, bytes allocated, the largest free block, and for
+    the large pool's expandable segments how its 20 MiB pages are used, with the block
+    layout): what tells a working set that does not fit from one that fits but not in one
+    piece, and where the pieces lie."""
     try:
         picture: dict[str, Any] = {
             "allocated_bytes": torch.cuda.memory_allocated(device),
@@ -487,20 +519,27 @@ def memory_picture(device: torch.device) -> dict[str, Any]:
                 continue
             blocks = seg.get("blocks", [])
             free = [b["size"] for b in blocks if b.get("state") == "inactive"]
-            segments.append(
-                {
-                    "stream": seg.get("stream"),
-                    "pool": seg.get("segment_type"),
-                    "expandable": seg.get("is_expandable"),
-                    "total_bytes": seg.get("total_size"),
-                    "allocated_bytes": seg.get("allocated_size"),
-                    "blocks": len(blocks),
-                    "free_blocks": len(free),
-                    "largest_free_bytes": max(free, default=0),
-                }
-            )
+            entry = {
+                "stream": seg.get("stream"),
+                "pool": seg.get("segment_type"),
+                "expandable": seg.get("is_expandable"),
+                "total_bytes": seg.get("total_size"),
+                "allocated_bytes": seg.get("allocated_size"),
+                "blocks": len(blocks),
+                "free_blocks": len(free),
+                "largest_free_bytes": max(free, default=0),
+            }
+            if seg.get("is_expandable") and seg.get("segment_type") == "large":
+                layout = [(int(b["size"]), b.get("state") != "inactive") for b in blocks]
+                entry["address"] = seg.get("address")
+                entry["layout"] = [[size, int(allocated)] for size, allocated in layout]
+                entry.update(page_use(int(seg.get("address", 0)), layout, LARGE_PAGE_BYTES))
+            segments.append(entry)
         picture["segments"] = segments[:40]
         picture["segment_count"] = len(segments)
+        picture["partly_used_free_bytes"] = sum(
+            int(s.get("partly_used_free_bytes", 0)) for s in segments
+        )
         return picture
     except Exception as exc:  # a broken CUDA context: say so, keep the result
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
