@@ -48,6 +48,7 @@ __attribute__((weak)) void simgpu_inject_fault(
 __attribute__((weak)) void simgpu_clear_faults(void);
 __attribute__((weak)) size_t simgpu_device_bytes_in_use(int device);
 __attribute__((weak)) size_t simgpu_host_bytes_in_use(void);
+__attribute__((weak)) void simgpu_set_copy_bandwidth(double bytes_per_second);
 }
 
 namespace {
@@ -1062,6 +1063,52 @@ TEST_CASE(prefetch_pages_in_ahead_and_counts_hits) {
     const auto st = lms::getStats(0);
     CHECK(st.prefetch_count >= 2);
     CHECK(st.prefetch_hits >= 2);
+  }
+  env.checkBaseline();
+}
+
+// Every page-out and page-in copy is timed on its stream: the bytes and
+// milliseconds each way give the bandwidth paging gets. On the simulated GPU,
+// whose copies run at a set bandwidth, the measured one must be that one.
+TEST_CASE(copies_are_timed_each_way) {
+  Env env(64 * kMiB);
+  constexpr double kBytesPerSecond = 2e9;
+  if (simulated()) {
+    simgpu_set_copy_bandwidth(kBytesPerSecond);
+  }
+  {
+    lms::resetAccumulatedStats(0);
+    std::vector<StoragePtr> s;
+    for (int i = 0; i < 4; ++i) {
+      s.push_back(newStorage(8 * kMiB));
+      write(*s.back(), 40 + i);
+    }
+    CHECK_EQ(lms::reclaimInactive(0), 32 * kMiB);
+    CHECK(matches(*s[0], 40)); // a page-in on demand
+    lms::setPrefetchDepth(2);
+    CHECK(matches(*s[3], 43)); // and prefetches ahead of use
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto st = lms::getStats(0);
+    CHECK_EQ(st.copy_out_bytes, st.pageout_bytes);
+    CHECK_EQ(st.copy_in_bytes, st.pagein_bytes);
+    CHECK(st.copy_in_bytes >= int64_t(16 * kMiB));
+    CHECK(st.copy_out_ms > 0.0 && st.copy_in_ms > 0.0);
+    if (simulated()) {
+      for (const double measured :
+           {st.copy_out_bytes / (st.copy_out_ms * 1e-3),
+            st.copy_in_bytes / (st.copy_in_ms * 1e-3)}) {
+        // Sleeps only overshoot: never faster, and not much slower.
+        CHECK(measured <= kBytesPerSecond * 1.01);
+        CHECK(measured >= kBytesPerSecond * 0.5);
+      }
+    }
+    lms::resetAccumulatedStats(0);
+    const auto reset = lms::getStats(0);
+    CHECK_EQ(reset.copy_out_bytes, 0);
+    CHECK(reset.copy_in_ms == 0.0);
+  }
+  if (simulated()) {
+    simgpu_set_copy_bandwidth(0);
   }
   env.checkBaseline();
 }

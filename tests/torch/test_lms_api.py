@@ -59,6 +59,10 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "graph_prefetch_bytes": 3 * 4 * MiB,
         "graph_pageout_count": 1,
         "stall_ms": 1.25,
+        "copy_out_bytes": 2 * 1024 * MiB,
+        "copy_out_ms": 40.0,
+        "copy_in_bytes": 0,
+        "copy_in_ms": 0.0,
         "oom_count": 0,
         "pin_failures": 0,
         "cache_releases": 0,
@@ -353,6 +357,8 @@ def test_summary_lines_format(lms: ModuleType) -> None:
     assert " Pinned host memory    |  16384 KiB |  16384 KiB |" in text
     assert "        Metric         | Cur Usage  | Peak Usage |" in text
     assert "Stalled: 1.2 ms" in text or "Stalled: 1.3 ms" in text
+    # 2 GiB in 40 ms out; nothing timed in yet.
+    assert "Copies: out 53.7 GB/s, in none timed" in text
     assert "1 at limit" in text and "1 explicit" in text
     assert "Failed allocations placed by paging out a range: 1" in text
     assert "Prefetched: 4 (3 hits)" in text

@@ -256,10 +256,17 @@ class EventPool {
   std::vector<std::pair<cudaEvent_t, bool>> is_timing_;
 };
 
-// A pair of timing events whose distance is time a compute stream waited.
-struct PendingStall {
+// What a pair of timing events measures: time a compute stream waited for
+// an LMS copy, or the duration of a copy to the host or to the device (the
+// bus as LMS sees it: what paging a storage out and back costs).
+enum class Timed { Stall, CopyOut, CopyIn };
+
+// A pair of timing events not read yet; `bytes`: the copy's size.
+struct PendingTiming {
   cudaEvent_t start;
   cudaEvent_t end;
+  Timed what;
+  size_t bytes;
 };
 
 void add(LmsStat& stat, int64_t delta) {
@@ -324,8 +331,13 @@ struct DeviceEngine {
   cudaStream_t h2d_stream = nullptr; // host to device, ahead of use
   EventPool events;
   std::mutex stall_mutex;
-  std::deque<PendingStall> stalls;
+  std::deque<PendingTiming> stalls;
   double stall_ms = 0.0;
+  // Copies timed so far, each way: milliseconds and bytes.
+  double copy_out_ms = 0.0;
+  int64_t copy_out_bytes = 0;
+  double copy_in_ms = 0.0;
+  int64_t copy_in_bytes = 0;
 
   cudaStream_t copyStream() {
     std::lock_guard<std::mutex> lock(mutex);
@@ -445,7 +457,7 @@ void refreshDataPtr(c10::StorageImpl& storage, Record& r) {
 void pollStalls(DeviceEngine& e, bool wait) {
   std::lock_guard<std::mutex> lock(e.stall_mutex);
   while (!e.stalls.empty()) {
-    PendingStall s = e.stalls.front();
+    PendingTiming s = e.stalls.front();
     if (wait) {
       C10_CUDA_CHECK(cudaEventSynchronize(s.end));
       C10_CUDA_CHECK(cudaEventSynchronize(s.start));
@@ -463,23 +475,64 @@ void pollStalls(DeviceEngine& e, bool wait) {
     float ms = 0.f;
     C10_CUDA_CHECK(cudaEventElapsedTime(&ms, s.start, s.end));
     // Negative: the copy finished before the compute stream got there.
-    e.stall_ms += std::max(0.f, ms);
+    const double elapsed = std::max(0.f, ms);
+    switch (s.what) {
+      case Timed::Stall:
+        e.stall_ms += elapsed;
+        break;
+      case Timed::CopyOut:
+        e.copy_out_ms += elapsed;
+        e.copy_out_bytes += static_cast<int64_t>(s.bytes);
+        break;
+      case Timed::CopyIn:
+        e.copy_in_ms += elapsed;
+        e.copy_in_bytes += static_cast<int64_t>(s.bytes);
+        break;
+    }
     e.events.put(s.start);
     e.events.put(s.end);
     e.stalls.pop_front();
   }
 }
 
-void addStall(DeviceEngine& e, cudaEvent_t start, cudaEvent_t end) {
+void addTiming(
+    DeviceEngine& e,
+    Timed what,
+    cudaEvent_t start,
+    cudaEvent_t end,
+    size_t bytes = 0) {
   constexpr size_t kMaxPending = 4096;
   bool flush = false;
   {
     std::lock_guard<std::mutex> lock(e.stall_mutex);
-    e.stalls.push_back({start, end});
+    e.stalls.push_back({start, end, what, bytes});
     flush = e.stalls.size() > kMaxPending;
   }
   pollStalls(e, /*wait=*/flush);
 }
+
+void addStall(DeviceEngine& e, cudaEvent_t start, cudaEvent_t end) {
+  addTiming(e, Timed::Stall, start, end);
+}
+
+// Times the copy queued on `stream` between its construction and done():
+// the events bracket the copy alone, since the stream reaches the first one
+// only after the work and the waits queued before it.
+struct CopyTimer {
+  DeviceEngine& e;
+  cudaStream_t stream;
+  cudaEvent_t start;
+
+  CopyTimer(DeviceEngine& engine, cudaStream_t s)
+      : e(engine), stream(s), start(engine.events.get(/*timing=*/true)) {
+    C10_CUDA_CHECK(cudaEventRecord(start, stream));
+  }
+  void done(Timed what, size_t bytes) {
+    cudaEvent_t end = e.events.get(/*timing=*/true);
+    C10_CUDA_CHECK(cudaEventRecord(end, stream));
+    addTiming(e, what, start, end, bytes);
+  }
+};
 
 // ---------------------------------------------------------------------------
 // Limit and reclaim
@@ -685,8 +738,10 @@ void enqueuePageOut(
   if (r.device_ready != nullptr) { // a prefetch copy may still be writing
     C10_CUDA_CHECK(cudaStreamWaitEvent(copy, r.device_ready, 0));
   }
+  CopyTimer timer(e, copy);
   C10_CUDA_CHECK(cudaMemcpyAsync(
       host.ptr, r.device_ptr, r.size, cudaMemcpyDeviceToHost, copy));
+  timer.done(Timed::CopyOut, r.size);
   cudaEvent_t done = e.events.get(/*timing=*/false);
   C10_CUDA_CHECK(cudaEventRecord(done, copy));
   if (!hand_back) {
@@ -1069,8 +1124,10 @@ void pageIn(DeviceEngine& e, Record& r, cudaStream_t stream) {
     cudaEvent_t start = e.events.get(/*timing=*/true);
     C10_CUDA_CHECK(cudaEventRecord(start, stream));
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream, r.host_ready, 0));
+    CopyTimer timer(e, stream);
     C10_CUDA_CHECK(cudaMemcpyAsync(
         ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, stream));
+    timer.done(Timed::CopyIn, r.size);
     cudaEvent_t end = e.events.get(/*timing=*/true);
     C10_CUDA_CHECK(cudaEventRecord(end, stream));
     addStall(e, start, end);
@@ -1127,8 +1184,10 @@ bool prefetchOne(DeviceEngine& e, Record& r, cudaStream_t stream) {
     C10_CUDA_CHECK(cudaStreamWaitEvent(copy, ev, 0));
     C10_CUDA_CHECK(cudaStreamWaitEvent(copy, r.host_ready, 0));
     e.events.put(ev);
+    CopyTimer timer(e, copy);
     C10_CUDA_CHECK(
         cudaMemcpyAsync(ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, copy));
+    timer.done(Timed::CopyIn, r.size);
     finishPageIn(e, r, ptr, stream, copy);
   } catch (...) {
     // Reuse in `stream`'s order must also wait for the copy stream, which
@@ -2683,6 +2742,10 @@ LmsStats getStats(c10::DeviceIndex device) {
   {
     std::lock_guard<std::mutex> lock(e.stall_mutex);
     s.stall_ms = e.stall_ms;
+    s.copy_out_bytes = e.copy_out_bytes;
+    s.copy_out_ms = e.copy_out_ms;
+    s.copy_in_bytes = e.copy_in_bytes;
+    s.copy_in_ms = e.copy_in_ms;
   }
   {
     std::lock_guard<std::mutex> lock(g_schedule_mutex);
@@ -2758,6 +2821,10 @@ void resetAccumulatedStats(c10::DeviceIndex device) {
   pollStalls(e, /*wait=*/true);
   std::lock_guard<std::mutex> lock(e.stall_mutex);
   e.stall_ms = 0.0;
+  e.copy_out_bytes = 0;
+  e.copy_out_ms = 0.0;
+  e.copy_in_bytes = 0;
+  e.copy_in_ms = 0.0;
 }
 
 void setBackend(DeviceMemoryBackend* b) {

@@ -351,6 +351,14 @@ struct LmsStats {
   // Time the compute streams waited on LMS copies (page-in copies on the
   // consumer stream, and waits for page-outs whose memory they reuse).
   double stall_ms = 0.0;
+  // The copies LMS made, timed on their streams, each way: their bytes and
+  // the milliseconds they took (bytes / ms: the bandwidth that paging a
+  // storage out and back gets; timed copies only, so the bytes can trail
+  // pageout_bytes and pagein_bytes until the copies are done).
+  int64_t copy_out_bytes = 0;
+  double copy_out_ms = 0.0;
+  int64_t copy_in_bytes = 0;
+  double copy_in_ms = 0.0;
   int64_t oom_count = 0; // LMS out-of-memory errors raised
   // Operators whose inputs could not all be made resident.
   int64_t pin_failures = 0;

@@ -128,6 +128,10 @@ _COUNTER_KEYS = (
     "graph_prefetch_bytes",
     "graph_pageout_count",
     "stall_ms",
+    "copy_out_bytes",
+    "copy_out_ms",
+    "copy_in_bytes",
+    "copy_in_ms",
     "oom_count",
     "pin_failures",
     "cache_releases",
@@ -773,7 +777,8 @@ def reclaim_inactive(device: _DeviceArg = None) -> int:
 def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     r"""Return the Large Model Support statistics of a device.
 
-    The counters are ints except ``stall_ms`` (float):
+    The counters are ints except ``stall_ms``, ``copy_out_ms`` and ``copy_in_ms``
+    (floats):
 
     - ``pageout_count``, ``pageout_bytes``, ``pagein_count``, ``pagein_bytes``:
       copies to and from host memory.
@@ -812,6 +817,11 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       storage next) and ``graph_pageout_count`` (early page-outs made to find
       room for them while no learned schedule was active).
     - ``stall_ms``: time compute streams waited for LMS copies.
+    - ``copy_out_bytes``, ``copy_out_ms``, ``copy_in_bytes``, ``copy_in_ms``: the
+      copies to and from host memory timed on their streams, each way: their
+      bytes and the milliseconds they took. Bytes over milliseconds is the
+      bandwidth paging gets on this machine (what a storage costs to page out
+      and back in); copies still running are not counted yet.
     - ``oom_count``: LMS out-of-memory errors raised.
     - ``pin_failures``: operators whose inputs could not all be made resident
       (each raised :class:`torch.OutOfMemoryError` at its first allocation, or,
@@ -947,6 +957,13 @@ def _flatten_stats(stats: Mapping[str, Any], prefix: str = "") -> dict[str, Any]
     return flat
 
 
+def _bandwidth(bytes_copied: Any, ms: Any) -> str:
+    """Timed copies as words: their bandwidth, or that none was timed yet."""
+    if float(ms) <= 0.0 or int(bytes_copied) <= 0:
+        return "none timed"
+    return f"{int(bytes_copied) / (float(ms) * 1e6):.1f} GB/s"
+
+
 def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> list[str]:
     r"""Format the LMS section of :func:`~torch.cuda.memory_summary`.
 
@@ -1032,6 +1049,10 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
     lines.append(
         f" Prefetched: {counters['prefetch_count']} ({counters['prefetch_hits']} hits) | "
         f"Stalled: {float(counters['stall_ms']):.1f} ms".ljust(_WIDTH)
+    )
+    lines.append(
+        f" Copies: out {_bandwidth(counters['copy_out_bytes'], counters['copy_out_ms'])}, "
+        f"in {_bandwidth(counters['copy_in_bytes'], counters['copy_in_ms'])}".ljust(_WIDTH)
     )
     period = int(counters["schedule_period"])
     schedule = f"period {period} ops" if counters["schedule_active"] else "inactive"

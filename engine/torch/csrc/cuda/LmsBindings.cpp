@@ -260,6 +260,10 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["graph_prefetch_bytes"] = stats.graph_prefetch_bytes;
   dict["graph_pageout_count"] = stats.graph_pageout_count;
   dict["stall_ms"] = stats.stall_ms;
+  dict["copy_out_bytes"] = stats.copy_out_bytes;
+  dict["copy_out_ms"] = stats.copy_out_ms;
+  dict["copy_in_bytes"] = stats.copy_in_bytes;
+  dict["copy_in_ms"] = stats.copy_in_ms;
   dict["oom_count"] = stats.oom_count;
   dict["pin_failures"] = stats.pin_failures;
   dict["cache_releases"] = stats.cache_releases;
