@@ -159,8 +159,14 @@ def lms_summary(stats: dict[str, Any]) -> dict[str, Any]:
 
 
 # lms_stats() counters an engine may lack: failed allocations placed by paging out the
-# storages that held a range the request fits in.
-OPTIONAL_STATS = ("fragment_reclaims",)
+# storages that held a range the request fits in; the copies timed each way.
+OPTIONAL_STATS = (
+    "fragment_reclaims",
+    "copy_out_bytes",
+    "copy_out_ms",
+    "copy_in_bytes",
+    "copy_in_ms",
+)
 
 # lms_stats() keys of the host-memory budget (torch.cuda.set_host_limit_lms): the budget in
 # force, the pinned memory of all LMS processes of the host, the page-outs it refused.

@@ -68,6 +68,14 @@ def test_a_limit_is_a_limit(record: Callable[[str, Any], None]) -> None:
     assert torch.cuda.max_memory_allocated() - base <= 1 * GiB + 128 * MiB
     assert _values(xs) == [float(i) for i in range(16)]
     record("peak_over_limit_bytes", stats["over_limit_bytes"]["peak"])
+    if "copy_out_bytes" in stats:  # engines that time their copies
+        torch.cuda.synchronize()
+        timed = torch.cuda.lms_stats()
+        # Every copy is timed once it is done: the bytes each way are those paged.
+        assert timed["copy_out_bytes"] == timed["pageout_bytes"], lms_summary(timed)
+        assert timed["copy_in_bytes"] == timed["pagein_bytes"], lms_summary(timed)
+        assert timed["copy_out_ms"] > 0.0, lms_summary(timed)
+        record("copy_out_gb_per_s", timed["copy_out_bytes"] / (timed["copy_out_ms"] * 1e6))
     record("lms", lms_summary(stats))
 
 
