@@ -330,8 +330,8 @@ struct DeviceEngine {
   cudaStream_t copy_stream = nullptr; // device to host (and demand prefetch)
   cudaStream_t h2d_stream = nullptr; // host to device, ahead of use
   EventPool events;
-  std::mutex stall_mutex;
-  std::deque<PendingTiming> stalls;
+  std::mutex timing_mutex;
+  std::deque<PendingTiming> timings;
   double stall_ms = 0.0;
   // Copies timed so far, each way: milliseconds and bytes.
   double copy_out_ms = 0.0;
@@ -451,13 +451,13 @@ void refreshDataPtr(c10::StorageImpl& storage, Record& r) {
 }
 
 // ---------------------------------------------------------------------------
-// Stall accounting
+// Stall and copy timing
 // ---------------------------------------------------------------------------
 
-void pollStalls(DeviceEngine& e, bool wait) {
-  std::lock_guard<std::mutex> lock(e.stall_mutex);
-  while (!e.stalls.empty()) {
-    PendingTiming s = e.stalls.front();
+void pollTimings(DeviceEngine& e, bool wait) {
+  std::lock_guard<std::mutex> lock(e.timing_mutex);
+  while (!e.timings.empty()) {
+    PendingTiming s = e.timings.front();
     if (wait) {
       C10_CUDA_CHECK(cudaEventSynchronize(s.end));
       C10_CUDA_CHECK(cudaEventSynchronize(s.start));
@@ -491,7 +491,7 @@ void pollStalls(DeviceEngine& e, bool wait) {
     }
     e.events.put(s.start);
     e.events.put(s.end);
-    e.stalls.pop_front();
+    e.timings.pop_front();
   }
 }
 
@@ -504,11 +504,11 @@ void addTiming(
   constexpr size_t kMaxPending = 4096;
   bool flush = false;
   {
-    std::lock_guard<std::mutex> lock(e.stall_mutex);
-    e.stalls.push_back({start, end, what, bytes});
-    flush = e.stalls.size() > kMaxPending;
+    std::lock_guard<std::mutex> lock(e.timing_mutex);
+    e.timings.push_back({start, end, what, bytes});
+    flush = e.timings.size() > kMaxPending;
   }
-  pollStalls(e, /*wait=*/flush);
+  pollTimings(e, /*wait=*/flush);
 }
 
 void addStall(DeviceEngine& e, cudaEvent_t start, cudaEvent_t end) {
@@ -2731,7 +2731,7 @@ void releaseCachedHostMemory() {
 
 LmsStats getStats(c10::DeviceIndex device) {
   DeviceEngine& e = engineFor(device);
-  pollStalls(e, /*wait=*/false);
+  pollTimings(e, /*wait=*/false);
   LmsStats s;
   size_t paged_in_last_iteration = 0;
   {
@@ -2740,7 +2740,7 @@ LmsStats getStats(c10::DeviceIndex device) {
     paged_in_last_iteration = e.pagein_last_iteration;
   }
   {
-    std::lock_guard<std::mutex> lock(e.stall_mutex);
+    std::lock_guard<std::mutex> lock(e.timing_mutex);
     s.stall_ms = e.stall_ms;
     s.copy_out_bytes = e.copy_out_bytes;
     s.copy_out_ms = e.copy_out_ms;
@@ -2818,8 +2818,8 @@ void resetAccumulatedStats(c10::DeviceIndex device) {
     e.detections_base = theSchedule().detections();
     e.fallbacks_base = theSchedule().fallbacks();
   }
-  pollStalls(e, /*wait=*/true);
-  std::lock_guard<std::mutex> lock(e.stall_mutex);
+  pollTimings(e, /*wait=*/true);
+  std::lock_guard<std::mutex> lock(e.timing_mutex);
   e.stall_ms = 0.0;
   e.copy_out_bytes = 0;
   e.copy_out_ms = 0.0;
@@ -2841,7 +2841,7 @@ c10::DataPtr allocate(
     cudaStream_t stream) {
   raisePendingError(size);
   DeviceEngine& e = engineFor(device);
-  pollStalls(e, /*wait=*/false);
+  pollTimings(e, /*wait=*/false);
   if (isCapturing(stream)) {
     // Graph-private memory: the captured graph bakes in its address.
     void* ptr = backend().malloc(device, size, stream);
