@@ -4,12 +4,14 @@ a process of its own (``tests/torch`` is on ``sys.path`` when pytest imports its
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 ENGINE = Path(__file__).resolve().parents[2] / "engine/torch/cuda"
 
@@ -58,3 +60,17 @@ def run_python(env: dict[str, str], script: str, *args: str) -> str:
     )
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout
+
+
+def load_engine_module(name: str, path: Path) -> ModuleType:
+    """The engine module at ``path`` imported under ``name``, once per process: it is put in
+    ``sys.modules`` before it runs, so that pickle and Inductor find its classes, and a module
+    that registers process-wide state (an operator) is not loaded twice."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -12,8 +12,6 @@ failure would."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +19,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any, Callable
 
 import pytest
-from fake_torch_lms import ENGINE, build_fake_torch_lms, run_python
+from fake_torch_lms import ENGINE, build_fake_torch_lms, load_engine_module, run_python
 
 torch = pytest.importorskip("torch", reason="needs a torch wheel (the CPU one is enough)")
 
@@ -32,14 +30,7 @@ POOL = (0, 7)
 
 
 def load_fallback_module() -> ModuleType:
-    if MODULE_NAME in sys.modules:
-        return sys.modules[MODULE_NAME]
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, FALLBACK_PY)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE_NAME] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_engine_module(MODULE_NAME, FALLBACK_PY)
 
 
 class FakeBindings:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import sys
 import types
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-from fake_torch_lms import ENGINE, build_fake_torch_lms, run_python
+from fake_torch_lms import ENGINE, build_fake_torch_lms, load_engine_module, run_python
 
 torch = pytest.importorskip("torch", reason="needs a torch wheel (the CPU one is enough)")
 
@@ -24,15 +23,7 @@ aten = torch.ops.aten
 
 
 def load_graph_module() -> ModuleType:
-    """The module under test, loaded once: the operator it registers is process-wide."""
-    if MODULE_NAME in sys.modules:
-        return sys.modules[MODULE_NAME]
-    spec = importlib.util.spec_from_file_location(MODULE_NAME, GRAPH_PY)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[MODULE_NAME] = module  # so that pickle and Inductor can find its classes
-    spec.loader.exec_module(module)
-    return module
+    return load_engine_module(MODULE_NAME, GRAPH_PY)
 
 
 class FakeBindings:
