@@ -175,22 +175,33 @@ def _train_reduce_overhead(steps: int) -> tuple[list[torch.Tensor], list[torch.T
         torch._dynamo.reset()
 
 
+def _reduce_overhead_references(
+    steps: int, record: Callable[[str, Any], None]
+) -> tuple[tuple[list[torch.Tensor], list[torch.Tensor]], Any, int, bool]:
+    """Two uncapped runs of :func:`_train_reduce_overhead`: the first's losses and parameters,
+    the second's, the first's peak, and whether they repeat bit for bit (only then is
+    bit-identity the bar; recorded as ``reference_repeats``)."""
+    from lms_regression_harness import settle
+
+    settle()
+    losses, params, peak = _train_reduce_overhead(steps=steps)
+    settle()
+    losses_2, params_2, _ = _train_reduce_overhead(steps=steps)
+    settle()
+    repeats = all(torch.equal(a, b) for a, b in zip(losses + params, losses_2 + params_2))
+    record("reference_repeats", repeats)
+    return (losses, params), (losses_2, params_2), peak, repeats
+
+
 def test_reduce_overhead_under_a_cap_that_leaves_room_for_the_graph_pool(
     record: Callable[[str, Any], None],
 ) -> None:
     """CUDA graphs' private pools are never paged out; LMS pages out what lies outside them
     (Adam's state here) to make room, reports the pools' size, and trains bit-identically."""
-    from lms_regression_harness import lms_summary, memory_cap, settle
+    from lms_regression_harness import lms_summary, memory_cap
 
-    settle()
-    losses, params, peak = _train_reduce_overhead(steps=5)
-    settle()
-    # Does the uncapped run repeat itself bit for bit? Only then is bit-identity the bar.
-    losses_2, params_2, _ = _train_reduce_overhead(steps=5)
-    settle()
-    repeats = all(torch.equal(a, b) for a, b in zip(losses + params, losses_2 + params_2))
-    record("reference_repeats", repeats)
-    adam_state = 2 * sum(p.numel() * p.element_size() for p in params)
+    reference, reference_2, peak, repeats = _reduce_overhead_references(5, record)
+    adam_state = 2 * sum(p.numel() * p.element_size() for p in reference[1])  # its parameters
     cap = peak - adam_state // 2
     record("peak_mib", round(peak / 2**20, 1))
     record("cap_mib", round(cap / 2**20, 1))
@@ -203,7 +214,7 @@ def test_reduce_overhead_under_a_cap_that_leaves_room_for_the_graph_pool(
     assert stats["private_pool_bytes"]["peak"] > 0, "no private pool was reported"
     assert stats["pageout_count"] > 0, "LMS made no room outside the graph pool"
     check_reduce_overhead_run(
-        (losses, params), (losses_2, params_2), (capped_losses, capped_params), repeats, record
+        reference, reference_2, (capped_losses, capped_params), repeats, record
     )
 
 
@@ -256,15 +267,9 @@ def test_graph_pool_that_cannot_fit_falls_back_to_running_without_graphs(
     activations alone, which its warm-up keeps in the pool, do not fit), the warm-up runs out
     of memory in the pool: LMS warns once, the compiled code runs without CUDA graphs from then
     on, paged like eager code, and training gives the uncapped run's losses and parameters."""
-    from lms_regression_harness import lms_summary, memory_cap, settle
+    from lms_regression_harness import lms_summary, memory_cap
 
-    settle()
-    losses, params, peak = _train_reduce_overhead(steps=3)
-    settle()
-    losses_2, params_2, _ = _train_reduce_overhead(steps=3)
-    settle()
-    repeats = all(torch.equal(a, b) for a, b in zip(losses + params, losses_2 + params_2))
-    record("reference_repeats", repeats)
+    reference, reference_2, peak, repeats = _reduce_overhead_references(3, record)
     cap = peak // 4
     record("peak_mib", round(peak / 2**20, 1))
     record("cap_mib", round(cap / 2**20, 1))
@@ -284,7 +289,7 @@ def test_graph_pool_that_cannot_fit_falls_back_to_running_without_graphs(
     assert _cudagraph_skips() > skips, "Inductor's skip counter did not count the fallback"
     assert stats["pageout_bytes"] > 0, "LMS paged nothing out after the fallback"
     check_reduce_overhead_run(
-        (losses, params), (losses_2, params_2), (capped_losses, capped_params), repeats, record
+        reference, reference_2, (capped_losses, capped_params), repeats, record
     )
 
 
