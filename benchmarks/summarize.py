@@ -968,7 +968,7 @@ def sections(args: argparse.Namespace) -> list[tuple[str, str, str]]:
         found.append(
             (CAPPED_BEGIN, CAPPED_END, capped_summary(args.capped, _shown(args.capped), sha))
         )
-    if getattr(args, "stress", None) is not None:
+    if args.stress is not None:
         found.append(
             (STRESS_BEGIN, STRESS_END, stress_summary(args.stress, _shown(args.stress), sha))
         )
