@@ -196,12 +196,15 @@ def check_capped_training(
 
     1. Trains uncapped with LMS off: the reference losses, gradients and parameters, the
        peak memory P and the static memory S (parameters + Adam state).
-    2. Caps device memory at C = S + cap_share * (P - S) < P: training without LMS must
-       raise torch.OutOfMemoryError.
-    3. Trains under the same cap with LMS on (limit a margin below the cap): it must finish,
-       page out and in, and give bit-identical losses, gradients and parameters. Allocations
-       that failed inside it and were caught (a library falling back to a smaller workspace,
-       which can change its results) are recorded.
+    2. Caps device memory at C = S + cap_share * (P - S) < P and trains with LMS on (limit a
+       margin below the cap): it must finish, page out and in, and give bit-identical losses,
+       gradients and parameters. Allocations that failed inside it and were caught (a library
+       falling back to a smaller workspace, which can change its results) are recorded.
+    3. Under the same cap, training without LMS must raise torch.OutOfMemoryError (the cap
+       binds). This runs last: cuDNN keeps, for the life of the process, the plan it ran
+       for each convolution shape, and a run without LMS that catches an out-of-memory error
+       on a plan's workspace stores the plan it fell back to, which every later run of that
+       shape in the process then uses.
     4. Device memory and LMS's pinned host memory return to their baselines.
     """
     settle()
@@ -218,18 +221,7 @@ def check_capped_training(
     assert peak > cap
 
     with memory_cap(cap):
-        oom = None
-        try:
-            train(make_model, make_batch, loss_fn, steps)
-        except torch.OutOfMemoryError as exc:
-            oom = exc
-        assert oom is not None, (
-            f"training fit under a cap of {cap / MiB:.0f} MiB without LMS "
-            f"(uncapped peak {peak / MiB:.0f} MiB): the cap proves nothing"
-        )
-        del oom
         settle()
-
         host_baseline = host_bytes()
         torch.cuda.set_enabled_lms(True)
         # A margin under the cap for the operator running when the limit is reached.
@@ -241,12 +233,32 @@ def check_capped_training(
         stats = torch.cuda.lms_stats()
         record("lms", lms_summary(stats))
         record("allocations_failed_and_caught", torch.cuda.memory_stats().get("num_ooms", 0) - ooms)
+        torch.cuda.set_enabled_lms(False)
+        settle()
+
+        oom = None
+        ooms = torch.cuda.memory_stats().get("num_ooms", 0)
+        try:
+            train(make_model, make_batch, loss_fn, steps)
+        except torch.OutOfMemoryError as exc:
+            oom = exc
+        # Every failed allocation but the one that ended the run was caught inside an
+        # operator (the cuDNN fallbacks the ordering above keeps out of the LMS run).
+        record(
+            "without_lms_allocations_failed_and_caught",
+            torch.cuda.memory_stats().get("num_ooms", 0) - ooms - (oom is not None),
+        )
+        assert oom is not None, (
+            f"training fit under a cap of {cap / MiB:.0f} MiB without LMS "
+            f"(uncapped peak {peak / MiB:.0f} MiB): the cap proves nothing"
+        )
+        del oom
+        settle()
     assert stats["pageout_count"] > 0, "LMS trained under the cap without paging anything out"
     assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
     assert capped.peak_bytes <= cap
     assert_identical(reference, capped)
 
-    torch.cuda.set_enabled_lms(False)
     del reference, capped
     settle()
     assert torch.cuda.memory_allocated() == baseline, "device memory did not return to baseline"
