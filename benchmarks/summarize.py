@@ -870,6 +870,7 @@ README_TABLES: dict[str, tuple[str, ...]] = {
         "benchmarks/results/matrix/2026-11-25-h100-cb6b81b",
         "benchmarks/results/matrix/2026-11-25-h100-59e7f86",
         "benchmarks/results/matrix/2026-11-25-h100x2-4639078",
+        "benchmarks/results/matrix/2026-11-25-h100x2-f11746f",
     ),
     "capped": ("benchmarks/results/compare/2026-11-24-h100-unrecorded",),
     "stress": ("benchmarks/results/stress/2026-11-25-h100x2-4639078",),
