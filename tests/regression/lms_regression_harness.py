@@ -184,6 +184,11 @@ def settle() -> None:
     torch.cuda.empty_cache()
 
 
+def failed_allocations() -> int:
+    """Allocations the caching allocator failed so far in this process (``num_ooms``)."""
+    return torch.cuda.memory_stats().get("num_ooms", 0)
+
+
 def check_capped_training(
     make_model: Callable[[], torch.nn.Module],
     make_batch: Callable[[int], Batch],
@@ -221,23 +226,22 @@ def check_capped_training(
     assert peak > cap
 
     with memory_cap(cap):
-        settle()
         host_baseline = host_bytes()
         torch.cuda.set_enabled_lms(True)
         # A margin under the cap for the operator running when the limit is reached.
         torch.cuda.set_limit_lms(int(cap * 0.75))
         torch.cuda.reset_accumulated_lms_stats()
         torch.cuda.reset_peak_lms_stats()
-        ooms = torch.cuda.memory_stats().get("num_ooms", 0)
+        ooms = failed_allocations()
         capped = train(make_model, make_batch, loss_fn, steps)
         stats = torch.cuda.lms_stats()
         record("lms", lms_summary(stats))
-        record("allocations_failed_and_caught", torch.cuda.memory_stats().get("num_ooms", 0) - ooms)
+        record("allocations_failed_and_caught", failed_allocations() - ooms)
         torch.cuda.set_enabled_lms(False)
         settle()
 
         oom = None
-        ooms = torch.cuda.memory_stats().get("num_ooms", 0)
+        ooms = failed_allocations()
         try:
             train(make_model, make_batch, loss_fn, steps)
         except torch.OutOfMemoryError as exc:
@@ -246,7 +250,7 @@ def check_capped_training(
         # operator (the cuDNN fallbacks the ordering above keeps out of the LMS run).
         record(
             "without_lms_allocations_failed_and_caught",
-            torch.cuda.memory_stats().get("num_ooms", 0) - ooms - (oom is not None),
+            failed_allocations() - ooms - (oom is not None),
         )
         assert oom is not None, (
             f"training fit under a cap of {cap / MiB:.0f} MiB without LMS "
