@@ -161,6 +161,15 @@ C10_CUDA_API bool isGraphPrefetchEnabled();
 C10_CUDA_API void setHostLimit(size_t bytes);
 C10_CUDA_API size_t getHostLimit();
 
+// Recompute instead of paging (the hybrid): a victim whose contents an
+// operator can reproduce (a recipe: operator-boundary pinning records, for
+// the outputs of pure operators, the operator and its inputs) is dropped
+// instead of paged out when recomputing it costs less than moving it over the
+// bus both ways at the measured copy bandwidth, and is recomputed when an
+// operator needs it (see RecomputeHooks below). Off by default.
+C10_CUDA_API void setRecomputeEnabled(bool enabled);
+C10_CUDA_API bool isRecomputeEnabled();
+
 // Applies one PYTORCH_CUDA_ALLOC_CONF option. Returns false when `key` is not
 // an LMS option; throws c10::Error for a bad value. Keys:
 //   lms:True|False            enable
@@ -173,6 +182,7 @@ C10_CUDA_API size_t getHostLimit();
 //   lms_prefetch_budget_mb:<MiB>  schedule prefetch budget (0: derived)
 //   lms_graph_prefetch:True|False page-ins planned by compiled graphs
 //   lms_host_limit_mb:<MiB>   host budget for pinned memory (0: derived)
+//   lms_recompute:True|False  drop and recompute where cheaper than paging
 C10_CUDA_API bool parseConfigOption(
     std::string_view key,
     std::string_view value);
@@ -195,6 +205,11 @@ enum class StorageState : uint8_t {
   Active,
   Inactive,
   PagedOut,
+  // No copy anywhere: the contents are recomputed from the storage's recipe
+  // when an operator pins it. Its DataPtr holds no address meanwhile, so a
+  // raw access outside LMS raises ("data is not allocated") instead of
+  // reading memory that belongs to someone else.
+  Dropped,
 };
 C10_CUDA_API const char* toString(StorageState state);
 
@@ -359,6 +374,14 @@ struct LmsStats {
   double copy_out_ms = 0.0;
   int64_t copy_in_bytes = 0;
   double copy_in_ms = 0.0;
+  // Recompute (setRecomputeEnabled): victims dropped instead of paged out,
+  // and dropped storages recomputed (one operator replayed each), with the
+  // device time the replays took on their streams.
+  int64_t drop_count = 0;
+  int64_t drop_bytes = 0;
+  int64_t recompute_count = 0;
+  int64_t recompute_bytes = 0;
+  double recompute_ms = 0.0;
   int64_t oom_count = 0; // LMS out-of-memory errors raised
   // Operators whose inputs could not all be made resident.
   int64_t pin_failures = 0;
@@ -379,6 +402,7 @@ struct LmsStats {
   LmsStat operator_output_bytes;
   LmsStat inactive_bytes; // resident and reclaimable
   LmsStat pagedout_bytes; // contents held in host memory
+  LmsStat dropped_bytes; // contents to be recomputed
   LmsStat host_bytes; // pinned host memory held by LMS (process-wide)
   // Bytes allocated on the device beyond the limit after an allocation's
   // reclaim: what running operators pin, and storages LMS cannot page out.
@@ -501,6 +525,54 @@ C10_CUDA_API bool reclaimForFailedAllocation(
 C10_CUDA_API void recordStream(
     const c10::DataPtr& data_ptr,
     cudaStream_t stream);
+
+// ---------------------------------------------------------------------------
+// Recompute
+// ---------------------------------------------------------------------------
+
+// What the engine needs from the layer that records recipes (operator-boundary
+// pinning, which sees operators' inputs and outputs). Each hook receives a
+// storage whose record setRecomputable() marked.
+struct RecomputeHooks {
+  // Device milliseconds that recomputing `storage` now would take (its
+  // producing operator's measured duration, plus bringing back inputs that
+  // are not resident), or a negative value when its recipe is no longer
+  // valid. Called from the allocation path with no engine lock held: it must
+  // neither allocate device memory nor run operators.
+  double (*cost_ms)(c10::StorageImpl& storage);
+  // `storage` is about to be dropped: keep alive what recomputing it needs.
+  // Returns false when it can no longer be recomputed. Same rules as
+  // cost_ms.
+  bool (*retain)(c10::StorageImpl& storage);
+  // Recomputes dropped `storage` on the current stream and hands the result
+  // to fillDropped(). Throws when it cannot (the storage stays dropped).
+  void (*recompute)(c10::StorageImpl& storage);
+  // The allocation whose DataPtr context is `context` is gone: forget its
+  // recipe. Called from the storage's deleter.
+  void (*forget)(void* context);
+};
+C10_CUDA_API void setRecomputeHooks(const RecomputeHooks* hooks);
+
+// Marks a managed storage's current allocation as having a recipe (or not):
+// only such storages are offered to the hooks.
+C10_CUDA_API void setRecomputable(c10::StorageImpl& storage, bool recomputable);
+
+// A dropped storage's contents were recomputed into `fresh` (a storage of the
+// same size, just allocated by the replayed operator): `dropped` takes over
+// fresh's memory, and `fresh` is left holding nothing. The record the
+// storage had (and its DataPtr context) goes with `fresh`; the new one is
+// returned, for the caller to move the recipe to.
+C10_CUDA_API void* fillDropped(
+    c10::StorageImpl& dropped,
+    c10::StorageImpl& fresh);
+
+// Milliseconds that copying `bytes` to the host (or back to the device)
+// takes at the bandwidth measured on `device` so far, or a negative value
+// before any copy was timed.
+C10_CUDA_API double copyCostMs(
+    c10::DeviceIndex device,
+    size_t bytes,
+    bool to_device);
 
 // The message an out-of-memory error carries when even reclaiming every
 // inactive storage cannot make room.
