@@ -1246,4 +1246,314 @@ TEST_CASE(devices_reclaim_independently) {
 
 } // namespace
 
+// ---------------------------------------------------------------------------
+// Recompute: storages with a recipe are dropped instead of paged out where
+// recomputing costs less, and recomputed when pinned. The recipes here are
+// a fake of what operator-boundary pinning records: a storage's contents are
+// the pattern of a seed, and "replaying its operator" writes that pattern
+// into a new storage.
+// ---------------------------------------------------------------------------
+
+struct FakeRecipes {
+  std::mutex mutex;
+  std::map<void*, uint64_t> seed; // by DataPtr context
+  double cost_ms = 0.0;
+  bool valid = true;
+  int forgotten = 0;
+  int replays = 0;
+  bool fail_next = false;
+  // Pinned (and so recomputed first) before a storage is replayed.
+  std::map<c10::StorageImpl*, c10::StorageImpl*> input_of;
+};
+
+FakeRecipes& recipes() {
+  static FakeRecipes r;
+  return r;
+}
+
+double fakeCost(c10::StorageImpl& storage) {
+  FakeRecipes& r = recipes();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const bool known =
+      r.seed.count(storage._mutable_data_ptr_no_checks().get_context()) > 0;
+  return known && r.valid ? r.cost_ms : -1.0;
+}
+
+bool fakeRetain(c10::StorageImpl& storage) {
+  return fakeCost(storage) >= 0.0;
+}
+
+void fakeRecompute(c10::StorageImpl& storage) {
+  FakeRecipes& r = recipes();
+  uint64_t seed = 0;
+  c10::StorageImpl* input = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (r.fail_next) {
+      r.fail_next = false;
+      TORCH_CHECK(false, "fake recompute failure");
+    }
+    seed = r.seed.at(storage._mutable_data_ptr_no_checks().get_context());
+    const auto it = r.input_of.find(&storage);
+    input = it != r.input_of.end() ? it->second : nullptr;
+    ++r.replays;
+  }
+  if (input != nullptr) {
+    lms::pin(*input); // recomputes it first if it was dropped too
+  }
+  auto fresh = newStorage(storage.nbytes());
+  const auto words = pattern(storage.nbytes(), seed);
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      fresh->_mutable_data_ptr_no_checks().get(),
+      words.data(),
+      storage.nbytes(),
+      cudaMemcpyHostToDevice,
+      lms_test::stream()));
+  C10_CUDA_CHECK(cudaStreamSynchronize(lms_test::stream()));
+  if (input != nullptr) {
+    lms::unpin(*input);
+  }
+  void* old_context = storage._mutable_data_ptr_no_checks().get_context();
+  void* context = lms::fillDropped(storage, *fresh);
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.seed.erase(old_context);
+    r.seed[context] = seed;
+  }
+  lms::setRecomputable(storage, true);
+}
+
+void fakeForget(void* context) {
+  FakeRecipes& r = recipes();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.seed.erase(context);
+  ++r.forgotten;
+}
+
+const lms::RecomputeHooks kFakeHooks{
+    &fakeCost,
+    &fakeRetain,
+    &fakeRecompute,
+    &fakeForget};
+
+// Installs the fake recipes and times copies (a drop needs the bandwidth
+// measured) for a test.
+class RecomputeEnv {
+ public:
+  RecomputeEnv() {
+    FakeRecipes& r = recipes();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.seed.clear();
+    r.input_of.clear();
+    r.cost_ms = 0.0;
+    r.valid = true;
+    r.forgotten = 0;
+    r.replays = 0;
+    r.fail_next = false;
+    lms::setRecomputeHooks(&kFakeHooks);
+    lms::setRecomputeEnabled(true);
+    if (simulated()) {
+      simgpu_set_copy_bandwidth(2e9);
+    }
+  }
+  RecomputeEnv(const RecomputeEnv&) = delete;
+  RecomputeEnv& operator=(const RecomputeEnv&) = delete;
+  ~RecomputeEnv() {
+    lms::setRecomputeEnabled(false);
+    lms::setRecomputeHooks(nullptr);
+    if (simulated()) {
+      simgpu_set_copy_bandwidth(0);
+    }
+  }
+
+  // A storage of `bytes` holding the pattern of `seed`, with a recipe.
+  StoragePtr withRecipe(size_t bytes, uint64_t seed) {
+    auto s = newStorage(bytes);
+    write(*s, seed);
+    {
+      FakeRecipes& r = recipes();
+      std::lock_guard<std::mutex> lock(r.mutex);
+      r.seed[s->_mutable_data_ptr_no_checks().get_context()] = seed;
+    }
+    lms::setRecomputable(*s, true);
+    return s;
+  }
+
+  // Pages one storage without a recipe out and in: the copy bandwidth is
+  // then measured.
+  static void measureBus() {
+    auto s = newStorage(4 * kMiB);
+    write(*s, 99);
+    lms::reclaimInactive(0);
+    CHECK(matches(*s, 99));
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    REQUIRE(lms::copyCostMs(0, kMiB, false) > 0.0);
+    REQUIRE(lms::copyCostMs(0, kMiB, true) > 0.0);
+  }
+};
+
+TEST_CASE(cheap_recipes_are_dropped_and_recomputed_bit_identical) {
+  Env env(64 * kMiB);
+  {
+    RecomputeEnv recompute;
+    RecomputeEnv::measureBus();
+    lms::resetAccumulatedStats(0);
+    std::vector<StoragePtr> s;
+    for (int i = 0; i < 4; ++i) {
+      s.push_back(recompute.withRecipe(8 * kMiB, 200 + i));
+    }
+    const int64_t host_before = lms::getStats(0).host_bytes.current;
+    CHECK_EQ(lms::reclaimInactive(0), 32 * kMiB);
+    for (const auto& storage : s) {
+      CHECK(state(storage) == lms::StorageState::Dropped);
+      // No address while dropped: raw access outside LMS cannot read
+      // memory that belongs to someone else.
+      CHECK(storage->_mutable_data_ptr_no_checks().get() == nullptr);
+    }
+    auto st = lms::getStats(0);
+    CHECK_EQ(st.drop_count, 4);
+    CHECK_EQ(st.drop_bytes, int64_t(32 * kMiB));
+    CHECK_EQ(st.pageout_count, 0);
+    CHECK_EQ(st.dropped_bytes.current, int64_t(32 * kMiB));
+    CHECK_EQ(st.host_bytes.current, host_before); // nothing went to the host
+    for (int i = 0; i < 4; ++i) {
+      CHECK(matches(*s[i], 200 + i)); // pinned: recomputed
+      CHECK(state(s[i]) == lms::StorageState::Inactive);
+    }
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    st = lms::getStats(0);
+    CHECK_EQ(st.recompute_count, 4);
+    CHECK_EQ(st.recompute_bytes, int64_t(32 * kMiB));
+    CHECK(st.recompute_ms >= 0.0);
+    CHECK_EQ(st.dropped_bytes.current, 0);
+    CHECK_EQ(st.pagein_count, 0);
+    // The recipe follows the storage: it can be dropped again.
+    CHECK_EQ(lms::reclaimInactive(0), 32 * kMiB);
+    CHECK_EQ(lms::getStats(0).drop_count, 8);
+    CHECK(matches(*s[2], 202));
+    s.clear();
+    FakeRecipes& r = recipes();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    CHECK(r.seed.empty()); // every recipe forgotten with its storage
+    CHECK_EQ(r.replays, 5);
+  }
+  CHECK_EQ(lms::getStats(0).dropped_bytes.current, 0);
+  env.checkBaseline();
+}
+
+TEST_CASE(recipes_costlier_than_the_bus_invalid_or_off_are_paged_out) {
+  Env env(64 * kMiB);
+  {
+    RecomputeEnv recompute;
+    RecomputeEnv::measureBus();
+    auto check_paged_out = [&](uint64_t seed) {
+      lms::resetAccumulatedStats(0);
+      auto s = recompute.withRecipe(8 * kMiB, seed);
+      lms::reclaimInactive(0);
+      CHECK(state(s) == lms::StorageState::PagedOut);
+      CHECK_EQ(lms::getStats(0).drop_count, 0);
+      CHECK_EQ(lms::getStats(0).pageout_count, 1);
+      CHECK(matches(*s, seed));
+    };
+    recipes().cost_ms = 1e9; // slower than any bus
+    check_paged_out(300);
+    recipes().cost_ms = 0.0;
+    recipes().valid = false; // e.g. an input was written in place
+    check_paged_out(301);
+    recipes().valid = true;
+    lms::setRecomputeEnabled(false);
+    check_paged_out(302);
+    lms::setRecomputeEnabled(true);
+    // Without a recipe, too.
+    lms::resetAccumulatedStats(0);
+    auto plain = newStorage(8 * kMiB);
+    write(*plain, 303);
+    lms::reclaimInactive(0);
+    CHECK(state(plain) == lms::StorageState::PagedOut);
+    CHECK(matches(*plain, 303));
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(recompute_pins_its_inputs_recomputing_them_first) {
+  Env env(64 * kMiB);
+  {
+    RecomputeEnv recompute;
+    RecomputeEnv::measureBus();
+    auto a = recompute.withRecipe(4 * kMiB, 400);
+    auto b = recompute.withRecipe(8 * kMiB, 401);
+    recipes().input_of[b.get()] = a.get();
+    lms::reclaimInactive(0);
+    REQUIRE(state(a) == lms::StorageState::Dropped);
+    REQUIRE(state(b) == lms::StorageState::Dropped);
+    CHECK(matches(*b, 401));
+    CHECK(state(a) == lms::StorageState::Inactive); // recomputed for b
+    CHECK_EQ(lms::getStats(0).recompute_count, 2);
+    CHECK(matches(*a, 400));
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(a_failed_recompute_leaves_the_storage_dropped_and_retries) {
+  Env env(64 * kMiB);
+  {
+    RecomputeEnv recompute;
+    RecomputeEnv::measureBus();
+    auto s = recompute.withRecipe(8 * kMiB, 500);
+    lms::reclaimInactive(0);
+    REQUIRE(state(s) == lms::StorageState::Dropped);
+    recipes().fail_next = true;
+    bool threw = false;
+    try {
+      lms::pin(*s);
+    } catch (const c10::Error&) {
+      threw = true;
+    }
+    CHECK(threw);
+    CHECK(state(s) == lms::StorageState::Dropped);
+    CHECK(matches(*s, 500));
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(a_dropped_storage_that_dies_leaves_nothing_behind) {
+  Env env(64 * kMiB);
+  {
+    RecomputeEnv recompute;
+    RecomputeEnv::measureBus();
+    {
+      auto s = recompute.withRecipe(8 * kMiB, 600);
+      lms::reclaimInactive(0);
+      REQUIRE(state(s) == lms::StorageState::Dropped);
+    }
+    CHECK_EQ(recipes().forgotten, 1);
+    CHECK(recipes().seed.empty());
+    CHECK_EQ(lms::getStats(0).dropped_bytes.current, 0);
+  }
+  env.checkBaseline();
+}
+
+// The allocation path drops as it pages out: a limit that leaves room for
+// one storage makes each new one push the last out.
+TEST_CASE(limit_reclaim_drops_recomputable_victims) {
+  Env env(20 * kMiB);
+  {
+    RecomputeEnv recompute;
+    RecomputeEnv::measureBus();
+    lms::resetAccumulatedStats(0);
+    std::vector<StoragePtr> s;
+    for (int i = 0; i < 6; ++i) {
+      s.push_back(recompute.withRecipe(8 * kMiB, 700 + i));
+    }
+    const auto st = lms::getStats(0);
+    CHECK(st.drop_count >= 4);
+    CHECK_EQ(st.pageout_count, 0);
+    for (int i = 0; i < 6; ++i) {
+      CHECK(matches(*s[i], 700 + i));
+    }
+    CHECK(lms::getStats(0).recompute_count >= 4);
+  }
+  env.checkBaseline();
+}
+
 LMS_TEST_MAIN()

@@ -68,6 +68,11 @@ std::atomic<int> g_lookahead_ops{0}; // 0: derived from the period
 std::atomic<size_t> g_prefetch_budget{0}; // 0: derived (prefetchBudget())
 // Page-ins planned by compiled graphs (pageInAhead): on by default.
 std::atomic<bool> g_graph_prefetch{true};
+std::atomic<bool> g_recompute{false};
+std::atomic<const RecomputeHooks*> g_recompute_hooks{nullptr};
+// Serializes recomputes: a replay may recompute its own inputs first (the
+// same thread, again), and two threads must not both recompute one storage.
+std::recursive_mutex g_recompute_mutex;
 // Clock of the last operator the schedule recorded; stamps storages' touches
 // without taking the schedule's lock.
 std::atomic<uint64_t> g_op_clock{0};
@@ -133,6 +138,7 @@ enum class State : uint8_t {
   Active,
   Inactive,
   PagedOut,
+  Dropped, // no copy: recomputed from its recipe when pinned
 };
 
 enum class Trigger { Limit, Speculative, AllocFailure, Explicit };
@@ -163,6 +169,14 @@ struct Record {
   bool busy = false; // a copy is being set up outside the engine lock
   bool prefetched = false;
   bool graph_owned = false; // used during CUDA graph capture: never paged
+  // Has a recipe (setRecomputable): the recompute hooks know this context.
+  bool recomputable = false;
+  // Set by a page-out that dropped the storage instead of copying it, for
+  // markPagedOut to file it as dropped.
+  bool dropped = false;
+  // Its memory went to another storage (fillDropped): its death is not the
+  // death of a storage the learned schedule knows.
+  bool moved = false;
   // Operator clock of the allocation or the last pin: what the learned
   // schedule identifies the storage by (see LargeModelSupportSchedule.h).
   std::atomic<uint64_t> touch{0};
@@ -259,7 +273,7 @@ class EventPool {
 // What a pair of timing events measures: time a compute stream waited for
 // an LMS copy, or the duration of a copy to the host or to the device (the
 // bus as LMS sees it: what paging a storage out and back costs).
-enum class Timed { Stall, CopyOut, CopyIn };
+enum class Timed { Stall, CopyOut, CopyIn, Recompute };
 
 // A pair of timing events not read yet; `bytes`: the copy's size.
 struct PendingTiming {
@@ -283,6 +297,7 @@ struct DeviceEngine {
   List reclaim_list; // inactive, resident
   List pagedout_list; // paged out, in page-out order
   List draining_list; // paged out early, device memory not yet released
+  List dropped_list; // dropped, to be recomputed
   size_t draining_bytes = 0;
   // Paged-out storages by the clock of their next use (learned schedule),
   // valid for schedule generation `upcoming_generation`.
@@ -338,6 +353,13 @@ struct DeviceEngine {
   int64_t copy_out_bytes = 0;
   double copy_in_ms = 0.0;
   int64_t copy_in_bytes = 0;
+  double recompute_ms = 0.0; // device time of the replays of dropped storages
+  // The same copy timings for the recompute cost model (copyCost), which
+  // statistics resets leave alone: behaviour must not depend on them.
+  double bus_out_ms = 0.0;
+  double bus_out_bytes = 0.0;
+  double bus_in_ms = 0.0;
+  double bus_in_bytes = 0.0;
 
   cudaStream_t copyStream() {
     std::lock_guard<std::mutex> lock(mutex);
@@ -483,10 +505,17 @@ void pollTimings(DeviceEngine& e, bool wait) {
       case Timed::CopyOut:
         e.copy_out_ms += elapsed;
         e.copy_out_bytes += static_cast<int64_t>(s.bytes);
+        e.bus_out_ms += elapsed;
+        e.bus_out_bytes += static_cast<double>(s.bytes);
         break;
       case Timed::CopyIn:
         e.copy_in_ms += elapsed;
         e.copy_in_bytes += static_cast<int64_t>(s.bytes);
+        e.bus_in_ms += elapsed;
+        e.bus_in_bytes += static_cast<double>(s.bytes);
+        break;
+      case Timed::Recompute:
+        e.recompute_ms += elapsed;
         break;
     }
     e.events.put(s.start);
@@ -687,6 +716,80 @@ void pointAtHostCopy(Record& r, void* host_ptr, StorageRef& keep_alive) {
   dp = c10::DataPtr(host_ptr, ctx, &deleteRecord, device);
 }
 
+// Milliseconds a copy of `bytes` takes each way at the bandwidth measured so
+// far (the other way's where one way has none yet), or -1 before any copy was
+// timed.
+double copyCost(DeviceEngine& e, size_t bytes, bool to_device) {
+  pollTimings(e, /*wait=*/false);
+  std::lock_guard<std::mutex> lock(e.timing_mutex);
+  double ms = to_device ? e.bus_in_ms : e.bus_out_ms;
+  double moved = to_device ? e.bus_in_bytes : e.bus_out_bytes;
+  if (moved <= 0.0 || ms <= 0.0) {
+    ms = to_device ? e.bus_out_ms : e.bus_in_ms;
+    moved = to_device ? e.bus_out_bytes : e.bus_in_bytes;
+  }
+  if (moved <= 0.0 || ms <= 0.0) {
+    return -1.0;
+  }
+  return ms * static_cast<double>(bytes) / moved;
+}
+
+// Drops a victim instead of copying it out, when it has a recipe and
+// recomputing it costs less than paging it out and back in at the measured
+// bandwidth (before any copy was timed, victims are paged out: that measures
+// it). Its memory goes back to the allocator in the order of every stream
+// that used it, and its DataPtr holds no address until it is recomputed. The
+// victim is busy and on no list; the engine lock is not held. Returns false,
+// nothing changed, when the victim is to be paged out.
+bool dropInstead(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
+  const RecomputeHooks* hooks = g_recompute_hooks.load();
+  if (!r.recomputable || hooks == nullptr || !g_recompute.load() ||
+      r.graph_owned || r.draining || !r.stream_known ||
+      r.device_ptr == nullptr) {
+    return false;
+  }
+  const double out = copyCost(e, r.size, /*to_device=*/false);
+  const double in = copyCost(e, r.size, /*to_device=*/true);
+  if (out < 0.0 || in < 0.0) {
+    return false;
+  }
+  StorageRef storage = r.owner.lock();
+  if (!storage) {
+    return false;
+  }
+  c10::DataPtr& dp = storage->_mutable_data_ptr_no_checks();
+  if (dp.get_context() != &r || dp.get_deleter() != &deleteRecord) {
+    return false;
+  }
+  const double cost = hooks->cost_ms(*storage);
+  if (cost < 0.0 || cost >= out + in || !hooks->retain(*storage)) {
+    return false;
+  }
+  DeviceScope guard(e.device);
+  if (!r.users.empty()) {
+    cudaEvent_t used = e.events.get(/*timing=*/false);
+    for (cudaStream_t s : r.users) {
+      C10_CUDA_CHECK(cudaEventRecord(used, s));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(r.stream, used, 0));
+    }
+    e.events.put(used);
+  }
+  if (r.device_ready != nullptr) { // a prefetch copy may still be writing
+    C10_CUDA_CHECK(cudaStreamWaitEvent(r.stream, r.device_ready, 0));
+    e.events.put(r.device_ready);
+    r.device_ready = nullptr;
+  }
+  backend().free(r.device_ptr);
+  r.device_ptr = nullptr;
+  r.users.clear();
+  r.dropped = true;
+  const c10::Device device = dp.device();
+  void* ctx = dp.release_context();
+  dp = c10::DataPtr(nullptr, ctx, &deleteRecord, device);
+  keep_alive = std::move(storage);
+  return true;
+}
+
 // Copies a victim's contents to pinned host memory and returns its device
 // memory to the allocator. The victim is busy and on no list; the engine lock
 // is not held. Returns false when no pinned host memory could be had.
@@ -699,6 +802,9 @@ bool pageOut(
     Record& r,
     StorageRef& keep_alive,
     bool hand_back = true) {
+  if (dropInstead(e, r, keep_alive)) {
+    return true;
+  }
   DeviceScope guard(e.device);
   HostBuffer host = hostPool().allocate(r.size);
   if (host.ptr == nullptr) {
@@ -999,6 +1105,18 @@ size_t reclaimFragments(DeviceEngine& e, size_t size, cudaStream_t stream) {
 }
 
 void markPagedOut(DeviceEngine& e, Record& r, List& list) {
+  if (r.dropped) {
+    // Nothing to page in ahead: the prefetch paths never see it.
+    r.dropped = false;
+    r.state = State::Dropped;
+    clearPrefetched(e, r);
+    e.dropped_list.push_back(&r);
+    ++e.stats.drop_count;
+    e.stats.drop_bytes += static_cast<int64_t>(r.size);
+    add(e.stats.inactive_bytes, -static_cast<int64_t>(r.size));
+    add(e.stats.dropped_bytes, static_cast<int64_t>(r.size));
+    return;
+  }
   r.state = State::PagedOut;
   clearPrefetched(e, r);
   list.push_back(&r);
@@ -1278,6 +1396,8 @@ StorageState publicState(State state) {
       return StorageState::Inactive;
     case State::PagedOut:
       return StorageState::PagedOut;
+    case State::Dropped:
+      return StorageState::Dropped;
   }
   return StorageState::Unmanaged;
 }
@@ -1293,6 +1413,9 @@ void leave(DeviceEngine& e, Record& r) {
       break;
     case State::PagedOut:
       add(e.stats.pagedout_bytes, -sz(r));
+      break;
+    case State::Dropped:
+      add(e.stats.dropped_bytes, -sz(r));
       break;
     case State::Allocated:
       break;
@@ -1310,6 +1433,9 @@ void enter(DeviceEngine& e, Record& r, State state) {
       break;
     case State::PagedOut:
       add(e.stats.pagedout_bytes, sz(r));
+      break;
+    case State::Dropped:
+      add(e.stats.dropped_bytes, sz(r));
       break;
     case State::Allocated:
       break;
@@ -1774,9 +1900,11 @@ int64_t pageOutVictims(
       e.settled.notify_all();
       break;
     }
-    e.draining_bytes += victim->size;
-    ++e.stats.early_pageout_count;
-    e.stats.early_pageout_bytes += static_cast<int64_t>(victim->size);
+    if (!victim->dropped) {
+      e.draining_bytes += victim->size;
+      ++e.stats.early_pageout_count;
+      e.stats.early_pageout_bytes += static_cast<int64_t>(victim->size);
+    }
     markPagedOut(e, *victim, e.draining_list);
     e.settled.notify_all();
     freed += victim->size;
@@ -2168,9 +2296,15 @@ void makeResident(
 void deleteRecord(void* ctx) {
   auto* r = static_cast<Record*>(ctx);
   DeviceEngine& e = *r->engine;
+  if (r->recomputable) {
+    if (const RecomputeHooks* hooks = g_recompute_hooks.load()) {
+      hooks->forget(ctx);
+    }
+  }
   // Only storages that may be paged out matter to victim choice: the small
   // ones, freed by the thousand, do not take the schedule's lock.
-  if (g_schedule_enabled.load() && r->size >= g_size_threshold.load()) {
+  if (g_schedule_enabled.load() && r->size >= g_size_threshold.load() &&
+      !r->moved) {
     // Taken alone: no engine lock is held here, and the schedule's mutex is
     // never held while a storage is freed.
     std::lock_guard<std::mutex> lock(g_schedule_mutex);
@@ -2383,6 +2517,14 @@ void setHostLimit(size_t bytes) {
   hostPool().setLimit(bytes);
 }
 
+void setRecomputeEnabled(bool enabled) {
+  g_recompute.store(enabled);
+}
+
+bool isRecomputeEnabled() {
+  return g_recompute.load();
+}
+
 size_t getHostLimit() {
   return hostPool().getLimit();
 }
@@ -2537,6 +2679,8 @@ bool parseConfigOption(std::string_view key, std::string_view value) {
     setGraphPrefetchEnabled(parseBool(key, value));
   } else if (key == "lms_host_limit_mb") {
     setHostLimit(mebibytes(key, value));
+  } else if (key == "lms_recompute") {
+    setRecomputeEnabled(parseBool(key, value));
   } else {
     return false;
   }
@@ -2550,7 +2694,7 @@ void parseConfig(const char* conf, bool only_lms_keys, const char* source) {
   constexpr const char* kKeys =
       "lms, lms_limit_mb, lms_size_mb, lms_prefetch, lms_speculative_mb, "
       "lms_schedule, lms_lookahead, lms_prefetch_budget_mb, "
-      "lms_graph_prefetch, lms_host_limit_mb";
+      "lms_graph_prefetch, lms_host_limit_mb, lms_recompute";
   // Same syntax as the caching allocator: "key:value,key:value".
   std::string_view rest(conf);
   while (!rest.empty()) {
@@ -2603,9 +2747,76 @@ const char* toString(StorageState state) {
       return "inactive";
     case StorageState::PagedOut:
       return "paged out";
+    case StorageState::Dropped:
+      return "dropped";
   }
   return "unknown";
 }
+
+namespace {
+
+// Recomputes a dropped storage (RecomputeHooks::recompute) on the current
+// stream, timing the replay there. Returns the storage's record after it: a
+// new one when the storage was dropped, `r` otherwise.
+Record* rematerialize(c10::StorageImpl& storage, Record* r) {
+  DeviceEngine& e = *r->engine;
+  {
+    std::unique_lock<std::mutex> lock(e.mutex);
+    e.settled.wait(lock, [&] { return !r->busy; });
+    if (r->state != State::Dropped) {
+      return r;
+    }
+  }
+  const std::lock_guard<std::recursive_mutex> serial(g_recompute_mutex);
+  r = recordOf(storage);
+  if (r == nullptr) {
+    return nullptr;
+  }
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    if (r->state != State::Dropped) {
+      return r; // another thread recomputed it meanwhile
+    }
+  }
+  const RecomputeHooks* hooks = g_recompute_hooks.load();
+  const size_t size = r->size;
+  TORCH_CHECK(
+      hooks != nullptr,
+      "LMS: a storage of ",
+      std::to_string(size),
+      " bytes was dropped to be recomputed, but no recompute hooks are "
+      "installed any more");
+  const cudaStream_t stream = currentStream(e.device);
+  TORCH_CHECK(
+      !isCapturing(stream),
+      "LMS: a storage of ",
+      std::to_string(size),
+      " bytes was dropped to be recomputed, and CUDA graph capture is "
+      "underway on the current stream; a recompute cannot be captured. Run "
+      "the captured region once before capturing so its inputs are "
+      "resident, or turn recompute off (torch.cuda.set_recompute_lms(False)).");
+  DeviceScope guard(e.device);
+  cudaEvent_t start = e.events.get(/*timing=*/true);
+  C10_CUDA_CHECK(cudaEventRecord(start, stream));
+  try {
+    hooks->recompute(storage);
+  } catch (...) {
+    e.events.put(start);
+    throw;
+  }
+  cudaEvent_t end = e.events.get(/*timing=*/true);
+  C10_CUDA_CHECK(cudaEventRecord(end, stream));
+  addTiming(e, Timed::Recompute, start, end, size);
+  Record* now = recordOf(storage);
+  TORCH_CHECK(
+      now != nullptr && now != r,
+      "LMS: recomputing a dropped storage of ",
+      std::to_string(size),
+      " bytes did not fill it");
+  return now;
+}
+
+} // namespace
 
 void pin(c10::StorageImpl& storage) {
   Record* r = recordOf(storage);
@@ -2615,9 +2826,20 @@ void pin(c10::StorageImpl& storage) {
       return;
     }
   }
-  DeviceEngine& e = *r->engine;
-  std::unique_lock<std::mutex> lock(e.mutex);
-  makeResident(e, *r, storage, State::Active, lock);
+  // A reclaim on another thread may drop it again before it is pinned.
+  for (;;) {
+    r = rematerialize(storage, r);
+    if (r == nullptr) {
+      return;
+    }
+    DeviceEngine& e = *r->engine;
+    std::unique_lock<std::mutex> lock(e.mutex);
+    e.settled.wait(lock, [&] { return !r->busy; });
+    if (r->state != State::Dropped) {
+      makeResident(e, *r, storage, State::Active, lock);
+      return;
+    }
+  }
 }
 
 void unpin(c10::StorageImpl& storage) {
@@ -2681,15 +2903,27 @@ void access(c10::StorageImpl& storage) {
     arm(storage, false);
     return;
   }
-  DeviceEngine& e = *r->engine;
-  std::unique_lock<std::mutex> lock(e.mutex);
-  if (r->state == State::Active) {
-    // Pinned: resident and off the reclaim list already, but perhaps paged
-    // in on another stream a moment ago.
-    waitUntilResident(e, *r, currentStream(e.device));
+  // A reclaim on another thread may drop it again before it is resident.
+  for (;;) {
+    r = rematerialize(storage, r);
+    if (r == nullptr) {
+      return;
+    }
+    DeviceEngine& e = *r->engine;
+    std::unique_lock<std::mutex> lock(e.mutex);
+    e.settled.wait(lock, [&] { return !r->busy; });
+    if (r->state == State::Dropped) {
+      continue;
+    }
+    if (r->state == State::Active) {
+      // Pinned: resident and off the reclaim list already, but perhaps paged
+      // in on another stream a moment ago.
+      waitUntilResident(e, *r, currentStream(e.device));
+      return;
+    }
+    makeResident(e, *r, storage, State::Allocated, lock);
     return;
   }
-  makeResident(e, *r, storage, State::Allocated, lock);
 }
 
 StorageState getState(const c10::StorageImpl& storage) {
@@ -2746,6 +2980,7 @@ LmsStats getStats(c10::DeviceIndex device) {
     s.copy_out_ms = e.copy_out_ms;
     s.copy_in_bytes = e.copy_in_bytes;
     s.copy_in_ms = e.copy_in_ms;
+    s.recompute_ms = e.recompute_ms;
   }
   {
     std::lock_guard<std::mutex> lock(g_schedule_mutex);
@@ -2790,6 +3025,7 @@ void resetPeakStats(c10::DeviceIndex device) {
         &e.stats.active_bytes,
         &e.stats.inactive_bytes,
         &e.stats.pagedout_bytes,
+        &e.stats.dropped_bytes,
         &e.stats.over_limit_bytes,
         &e.stats.operator_output_bytes}) {
     stat->peak = stat->current;
@@ -2810,6 +3046,7 @@ void resetAccumulatedStats(c10::DeviceIndex device) {
     fresh.active_bytes = e.stats.active_bytes;
     fresh.inactive_bytes = e.stats.inactive_bytes;
     fresh.pagedout_bytes = e.stats.pagedout_bytes;
+    fresh.dropped_bytes = e.stats.dropped_bytes;
     fresh.over_limit_bytes = e.stats.over_limit_bytes;
     fresh.operator_output_bytes = e.stats.operator_output_bytes;
     e.stats = fresh;
@@ -2825,6 +3062,7 @@ void resetAccumulatedStats(c10::DeviceIndex device) {
   e.copy_out_ms = 0.0;
   e.copy_in_bytes = 0;
   e.copy_in_ms = 0.0;
+  e.recompute_ms = 0.0;
 }
 
 void setBackend(DeviceMemoryBackend* b) {
@@ -2970,6 +3208,69 @@ bool reclaimForFailedAllocation(
       reclaim(e, size, Trigger::AllocFailure) > 0;
   t_reclaimed_in_malloc = t_reclaimed_in_malloc || freed;
   return freed;
+}
+
+void setRecomputeHooks(const RecomputeHooks* hooks) {
+  g_recompute_hooks.store(hooks);
+}
+
+void setRecomputable(c10::StorageImpl& storage, bool recomputable) {
+  Record* r = recordOf(storage);
+  if (r == nullptr) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(r->engine->mutex);
+  r->recomputable = recomputable;
+}
+
+void* fillDropped(c10::StorageImpl& dropped, c10::StorageImpl& fresh) {
+  Record* r = recordOf(dropped);
+  Record* f = recordOf(fresh);
+  TORCH_CHECK(
+      r != nullptr && f != nullptr && r->engine == f->engine,
+      "LMS: fillDropped() needs two LMS storages of one device");
+  TORCH_CHECK(
+      dropped.nbytes() == fresh.nbytes() && r->size == f->size,
+      "LMS: a recompute produced ",
+      std::to_string(fresh.nbytes()),
+      " bytes for a dropped storage of ",
+      std::to_string(dropped.nbytes()),
+      " bytes");
+  DeviceEngine& e = *r->engine;
+  {
+    std::unique_lock<std::mutex> lock(e.mutex);
+    e.settled.wait(lock, [&] { return !r->busy && !f->busy; });
+    TORCH_CHECK(
+        r->state == State::Dropped,
+        "LMS: fillDropped() of a storage that is not dropped (state ",
+        toString(publicState(r->state)),
+        ")");
+    TORCH_CHECK(
+        f->state == State::Allocated && f->pins == 0,
+        "LMS: a recompute's result is in use elsewhere (state ",
+        toString(publicState(f->state)),
+        ")");
+    e.dropped_list.remove(r);
+    leave(e, *r);
+    enter(e, *r, State::Allocated);
+    clearFresh(e, *f);
+    // The storage keeps its place in the learned schedule.
+    f->touch.store(r->touch.load());
+    f->gap.store(r->gap.load());
+    r->moved = true;
+    r->recomputable = false;
+    ++e.stats.recompute_count;
+    e.stats.recompute_bytes += sz(*r);
+  }
+  std::swap(
+      dropped._mutable_data_ptr_no_checks(), fresh._mutable_data_ptr_no_checks());
+  rememberOwner(*f, dropped);
+  rememberOwner(*r, fresh);
+  return f;
+}
+
+double copyCostMs(c10::DeviceIndex device, size_t bytes, bool to_device) {
+  return copyCost(engineFor(device), bytes, to_device);
 }
 
 void recordStream(const c10::DataPtr& data_ptr, cudaStream_t stream) {
