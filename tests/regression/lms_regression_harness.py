@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +31,11 @@ def storage_state(tensor: torch.Tensor) -> str:
     return str(bindings()._cuda_lms_storageState(tensor))
 
 
+# LMS_REGRESSION_RECOMPUTE=1: every capped LMS run of check_capped_training runs with
+# recompute on (the hybrid of paging and recomputing).
+RECOMPUTE = os.environ.get("LMS_REGRESSION_RECOMPUTE", "0") == "1"
+
+
 def reset_lms() -> None:
     """LMS off, default settings, no memory cap, caches emptied."""
     torch.cuda.synchronize()
@@ -40,6 +46,8 @@ def reset_lms() -> None:
     torch.cuda.set_size_lms(1 * MiB)
     torch.cuda.set_prefetch_lms(0)
     torch.cuda.set_speculative_lms(0)
+    if hasattr(torch.cuda, "set_recompute_lms"):
+        torch.cuda.set_recompute_lms(False)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
 
@@ -162,6 +170,11 @@ def lms_summary(stats: dict[str, Any]) -> dict[str, Any]:
 # storages that held a range the request fits in; the copies timed each way.
 OPTIONAL_STATS = (
     "fragment_reclaims",
+    "drop_count",
+    "drop_bytes",
+    "recompute_count",
+    "recompute_bytes",
+    "recompute_ms",
     "copy_out_bytes",
     "copy_out_ms",
     "copy_in_bytes",
@@ -196,6 +209,7 @@ def check_capped_training(
     steps: int,
     record: Callable[[str, Any], None],
     cap_share: float = 0.5,
+    recompute: bool | None = None,
 ) -> None:
     """The regression check of one model.
 
@@ -211,7 +225,13 @@ def check_capped_training(
        on a plan's workspace stores the plan it fell back to, which every later run of that
        shape in the process then uses.
     4. Device memory and LMS's pinned host memory return to their baselines.
+
+    ``recompute`` (default: ``LMS_REGRESSION_RECOMPUTE=1`` in the environment) runs the LMS
+    run with recompute on (``torch.cuda.set_recompute_lms``): storages are dropped and
+    recomputed where that beats the bus, and the results must still be bit-identical. Passed
+    as True, the run must also have dropped and recomputed something.
     """
+    hybrid = RECOMPUTE if recompute is None else recompute
     settle()
     reference = train(make_model, make_batch, loss_fn, steps)
     settle()
@@ -230,6 +250,9 @@ def check_capped_training(
         torch.cuda.set_enabled_lms(True)
         # A margin under the cap for the operator running when the limit is reached.
         torch.cuda.set_limit_lms(int(cap * 0.75))
+        if hybrid:
+            torch.cuda.set_recompute_lms(True)
+        record("recompute", hybrid)
         torch.cuda.reset_accumulated_lms_stats()
         torch.cuda.reset_peak_lms_stats()
         ooms = failed_allocations()
@@ -237,6 +260,8 @@ def check_capped_training(
         stats = torch.cuda.lms_stats()
         record("lms", lms_summary(stats))
         record("allocations_failed_and_caught", failed_allocations() - ooms)
+        if hybrid:
+            torch.cuda.set_recompute_lms(False)
         torch.cuda.set_enabled_lms(False)
         settle()
 
@@ -258,8 +283,12 @@ def check_capped_training(
         )
         del oom
         settle()
+    # Recompute measures the bus on page-outs before it drops anything.
     assert stats["pageout_count"] > 0, "LMS trained under the cap without paging anything out"
     assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
+    if recompute:
+        assert stats["drop_count"] > 0, "recompute was on and nothing was dropped"
+        assert stats["recompute_count"] > 0, "nothing dropped was ever recomputed"
     assert capped.peak_bytes <= cap
     assert_identical(reference, capped)
 

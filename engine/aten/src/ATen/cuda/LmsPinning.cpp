@@ -3,6 +3,7 @@
 #ifndef USE_ROCM
 
 #include <ATen/cuda/LmsPinning.h>
+#include <ATen/cuda/LmsRecipes.h>
 
 #include <ATen/SparseCsrTensorImpl.h>
 #include <ATen/SparseTensorImpl.h>
@@ -35,6 +36,10 @@ namespace engine = c10::cuda::lms;
 thread_local int t_depth = 0;
 // engine::outOfMemoryErrorsRaised() when the outermost operator started.
 thread_local uint64_t t_oom_at_start = 0;
+// The outermost operator's arguments were captured for a recipe: the
+// operators inside it make nothing it does not (see LmsRecipes.h), so they
+// capture nothing.
+thread_local bool t_outer_captured = false;
 
 // One storage pinned by an operator. The inputs the callback sees are
 // destroyed right after the start callbacks run, so the storage is kept alive
@@ -52,6 +57,8 @@ struct PinnedStorages final : at::ObserverContext {
   // Inputs that stayed paged out because the operator's inputs did not all
   // fit: the operator reads and writes their host copies in place.
   c10::SmallVector<c10::intrusive_ptr<c10::StorageImpl>, 2> on_host;
+  // The operator's arguments, when its outputs get recipes (recompute).
+  recipes::CapturePtr capture;
 };
 
 using StorageList = c10::SmallVector<c10::StorageImpl*, 16>;
@@ -235,16 +242,53 @@ void noteOperator(const char* name, const StorageList& storages) {
 // out-of-memory error at the operator's first allocation, before any kernel
 // writes an output. An operator that allocates nothing runs on the host
 // copies, slowly but correctly.
+// Before an operator writes a storage that a dropped storage's recipe reads,
+// that storage is recomputed (see LmsRecipes.h).
+void recomputeBeforeWrites(
+    const at::RecordFunction& fn,
+    const StorageList& storages) {
+  if (recipes::anyDependents()) {
+    recipes::beforeWrites(
+        fn,
+        c10::ArrayRef<c10::StorageImpl*>(storages.data(), storages.size()));
+  }
+}
+
+// An operator inside the outermost one (or replayed for a recompute): no
+// pins, but its arguments may be a recipe, and what it writes is guarded.
+std::unique_ptr<at::ObserverContext> enterNested(const at::RecordFunction& fn) {
+  if (recipes::anyDependents()) {
+    StorageList storages;
+    for (const c10::IValue& input : fn.inputs()) {
+      collect(input, storages);
+    }
+    recomputeBeforeWrites(fn, storages);
+  }
+  if (t_outer_captured && !recipes::replaying()) {
+    return nullptr;
+  }
+  recipes::CapturePtr capture = recipes::capture(fn);
+  if (capture == nullptr) {
+    return nullptr;
+  }
+  auto context = std::make_unique<PinnedStorages>();
+  context->capture = std::move(capture);
+  return context;
+}
+
 std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   if (!isOperator(fn)) {
     return nullptr;
   }
   // Counted before anything can throw: the end callback runs (and
-  // decrements) whenever the start callback ran, even if it threw.
-  if (t_depth++ > 0) {
-    return nullptr;
+  // decrements) whenever the start callback ran, even if it threw. A replay
+  // (recompute) is nested in whatever needed the storage, also when that was
+  // no operator.
+  if (t_depth++ > 0 || recipes::replaying()) {
+    return enterNested(fn);
   }
   t_oom_at_start = engine::outOfMemoryErrorsRaised();
+  t_outer_captured = false;
   StorageList storages;
   for (const c10::IValue& input : fn.inputs()) {
     collect(input, storages);
@@ -259,6 +303,7 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   if (storages.empty()) {
     return nullptr;
   }
+  recomputeBeforeWrites(fn, storages);
 
   auto context = std::make_unique<PinnedStorages>();
   context->pinned.reserve(storages.size());
@@ -301,8 +346,13 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   if (failure != nullptr) {
     engine::setPendingError(
         deviceOf(storages), pinError(fn.name(), storages, failure));
+  } else {
+    // After the pins, so that its timing leaves out their page-ins.
+    context->capture = recipes::capture(fn);
+    t_outer_captured = context->capture != nullptr;
   }
-  if (context->pinned.empty() && context->on_host.empty()) {
+  if (context->pinned.empty() && context->on_host.empty() &&
+      context->capture == nullptr) {
     return nullptr;
   }
   return context;
@@ -396,9 +446,27 @@ void warnIfOutOfMemoryWasCaught(const at::RecordFunction& fn) {
 
 void unpinInputs(const at::RecordFunction& fn, at::ObserverContext* context) {
   if (isOperator(fn) && t_depth > 0) {
-    releaseOutputs(fn, /*outermost=*/t_depth == 1);
+    releaseOutputs(fn, /*outermost=*/t_depth == 1 && !recipes::replaying());
   }
-  if (isOperator(fn) && t_depth > 0 && --t_depth == 0) {
+  if (context != nullptr) {
+    auto* storages = static_cast<PinnedStorages*>(context);
+    if (storages->capture != nullptr) {
+      try {
+        recipes::record(fn, *storages->capture);
+      } catch (const std::exception& e) {
+        // Recipes only save copies: the outputs are paged out instead.
+        TORCH_WARN_ONCE(
+            "Large Model Support: could not record how to recompute the "
+            "outputs of ",
+            fn.name(),
+            "; they are paged out instead. ",
+            e.what());
+      }
+      storages->capture.reset();
+    }
+  }
+  if (isOperator(fn) && t_depth > 0 && --t_depth == 0 &&
+      !recipes::replaying()) {
     if (engine::hasPendingError()) {
       // The operator allocated nothing through LMS after its pin failed, so
       // it ran on the host copies of the inputs left out.
@@ -493,6 +561,7 @@ void LaunchPins::release() {
 }
 
 void registerOperatorPinning() {
+  recipes::installHooks();
   engine::setEnabledObserver(&setOperatorPinning);
 }
 

@@ -1,0 +1,760 @@
+// Large Model Support is CUDA-only; ROCm builds, which compile a hipified
+// copy of this file, leave it out.
+#ifndef USE_ROCM
+
+#include <ATen/cuda/LmsRecipes.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/ivalue.h>
+#include <ATen/core/stack.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/LargeModelSupport.h>
+#include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <optional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace at::cuda::lms::recipes {
+
+namespace {
+
+namespace engine = c10::cuda::lms;
+
+// Pure, deterministic operators (see LmsRecipes.h); any overload whose
+// schema writes nothing and returns no alias.
+bool onAllowList(std::string_view name) {
+  static const std::unordered_set<std::string_view> names{
+      // Convolution.
+      "aten::conv1d",
+      "aten::conv2d",
+      "aten::conv3d",
+      "aten::convolution",
+      "aten::_convolution",
+      "aten::cudnn_convolution",
+      "aten::conv_transpose1d",
+      "aten::conv_transpose2d",
+      "aten::conv_transpose3d",
+      // Matrix products.
+      "aten::linear",
+      "aten::addmm",
+      "aten::mm",
+      "aten::bmm",
+      "aten::baddbmm",
+      "aten::matmul",
+      // Pointwise arithmetic and activations.
+      "aten::add",
+      "aten::sub",
+      "aten::mul",
+      "aten::div",
+      "aten::neg",
+      "aten::exp",
+      "aten::relu",
+      "aten::gelu",
+      "aten::silu",
+      "aten::sigmoid",
+      "aten::tanh",
+      "aten::hardswish",
+      "aten::leaky_relu",
+      "aten::elu",
+      "aten::clamp",
+      // Normalizations without running statistics.
+      "aten::layer_norm",
+      "aten::native_layer_norm",
+      "aten::group_norm",
+      "aten::native_group_norm",
+      // Softmax and pooling.
+      "aten::softmax",
+      "aten::_softmax",
+      "aten::log_softmax",
+      "aten::_log_softmax",
+      "aten::max_pool2d",
+      "aten::max_pool2d_with_indices",
+      "aten::avg_pool2d",
+      "aten::adaptive_avg_pool2d",
+      "aten::_adaptive_avg_pool2d",
+      // Casts and copies, and lookups.
+      "aten::_to_copy",
+      "aten::clone",
+      "aten::embedding",
+  };
+  return names.count(name) > 0;
+}
+
+thread_local int t_replaying = 0;
+
+// An operator's handle and whether it may be a recipe, per operator name.
+struct OperatorInfo {
+  std::optional<c10::OperatorHandle> handle;
+  bool pure = false; // on the allow-list, writes nothing, returns no alias
+  bool writes = false; // its schema writes an argument
+};
+
+const OperatorInfo& infoOf(const c10::OperatorName& name) {
+  static std::mutex mutex;
+  static std::unordered_map<c10::OperatorName, std::unique_ptr<OperatorInfo>>
+      cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& slot = cache[name];
+  if (slot == nullptr) {
+    slot = std::make_unique<OperatorInfo>();
+    const auto handle = c10::Dispatcher::singleton().findOp(name);
+    if (handle.has_value() && handle->hasSchema()) {
+      const c10::FunctionSchema& schema = handle->schema();
+      slot->writes = schema.is_mutable();
+      bool aliases = false;
+      for (const c10::Argument& ret : schema.returns()) {
+        aliases = aliases || static_cast<bool>(ret.alias_info());
+      }
+      slot->pure = onAllowList(name.name) && !slot->writes && !aliases;
+      slot->handle.emplace(*handle);
+    }
+  }
+  return *slot;
+}
+
+// Timing events, reused; an event belongs to the device it was created on.
+class Events {
+ public:
+  cudaEvent_t get(c10::DeviceIndex device) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& free = free_[device];
+      if (!free.empty()) {
+        cudaEvent_t event = free.back();
+        free.pop_back();
+        return event;
+      }
+    }
+    const c10::DeviceIndex previous = c10::cuda::ExchangeDevice(device);
+    cudaEvent_t event = nullptr;
+    const cudaError_t err = cudaEventCreate(&event);
+    c10::cuda::ExchangeDevice(previous);
+    C10_CUDA_CHECK(err);
+    return event;
+  }
+  void put(c10::DeviceIndex device, cudaEvent_t event) {
+    if (event != nullptr) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      free_[device].push_back(event);
+    }
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<c10::DeviceIndex, std::vector<cudaEvent_t>> free_;
+};
+
+Events& events() {
+  static auto* pool = new Events(); // never freed: used by late deleters
+  return *pool;
+}
+
+using TensorStrong = c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+using TensorWeak =
+    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+// A tensor argument: held weakly until its recipe's storage is dropped, then
+// strongly until it is recomputed or dies.
+struct TensorArg {
+  size_t index = 0; // in Recipe::args
+  TensorWeak weak{TensorStrong()};
+  c10::VariableVersion version_counter{c10::VariableVersion::DISABLED};
+  uint32_t version = 0;
+  at::Tensor strong;
+  c10::StorageImpl* storage = nullptr; // CUDA storage, for dependents
+};
+
+bool versionHolds(const c10::VariableVersion& counter, uint32_t version) {
+  return counter.enabled() && counter.current_version() == version;
+}
+
+}  // namespace
+
+struct Capture {
+  c10::OperatorHandle handle;
+  std::vector<c10::IValue> args; // tensors left undefined
+  std::vector<TensorArg> tensors;
+  c10::impl::LocalDispatchKeySet keys; // in force when it ran
+  c10::DeviceIndex device = -1;
+  cudaEvent_t start = nullptr;
+
+  explicit Capture(c10::OperatorHandle h)
+      : handle(std::move(h)), keys(c10::impl::tls_local_dispatch_key_set()) {}
+};
+
+void CaptureDeleter::operator()(Capture* capture) const {
+  if (capture != nullptr) {
+    events().put(capture->device, capture->start);
+    delete capture;
+  }
+}
+
+namespace {
+
+struct Timing {
+  c10::DeviceIndex device = -1;
+  cudaEvent_t start = nullptr;
+  cudaEvent_t end = nullptr;
+  double ms = -1.0;
+
+  ~Timing() {
+    events().put(device, start);
+    events().put(device, end);
+  }
+  // The measured milliseconds, or -1 while the operator has not finished.
+  double read() {
+    if (ms < 0.0 && end != nullptr) {
+      const cudaError_t done = cudaEventQuery(end);
+      if (done == cudaErrorNotReady) {
+        (void)cudaGetLastError(); // a status, not an error
+        return -1.0;
+      }
+      C10_CUDA_CHECK(done);
+      float elapsed = 0.f;
+      C10_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, end));
+      ms = std::max(0.0, static_cast<double>(elapsed));
+      events().put(device, start);
+      events().put(device, end);
+      start = end = nullptr;
+    }
+    return ms;
+  }
+};
+
+struct Recipe {
+  c10::OperatorHandle handle;
+  std::vector<c10::IValue> args;
+  std::vector<TensorArg> tensors;
+  c10::impl::LocalDispatchKeySet keys;
+  size_t output = 0; // which return
+  c10::VariableVersion out_counter{c10::VariableVersion::DISABLED};
+  uint32_t out_version = 0;
+  // The storage it makes, for recomputing before a write to an input.
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage{
+      c10::intrusive_ptr<c10::StorageImpl>()};
+  c10::DeviceIndex device = -1;
+  // The operator's device time: events until read, then milliseconds. Shared
+  // by the recipes of one operator's outputs.
+  std::shared_ptr<Timing> timing;
+  bool retained = false; // dropped: inputs held strongly, dependents known
+  bool invalid = false;
+
+  explicit Recipe(const Capture& capture)
+      : handle(capture.handle),
+        args(capture.args),
+        tensors(capture.tensors),
+        keys(capture.keys) {}
+};
+
+
+std::mutex g_mutex;
+// Recipes by the DataPtr context of the allocation they make. Guarded by
+// g_mutex, as is g_dependents: for each storage that a dropped storage's
+// recipe reads, the contexts of those recipes.
+std::unordered_map<void*, std::shared_ptr<Recipe>> g_recipes;
+std::unordered_map<c10::StorageImpl*, std::vector<void*>> g_dependents;
+std::atomic<size_t> g_dependent_count{0};
+
+std::shared_ptr<Recipe> find(void* context) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const auto it = g_recipes.find(context);
+  return it != g_recipes.end() ? it->second : nullptr;
+}
+
+void* contextOf(c10::StorageImpl& storage) {
+  return storage._mutable_data_ptr_no_checks().get_context();
+}
+
+// Forgets that `context`'s recipe depends on its inputs. g_mutex held.
+void removeDependents(const Recipe& recipe, void* context) {
+  for (const TensorArg& arg : recipe.tensors) {
+    if (arg.storage == nullptr) {
+      continue;
+    }
+    const auto it = g_dependents.find(arg.storage);
+    if (it == g_dependents.end()) {
+      continue;
+    }
+    auto& list = it->second;
+    const auto at = std::find(list.begin(), list.end(), context);
+    if (at != list.end()) {
+      list.erase(at);
+      g_dependent_count.fetch_sub(1);
+    }
+    if (list.empty()) {
+      g_dependents.erase(it);
+    }
+  }
+}
+
+// Releases the strong references a retained recipe holds. g_mutex held; the
+// tensors come back in `dead` to be destroyed after it is released (their
+// deleters may come back here).
+void unretain(Recipe& recipe, void* context, std::vector<at::Tensor>& dead) {
+  if (!recipe.retained) {
+    return;
+  }
+  removeDependents(recipe, context);
+  for (TensorArg& arg : recipe.tensors) {
+    if (arg.strong.defined()) {
+      dead.push_back(std::move(arg.strong));
+      arg.strong = at::Tensor();
+    }
+  }
+  recipe.retained = false;
+}
+
+// The tensor of an argument: the strong reference while retained, else the
+// weak one, if the tensor is alive and unchanged; undefined otherwise.
+at::Tensor tensorOf(const TensorArg& arg) {
+  if (!versionHolds(arg.version_counter, arg.version)) {
+    return at::Tensor();
+  }
+  if (arg.strong.defined()) {
+    return arg.strong;
+  }
+  TensorStrong impl = arg.weak.lock();
+  return impl.defined() ? at::Tensor(std::move(impl)) : at::Tensor();
+}
+
+bool outputHolds(const Recipe& recipe) {
+  return !recipe.invalid &&
+      versionHolds(recipe.out_counter, recipe.out_version);
+}
+
+// ---------------------------------------------------------------------------
+// Engine hooks
+// ---------------------------------------------------------------------------
+
+double costMs(c10::StorageImpl& storage) {
+  std::shared_ptr<Recipe> recipe = find(contextOf(storage));
+  if (recipe == nullptr || !outputHolds(*recipe)) {
+    return -1.0;
+  }
+  double ms = 0.0;
+  std::vector<std::pair<at::Tensor, bool>> inputs; // and whether on the GPU
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    ms = recipe->timing != nullptr ? recipe->timing->read() : -1.0;
+    if (ms < 0.0) {
+      return -1.0;
+    }
+    for (const TensorArg& arg : recipe->tensors) {
+      at::Tensor t = tensorOf(arg);
+      if (!t.defined()) {
+        return -1.0; // gone or written since
+      }
+      inputs.emplace_back(std::move(t), arg.storage != nullptr);
+    }
+  }
+  for (const auto& [tensor, cuda] : inputs) {
+    if (!cuda) {
+      continue;
+    }
+    c10::StorageImpl* input = tensor.unsafeGetTensorImpl()
+                                  ->unsafe_storage()
+                                  .unsafeGetStorageImpl();
+    switch (engine::getState(*input)) {
+      case engine::StorageState::Active:
+        // A running operator uses it, and may be writing it.
+        return -1.0;
+      case engine::StorageState::PagedOut: {
+        const double in =
+            engine::copyCostMs(recipe->device, input->nbytes(), true);
+        if (in < 0.0) {
+          return -1.0;
+        }
+        ms += in;
+        break;
+      }
+      case engine::StorageState::Dropped: {
+        // Recursive recompute: its own replay, without looking further.
+        std::shared_ptr<Recipe> inner = find(contextOf(*input));
+        std::lock_guard<std::mutex> lock(g_mutex);
+        const double inner_ms = inner != nullptr && inner->timing != nullptr
+            ? inner->timing->read()
+            : -1.0;
+        if (inner_ms < 0.0) {
+          return -1.0;
+        }
+        ms += inner_ms;
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  return ms;
+}
+
+bool retain(c10::StorageImpl& storage) {
+  void* context = contextOf(storage);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const auto it = g_recipes.find(context);
+  if (it == g_recipes.end()) {
+    return false;
+  }
+  Recipe& recipe = *it->second;
+  if (!outputHolds(recipe)) {
+    return false;
+  }
+  std::vector<at::Tensor> held;
+  held.reserve(recipe.tensors.size());
+  for (const TensorArg& arg : recipe.tensors) {
+    at::Tensor t = tensorOf(arg);
+    if (!t.defined()) {
+      return false;
+    }
+    held.push_back(std::move(t));
+  }
+  if (recipe.retained) {
+    return true;
+  }
+  for (size_t i = 0; i < held.size(); ++i) {
+    TensorArg& arg = recipe.tensors[i];
+    arg.strong = std::move(held[i]);
+    if (arg.storage != nullptr) {
+      g_dependents[arg.storage].push_back(context);
+      g_dependent_count.fetch_add(1);
+    }
+  }
+  recipe.retained = true;
+  return true;
+}
+
+// Pins (and unpins on the way out) the storages of a replay's inputs.
+class ReplayPins {
+ public:
+  ReplayPins() = default;
+  ReplayPins(const ReplayPins&) = delete;
+  ReplayPins& operator=(const ReplayPins&) = delete;
+  ~ReplayPins() {
+    for (c10::StorageImpl* storage : pinned_) {
+      try {
+        if (engine::getState(*storage) == engine::StorageState::Active) {
+          engine::unpin(*storage);
+        }
+      } catch (const std::exception& e) {
+        TORCH_WARN(
+            "Large Model Support: could not unpin an input of a recompute; "
+            "it stays resident. ",
+            e.what());
+      }
+    }
+  }
+  void pin(c10::StorageImpl* storage) {
+    if (std::find(pinned_.begin(), pinned_.end(), storage) != pinned_.end()) {
+      return;
+    }
+    engine::pin(*storage);
+    if (engine::isManaged(storage->_mutable_data_ptr_no_checks())) {
+      pinned_.push_back(storage);
+    }
+  }
+
+ private:
+  std::vector<c10::StorageImpl*> pinned_;
+};
+
+std::string describe(const Recipe& recipe) {
+  return recipe.handle.schema().name();
+}
+
+void recompute(c10::StorageImpl& storage) {
+  void* context = contextOf(storage);
+  std::shared_ptr<Recipe> recipe = find(context);
+  TORCH_CHECK(
+      recipe != nullptr,
+      "Large Model Support: a dropped storage of ",
+      std::to_string(storage.nbytes()),
+      " bytes has no recipe to recompute it from");
+  // The replay's arguments: every tensor alive and unchanged.
+  std::vector<c10::IValue> stack = recipe->args;
+  std::vector<c10::StorageImpl*> inputs;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    for (const TensorArg& arg : recipe->tensors) {
+      at::Tensor t = tensorOf(arg);
+      TORCH_CHECK(
+          t.defined(),
+          "Large Model Support: cannot recompute a dropped output of ",
+          describe(*recipe),
+          " (",
+          std::to_string(storage.nbytes()),
+          " bytes): argument ",
+          std::to_string(arg.index),
+          " was written in place (version ",
+          std::to_string(arg.version),
+          ", now ",
+          arg.version_counter.enabled()
+              ? std::to_string(arg.version_counter.current_version())
+              : std::string("untracked"),
+          ") or freed, bypassing LMS. Turn recompute off "
+          "(torch.cuda.set_recompute_lms(False)) for this program.");
+      if (arg.storage != nullptr) {
+        inputs.push_back(arg.storage);
+      }
+      stack[arg.index] = std::move(t);
+    }
+  }
+  {
+    ReplayPins pins;
+    for (c10::StorageImpl* input : inputs) {
+      pins.pin(input); // pages in, or recomputes, what it reads
+    }
+    // Replayed below autograd, with the dispatch keys the operator ran
+    // under, as an operator nested in the one that needs the storage.
+    const c10::impl::ForceDispatchKeyGuard keys(recipe->keys);
+    const c10::AutoGradMode no_grad(false);
+    ++t_replaying;
+    try {
+      recipe->handle.callBoxed(&stack);
+    } catch (...) {
+      --t_replaying;
+      throw;
+    }
+    --t_replaying;
+  }
+  TORCH_CHECK(
+      recipe->output < stack.size() && stack[recipe->output].isTensor(),
+      "Large Model Support: the replay of ",
+      describe(*recipe),
+      " returned no tensor at position ",
+      std::to_string(recipe->output));
+  const at::Tensor result = stack[recipe->output].toTensor();
+  c10::StorageImpl* fresh =
+      result.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+  TORCH_CHECK(
+      fresh != nullptr && fresh != &storage,
+      "Large Model Support: the replay of ",
+      describe(*recipe),
+      " returned no storage of its own");
+  void* now = engine::fillDropped(storage, *fresh);
+  std::vector<at::Tensor> dead;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    unretain(*recipe, context, dead);
+    g_recipes.erase(context);
+    g_recipes[now] = recipe;
+  }
+  engine::setRecomputable(storage, true);
+  stack.clear();
+  dead.clear();
+}
+
+void forget(void* context) {
+  std::shared_ptr<Recipe> gone;
+  std::vector<at::Tensor> dead;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const auto it = g_recipes.find(context);
+    if (it == g_recipes.end()) {
+      return;
+    }
+    gone = std::move(it->second);
+    g_recipes.erase(it);
+    unretain(*gone, context, dead);
+  }
+  // Destroyed here, outside the lock: the inputs' deleters may come back.
+}
+
+const engine::RecomputeHooks kHooks{&costMs, &retain, &recompute, &forget};
+
+bool collectable(const c10::IValue& value) {
+  if (value.isTensorList() || value.isTuple() || value.isGenericDict()) {
+    return false;
+  }
+  if (value.isList()) {
+    for (const c10::IValue& element : value.toListRef()) {
+      if (element.isTensor()) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+c10::StorageImpl* cudaStorageOf(const at::Tensor& tensor) {
+  c10::StorageImpl* storage =
+      tensor.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+  return storage != nullptr && storage->device_type() == c10::DeviceType::CUDA
+      ? storage
+      : nullptr;
+}
+
+} // namespace
+
+bool replaying() {
+  return t_replaying > 0;
+}
+
+bool anyDependents() {
+  return g_dependent_count.load(std::memory_order_relaxed) > 0;
+}
+
+void installHooks() {
+  engine::setRecomputeHooks(&kHooks);
+}
+
+CapturePtr capture(const at::RecordFunction& fn) {
+  if (!engine::isRecomputeEnabled() || t_replaying > 0) {
+    return nullptr;
+  }
+  const auto& name = fn.operator_name();
+  if (!name.has_value() || !onAllowList(name->name)) {
+    return nullptr;
+  }
+  // Under autocast, the inner operator it calls is the recipe.
+  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::AutocastCUDA) &&
+      !c10::impl::tls_is_dispatch_key_excluded(
+          c10::DispatchKey::AutocastCUDA)) {
+    return nullptr;
+  }
+  const OperatorInfo& info = infoOf(*name);
+  if (!info.pure || !info.handle.has_value()) {
+    return nullptr;
+  }
+  CapturePtr capture(new Capture(*info.handle));
+  const auto inputs = fn.inputs();
+  capture->args.reserve(inputs.size());
+  for (const c10::IValue& value : inputs) {
+    if (!collectable(value)) {
+      return nullptr;
+    }
+    if (value.isTensor() && value.toTensor().defined()) {
+      const at::Tensor& tensor = value.toTensor();
+      if (tensor.is_inference() ||
+          !tensor.unsafeGetTensorImpl()->version_counter().enabled()) {
+        return nullptr;
+      }
+      TensorArg arg;
+      arg.index = capture->args.size();
+      arg.weak = TensorWeak(tensor.getIntrusivePtr());
+      arg.version_counter = tensor.unsafeGetTensorImpl()->version_counter();
+      arg.version = arg.version_counter.current_version();
+      arg.storage = cudaStorageOf(tensor);
+      if (arg.storage != nullptr && capture->device < 0) {
+        capture->device = arg.storage->device().index();
+      }
+      capture->tensors.push_back(std::move(arg));
+      capture->args.emplace_back(at::Tensor());
+    } else {
+      capture->args.push_back(value);
+    }
+  }
+  if (capture->device < 0) {
+    return nullptr; // nothing on a GPU to time or recompute
+  }
+  capture->start = events().get(capture->device);
+  C10_CUDA_CHECK(cudaEventRecord(
+      capture->start, c10::cuda::getCurrentCUDAStream(capture->device)));
+  return capture;
+}
+
+void record(const at::RecordFunction& fn, Capture& capture) {
+  if (std::uncaught_exceptions() > 0) {
+    return; // the operator failed: nothing to record
+  }
+  auto timing = std::make_shared<Timing>();
+  timing->device = capture.device;
+  timing->start = std::exchange(capture.start, nullptr);
+  timing->end = events().get(capture.device);
+  C10_CUDA_CHECK(cudaEventRecord(
+      timing->end, c10::cuda::getCurrentCUDAStream(capture.device)));
+  const auto outputs = fn.outputs();
+  for (size_t k = 0; k < outputs.size(); ++k) {
+    if (!outputs[k].isTensor() || !outputs[k].toTensor().defined()) {
+      continue;
+    }
+    const at::Tensor& out = outputs[k].toTensor();
+    c10::StorageImpl* storage = cudaStorageOf(out);
+    if (storage == nullptr ||
+        !engine::isManaged(storage->_mutable_data_ptr_no_checks()) ||
+        !out.unsafeGetTensorImpl()->version_counter().enabled()) {
+      continue;
+    }
+    bool aliases = false;
+    for (const TensorArg& arg : capture.tensors) {
+      aliases = aliases || arg.storage == storage;
+    }
+    if (aliases) {
+      continue;
+    }
+    auto recipe = std::make_shared<Recipe>(capture);
+    recipe->output = k;
+    recipe->out_counter = out.unsafeGetTensorImpl()->version_counter();
+    recipe->out_version = recipe->out_counter.current_version();
+    recipe->storage = c10::weak_intrusive_ptr<c10::StorageImpl>(
+        c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage));
+    recipe->device = capture.device;
+    recipe->timing = timing;
+    void* context = contextOf(*storage);
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      if (!g_recipes.emplace(context, std::move(recipe)).second) {
+        continue; // an inner operator's recipe already makes it
+      }
+    }
+    engine::setRecomputable(*storage, true);
+  }
+}
+
+void beforeWrites(
+    const at::RecordFunction& fn,
+    c10::ArrayRef<c10::StorageImpl*> storages) {
+  const auto& name = fn.operator_name();
+  if (!name.has_value() || !infoOf(*name).writes) {
+    return;
+  }
+  std::vector<std::shared_ptr<Recipe>> affected;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    for (c10::StorageImpl* storage : storages) {
+      const auto it = g_dependents.find(storage);
+      if (it == g_dependents.end()) {
+        continue;
+      }
+      for (void* context : it->second) {
+        const auto recipe = g_recipes.find(context);
+        if (recipe != g_recipes.end()) {
+          affected.push_back(recipe->second);
+        }
+      }
+    }
+  }
+  for (const auto& recipe : affected) {
+    c10::intrusive_ptr<c10::StorageImpl> dropped = recipe->storage.lock();
+    if (!dropped) {
+      continue;
+    }
+    // Recompute it while its inputs still hold what it was made from; after
+    // the write its recipe would make something else.
+    engine::pin(*dropped);
+    engine::unpin(*dropped);
+    std::lock_guard<std::mutex> lock(g_mutex);
+    recipe->invalid = true;
+  }
+}
+
+} // namespace at::cuda::lms::recipes
+
+#endif // USE_ROCM

@@ -1,0 +1,76 @@
+#pragma once
+
+// Recipes for Large Model Support's recompute (the hybrid of paging and
+// recomputing, c10::cuda::lms::setRecomputeEnabled).
+//
+// At operator boundaries, operator-boundary pinning (LmsPinning.cpp) records
+// for each LMS-managed output of a pure operator how to make it again: the
+// operator, its arguments (tensors by weak reference and version), the
+// dispatch keys in force, and the operator's measured device time. The
+// engine asks these recipes, through c10::cuda::lms::RecomputeHooks, whether
+// a victim is cheaper to recompute than to page out, keeps a dropped
+// storage's inputs alive, and has the storage recomputed when an operator
+// pins it: the operator is replayed on its inputs (themselves resident,
+// paged in or recomputed) and the result takes the storage's place.
+//
+// Correct by construction:
+// * Only operators on an allow-list of pure, deterministic functions
+//   (convolution, matrix products, pointwise arithmetic and activations,
+//   layer and group normalization, softmax, pooling, casts, embedding) whose
+//   schema writes no argument and returns no alias: same inputs, same bits.
+//   Random operators are not on it.
+// * A recipe is valid while its inputs and its output have the versions
+//   they had when it was recorded: an in-place write to either (through any
+//   view: views share the version counter) invalidates it, as it does
+//   autograd's saved tensors. Writes that bypass version counters
+//   (`tensor.data`, raw pointers in custom kernels) are not seen, the same
+//   contract autograd has.
+// * An operator that writes an input of a dropped storage's recipe first has
+//   the dropped storage recomputed, and its recipe invalidated.
+// * A storage whose recipe inputs a running operator pins is not dropped.
+// * Under autocast, the recipe is the inner operator autocast calls with its
+//   casted arguments (the outer one would replay with the autocast state of
+//   the moment of the replay).
+
+#include <ATen/record_function.h>
+
+#include <memory>
+
+namespace at::cuda::lms::recipes {
+
+// What an operator's start left for its end: the arguments of a recipe
+// candidate and its start event.
+struct Capture;
+
+struct CaptureDeleter {
+  void operator()(Capture* capture) const;
+};
+using CapturePtr = std::unique_ptr<Capture, CaptureDeleter>;
+
+// At an operator's start (any depth): captures its arguments when it is on
+// the allow-list and recompute is on; null otherwise.
+CapturePtr capture(const at::RecordFunction& fn);
+
+// At its end: records a recipe for each LMS-managed output that aliases no
+// input, for storages that have none yet (the innermost operator wins).
+void record(const at::RecordFunction& fn, Capture& capture);
+
+// At an operator's start, before its inputs are pinned: when the operator
+// writes one of `storages` on which a dropped storage's recipe depends, the
+// dropped storage is recomputed now and its recipe invalidated.
+void beforeWrites(
+    const at::RecordFunction& fn,
+    c10::ArrayRef<c10::StorageImpl*> storages);
+
+// Whether any dropped storage's recipe depends on another storage now (a
+// cheap test before beforeWrites' work).
+bool anyDependents();
+
+// Installs the engine's recompute hooks (from registerOperatorPinning).
+void installHooks();
+
+// True while a recipe is being replayed on this thread: the replayed
+// operators are not operator boundaries of the schedule.
+bool replaying();
+
+} // namespace at::cuda::lms::recipes

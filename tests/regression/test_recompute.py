@@ -1,0 +1,217 @@
+"""Recompute instead of paging (``torch.cuda.set_recompute_lms``): storages whose producing
+operator is pure are dropped where recomputing them beats the bus, and come back bit-identical
+when an operator needs them. Every case drops explicitly (``torch.cuda.reclaim_inactive``) or
+under a cap, and checks what was dropped, what was recomputed and what came back."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+
+pytest.importorskip("torch.nn", reason="PyTorch is not installed")
+import torch
+from lms_regression_harness import (
+    MiB,
+    check_capped_training,
+    deterministic,
+    lms_summary,
+    storage_state,
+)
+
+F = torch.nn.functional
+
+if not hasattr(torch.cuda, "set_recompute_lms"):
+    pytest.skip(
+        "this LMS build has no recompute (torch.cuda.set_recompute_lms)",
+        allow_module_level=True,
+    )
+
+
+def _small(seed: int, rows: int, cols: int) -> torch.Tensor:
+    """Under the 1 MiB size threshold: never paged out, so a recipe's inputs stay resident."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t = torch.randn(rows, cols, device="cuda", generator=g)
+    assert t.numel() * t.element_size() < MiB
+    return t
+
+
+def _measure_bus() -> None:
+    """Pages a tensor without a recipe out and in: the engine then knows the bus's speed,
+    which a drop needs."""
+    z = torch.randn(1 << 21, device="cuda")  # random: never a recipe
+    z.add_(0)
+    torch.cuda.synchronize()
+    assert torch.cuda.reclaim_inactive() > 0
+    assert storage_state(z) == "paged out"
+    z.add_(0)
+    torch.cuda.synchronize()
+    stats = torch.cuda.lms_stats()
+    assert stats["copy_out_ms"] > 0 and stats["copy_in_ms"] > 0
+
+
+def _on() -> None:
+    deterministic()
+    torch.cuda.set_enabled_lms(True)
+    torch.cuda.set_recompute_lms(True)
+    _measure_bus()
+    torch.cuda.reset_accumulated_lms_stats()
+
+
+def test_dropped_storages_are_recomputed_bit_identical_and_recursively(
+    record: Callable[[str, Any], None],
+) -> None:
+    _on()
+    x, w = _small(1, 4096, 32), _small(2, 32, 4096)
+    y = x @ w  # 64 MiB, recipe: mm of two resident inputs
+    g = F.gelu(y)  # 64 MiB, recipe: gelu of y
+    want_y, want_g = y.cpu(), g.cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(y) == "dropped"
+    assert storage_state(g) == "dropped"
+    stats = torch.cuda.lms_stats()
+    assert stats["drop_count"] == 2
+    assert stats["drop_bytes"] == 2 * 64 * MiB
+    assert stats["dropped_bytes"]["current"] == 2 * 64 * MiB
+    assert stats["pageout_count"] == 0
+    # g's recompute needs y: it is recomputed first.
+    assert torch.equal(g.cpu(), want_g)
+    assert storage_state(y) != "dropped"
+    assert torch.equal(y.cpu(), want_y)
+    torch.cuda.synchronize()
+    stats = torch.cuda.lms_stats()
+    assert stats["recompute_count"] == 2
+    assert stats["recompute_bytes"] == 2 * 64 * MiB
+    assert stats["recompute_ms"] > 0
+    assert stats["dropped_bytes"]["current"] == 0
+    assert stats["pagein_count"] == 0
+    record("lms", lms_summary(stats))
+    del x, w, y, g
+    torch.cuda.synchronize()
+    assert torch.cuda.lms_stats()["dropped_bytes"]["current"] == 0
+
+
+def test_a_write_to_an_input_recomputes_its_dependents_first() -> None:
+    _on()
+    x, w = _small(3, 4096, 32), _small(4, 32, 4096)
+    y = x @ w
+    want = y.cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(y) == "dropped"
+    x.add_(1)  # y's recipe would now make something else
+    assert storage_state(y) != "dropped"
+    assert torch.cuda.lms_stats()["recompute_count"] == 1
+    assert torch.equal(y.cpu(), want)
+    # Its recipe is gone with the write: y is paged out from now on.
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(y) == "paged out"
+    assert torch.equal(y.cpu(), want)
+
+
+def test_a_write_to_the_output_invalidates_its_recipe() -> None:
+    _on()
+    x, w = _small(5, 4096, 32), _small(6, 32, 4096)
+    y = x @ w
+    y[0].mul_(2)  # through a view: the version counter is shared
+    want = y.cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(y) == "paged out"
+    assert torch.equal(y.cpu(), want)
+
+
+def test_random_and_costly_storages_are_paged_out() -> None:
+    _on()
+    big = torch.ones(1 << 24, device="cuda")
+    d = F.dropout(big, p=0.5)  # random: not on the allow-list
+    want = d.cpu()
+    # Recomputing s (16 MiB) would need all of big (64 MiB) paged in after it: dearer
+    # than paging s out and in.
+    s = big[: 1 << 22] * 3
+    want_s = s.cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(d) == "paged out"
+    assert storage_state(big) == "paged out"
+    assert storage_state(s) == "paged out"
+    assert torch.equal(d.cpu(), want)
+    assert torch.equal(s.cpu(), want_s)
+
+
+def test_recompute_off_pages_out() -> None:
+    _on()
+    torch.cuda.set_recompute_lms(False)
+    assert not torch.cuda.get_recompute_lms()
+    x, w = _small(7, 4096, 32), _small(8, 32, 4096)
+    y = x @ w
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(y) == "paged out"
+    assert torch.cuda.lms_stats()["drop_count"] == 0
+
+
+def test_autocast_replays_the_inner_operator_with_its_casted_arguments() -> None:
+    _on()
+    x = _small(9, 4096, 32).requires_grad_()
+    w = _small(10, 4096, 32).requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y = F.linear(x, w)  # bf16 32 MiB; autograd keeps the casted arguments
+    assert y.dtype == torch.bfloat16
+    want = y.detach().float().cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(y) == "dropped"
+    # Replayed outside autocast, as the inner linear it was: the same bf16 bits.
+    assert torch.equal(y.detach().float().cpu(), want)
+    y.float().sum().backward()
+    assert x.grad is not None and w.grad is not None
+
+
+class ConvMLP(torch.nn.Module):
+    """Convolutions and linear layers whose outputs recompute in far less time than the bus
+    takes to move them; batch norm and ReLU in place, whose outputs have no recipe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = [torch.nn.Conv2d(3, 64, 3, padding=1)]
+        for _ in range(6):
+            layers += [
+                torch.nn.BatchNorm2d(64),
+                torch.nn.ReLU(inplace=True),
+                torch.nn.Conv2d(64, 64, 3, padding=1),
+            ]
+        self.features = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(64 * 16 * 16, 1024),
+            torch.nn.GELU(),
+            torch.nn.Linear(1024, 10),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.features(x)
+        return self.head(F.adaptive_avg_pool2d(x, 16))
+
+
+def test_training_under_a_cap_is_bit_identical_with_recompute(
+    record: Callable[[str, Any], None],
+) -> None:
+    deterministic()
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator(device="cuda").manual_seed(500 + step)
+        images = torch.randn(64, 3, 128, 128, device="cuda", generator=g)
+        return images, torch.randint(0, 10, (64,), device="cuda", generator=g)
+
+    check_capped_training(
+        lambda: ConvMLP().cuda(),
+        batch,
+        F.cross_entropy,
+        steps=4,
+        record=record,
+        cap_share=0.5,
+        recompute=True,
+    )
