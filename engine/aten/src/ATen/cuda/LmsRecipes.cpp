@@ -266,12 +266,14 @@ struct Recipe {
 };
 
 
-std::mutex g_mutex;
-// Recipes by the DataPtr context of the allocation they make. Guarded by
-// g_mutex, as is g_dependents: for each storage that a dropped storage's
-// recipe reads, the contexts of those recipes.
-std::unordered_map<void*, std::shared_ptr<Recipe>> g_recipes;
-std::unordered_map<c10::StorageImpl*, std::vector<void*>> g_dependents;
+// Recipes by the DataPtr context of the allocation they make, and for each
+// storage that a dropped storage's recipe reads, the contexts of those
+// recipes; both guarded by g_mutex. Never destroyed: a retained recipe holds
+// tensors, whose deleters must not run after the allocator is gone at exit.
+std::mutex& g_mutex = *new std::mutex();
+auto& g_recipes = *new std::unordered_map<void*, std::shared_ptr<Recipe>>();
+auto& g_dependents =
+    *new std::unordered_map<c10::StorageImpl*, std::vector<void*>>();
 std::atomic<size_t> g_dependent_count{0};
 
 std::shared_ptr<Recipe> find(void* context) {
