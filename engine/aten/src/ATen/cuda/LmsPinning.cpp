@@ -36,10 +36,10 @@ namespace engine = c10::cuda::lms;
 thread_local int t_depth = 0;
 // engine::outOfMemoryErrorsRaised() when the outermost operator started.
 thread_local uint64_t t_oom_at_start = 0;
-// The outermost operator's arguments were captured for a recipe: the
-// operators inside it make nothing it does not (see LmsRecipes.h), so they
-// capture nothing.
-thread_local bool t_outer_captured = false;
+// The depth at which operators capture their arguments for recipes besides
+// the outermost: 2 (what autocast calls) while the outermost operator runs
+// under autocast, else none (see LmsRecipes.h).
+thread_local int t_capture_depth = 0;
 
 // One storage pinned by an operator. The inputs the callback sees are
 // destroyed right after the start callbacks run, so the storage is kept alive
@@ -264,7 +264,7 @@ std::unique_ptr<at::ObserverContext> enterNested(const at::RecordFunction& fn) {
     }
     recomputeBeforeWrites(fn, storages);
   }
-  if (t_outer_captured && !recipes::replaying()) {
+  if (t_depth != t_capture_depth) {
     return nullptr;
   }
   recipes::CapturePtr capture = recipes::capture(fn);
@@ -288,7 +288,7 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
     return enterNested(fn);
   }
   t_oom_at_start = engine::outOfMemoryErrorsRaised();
-  t_outer_captured = false;
+  t_capture_depth = recipes::autocastActive() ? 2 : 0;
   StorageList storages;
   for (const c10::IValue& input : fn.inputs()) {
     collect(input, storages);
@@ -349,7 +349,6 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   } else {
     // After the pins, so that its timing leaves out their page-ins.
     context->capture = recipes::capture(fn);
-    t_outer_captured = context->capture != nullptr;
   }
   if (context->pinned.empty() && context->on_host.empty() &&
       context->capture == nullptr) {

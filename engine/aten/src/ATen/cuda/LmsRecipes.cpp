@@ -609,6 +609,12 @@ bool replaying() {
   return t_replaying > 0;
 }
 
+bool autocastActive() {
+  return c10::impl::tls_is_dispatch_key_included(
+             c10::DispatchKey::AutocastCUDA) &&
+      !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutocastCUDA);
+}
+
 bool anyDependents() {
   return g_dependent_count.load(std::memory_order_relaxed) > 0;
 }
@@ -626,9 +632,7 @@ CapturePtr capture(const at::RecordFunction& fn) {
     return nullptr;
   }
   // Under autocast, the inner operator it calls is the recipe.
-  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::AutocastCUDA) &&
-      !c10::impl::tls_is_dispatch_key_excluded(
-          c10::DispatchKey::AutocastCUDA)) {
+  if (autocastActive()) {
     return nullptr;
   }
   const OperatorInfo& info = infoOf(*name);
@@ -712,8 +716,12 @@ void record(const at::RecordFunction& fn, Capture& capture) {
     void* context = contextOf(*storage);
     {
       std::lock_guard<std::mutex> lock(g_mutex);
-      if (!g_recipes.emplace(context, std::move(recipe)).second) {
-        continue; // an inner operator's recipe already makes it
+      auto [it, added] = g_recipes.emplace(context, recipe);
+      if (!added) {
+        if (outputHolds(*it->second) || it->second->retained) {
+          continue; // a recipe that still makes it
+        }
+        it->second = std::move(recipe);
       }
     }
     engine::setRecomputable(*storage, true);

@@ -28,9 +28,12 @@
 // * An operator that writes an input of a dropped storage's recipe first has
 //   the dropped storage recomputed, and its recipe invalidated.
 // * A storage whose recipe inputs a running operator pins is not dropped.
-// * Under autocast, the recipe is the inner operator autocast calls with its
-//   casted arguments (the outer one would replay with the autocast state of
-//   the moment of the replay).
+// * Recipes are taken at the outermost operator, whose outputs are what the
+//   program sees; operators nested deeper can run below autograd, where an
+//   in-place write does not bump the version counter. Under autocast, the
+//   recipe is the operator autocast calls with its casted arguments, one
+//   level down and still above autograd (the outer one would replay with the
+//   autocast state of the moment of the replay).
 
 #include <ATen/record_function.h>
 
@@ -72,5 +75,9 @@ void installHooks();
 // True while a recipe is being replayed on this thread: the replayed
 // operators are not operator boundaries of the schedule.
 bool replaying();
+
+// Whether autocast for CUDA is in force for the operator being dispatched:
+// its recipe is then the operator autocast calls (one level down).
+bool autocastActive();
 
 } // namespace at::cuda::lms::recipes
