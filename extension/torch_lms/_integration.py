@@ -14,10 +14,11 @@ through the LMS allocator that ``torch_lms._C`` installs in front of the caching
 * Inductor's C++ static CUDA launcher, which reads tensor addresses without
   ``Tensor.data_ptr``, is turned off so compiled kernels launch through Triton's launcher;
 * ``torch.cuda.CUDAGraph.capture_begin`` refuses to start a capture while storages of the
-  device are paged out: a page-in cannot be captured, and on a stock wheel an operator whose
-  input could not be paged in would run (RecordFunction callbacks cannot stop it). Captures
-  of ``torch.compile(mode="reduce-overhead")`` regions are let through: LMS makes their
-  inputs resident before the capture begins (``torch/cuda/lms.py``).
+  device are paged out or dropped (``set_recompute_lms``): neither a page-in nor a recompute
+  can be captured, and on a stock wheel an operator whose input could not be made resident
+  would run (RecordFunction callbacks cannot stop it). Captures of
+  ``torch.compile(mode="reduce-overhead")`` regions are let through: LMS makes their inputs
+  resident before the capture begins (``torch/cuda/lms.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ API_NAMES: tuple[str, ...] = (
     "get_graph_prefetch_lms",
     "set_host_limit_lms",
     "get_host_limit_lms",
+    "set_recompute_lms",
+    "get_recompute_lms",
     "reset_lms_schedule",
     "reclaim_inactive",
     "lms_stats",
@@ -154,14 +157,23 @@ def _guard_graph_capture(binding: ModuleType, api: ModuleType) -> None:
         if api.capturing_with_resident_inputs():
             return
         device = torch.cuda.current_device()
-        paged_out = binding._cuda_lms_stats(device)["pagedout_bytes"]["current"]
-        if paged_out > 0:
+        stats = binding._cuda_lms_stats(device)
+        paged_out = stats["pagedout_bytes"]["current"]
+        # Dropped storages (set_recompute_lms) are brought back by replaying an operator,
+        # which cannot be captured either.
+        dropped = stats["dropped_bytes"]["current"]
+        if paged_out > 0 or dropped > 0:
+            away: list[str] = []
+            if paged_out > 0:
+                away.append(f"{_mib(paged_out)} paged out to host memory")
+            if dropped > 0:
+                away.append(f"{_mib(dropped)} dropped to be recomputed")
             raise RuntimeError(
-                f"Large Model Support: {_mib(paged_out)} of tensors on cuda:{device} are "
-                "paged out to host memory, and a page-in cannot be captured into a CUDA "
-                "graph. Capture while the captured region's tensors fit on the device "
-                "(e.g. before the memory-hungry part of training, or after freeing "
-                "tensors), or capture with torch.cuda.set_enabled_lms(False)."
+                f"Large Model Support: tensors on cuda:{device} are not resident "
+                f"({', '.join(away)}), and neither a page-in nor a recompute can be "
+                "captured into a CUDA graph. Capture while the captured region's tensors "
+                "fit on the device (e.g. before the memory-hungry part of training, or after "
+                "freeing tensors), or capture with torch.cuda.set_enabled_lms(False)."
             )
 
     graph_class = torch.cuda.graphs.CUDAGraph

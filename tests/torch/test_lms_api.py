@@ -63,6 +63,11 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "copy_out_ms": 40.0,
         "copy_in_bytes": 0,
         "copy_in_ms": 0.0,
+        "drop_count": 6,
+        "drop_bytes": 6 * 4 * MiB,
+        "recompute_count": 5,
+        "recompute_bytes": 5 * 4 * MiB,
+        "recompute_ms": 2.5,
         "oom_count": 0,
         "pin_failures": 0,
         "cache_releases": 0,
@@ -73,6 +78,7 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
     }
     for gauge in ("managed_bytes", "active_bytes", "inactive_bytes", "pagedout_bytes"):
         stats[gauge] = {"current": 4 * MiB, "peak": 12 * MiB}
+    stats["dropped_bytes"] = {"current": 4 * MiB, "peak": 8 * MiB}
     stats["host_bytes"] = {"current": 16 * MiB, "peak": 16 * MiB}
     stats["over_limit_bytes"] = {"current": 0, "peak": 2 * MiB}
     stats["operator_output_bytes"] = {"current": 0, "peak": 4 * MiB}
@@ -96,6 +102,7 @@ class FakeBindings:
             "lookahead": 0,
             "budget": 0,
             "host_limit": 0,
+            "recompute": 0,
         }
         self.limits: dict[int, int] = {}
 
@@ -165,6 +172,13 @@ class FakeBindings:
 
     def _cuda_lms_getHostLimit(self) -> int:
         return self.values["host_limit"]
+
+    def _cuda_lms_setRecompute(self, enabled: bool) -> None:
+        self._record("setRecompute", enabled)
+        self.values["recompute"] = int(enabled)
+
+    def _cuda_lms_getRecompute(self) -> bool:
+        return bool(self.values["recompute"])
 
     def _cuda_lms_resetSchedule(self) -> None:
         self._record("resetSchedule")
@@ -245,6 +259,12 @@ def test_settings_reach_the_bindings(lms: ModuleType) -> None:
     assert lms.get_host_limit_lms() == 64 * 1024 * MiB
     lms.set_host_limit_lms(0)
     assert lms.get_host_limit_lms() == 0
+    assert lms.get_recompute_lms() is False  # off by default
+    lms.set_recompute_lms(True)
+    assert lms.fake.calls[-1] == ("setRecompute", (True,))
+    assert lms.get_recompute_lms() is True
+    lms.set_recompute_lms(False)
+    assert lms.get_recompute_lms() is False
     lms.reset_lms_schedule()
     assert lms.fake.calls[-1] == ("resetSchedule", ())
     assert lms.reclaim_inactive() == 8 * MiB
@@ -309,6 +329,8 @@ def test_numpy_integers_are_sizes(lms: ModuleType) -> None:
         (lambda m: m.set_prefetch_budget_lms(-1), ValueError, "budget_bytes must be >= 0"),
         (lambda m: m.set_graph_prefetch_lms(1), TypeError, "enable must be a bool, got int"),
         (lambda m: m.set_host_limit_lms(-1), ValueError, "limit_bytes must be >= 0, got -1"),
+        (lambda m: m.set_recompute_lms(1), TypeError, "enable must be a bool, got int"),
+        (lambda m: m.set_recompute_lms("True"), TypeError, "enable must be a bool, got str"),
         (lambda m: m.set_host_limit_lms(2.5e9), TypeError, "limit_bytes must be an int, got float"),
         (lambda m: m.set_host_limit_lms(True), TypeError, "limit_bytes must be an int, got bool"),
         (lambda m: m.lms_storage_state([1, 2]), TypeError, "tensor must be a torch.Tensor"),
@@ -334,6 +356,7 @@ def test_stats_keys_and_copy(lms: ModuleType) -> None:
 def test_storage_state(lms: ModuleType) -> None:
     assert lms.lms_storage_state(torch.zeros(1)) == "unmanaged"
     assert "unmanaged" in lms._STORAGE_STATES
+    assert "dropped" in lms._STORAGE_STATES
 
 
 def flat(stats: dict[str, Any], prefix: str = "lms.") -> dict[str, Any]:
@@ -355,10 +378,13 @@ def test_summary_lines_format(lms: ModuleType) -> None:
     assert "Large Model Support, limit 2048 MiB" in text
     assert " Paged out             |       3    |  12288 KiB |" in text
     assert " Pinned host memory    |  16384 KiB |  16384 KiB |" in text
+    assert " Dropped to recompute  |   4096 KiB |   8192 KiB |" in text
+    assert " Dropped (no copy)     |       6    |  24576 KiB |" in text
+    assert " Recomputed            |       5    |  20480 KiB |" in text
     assert "        Metric         | Cur Usage  | Peak Usage |" in text
     assert "Stalled: 1.2 ms" in text or "Stalled: 1.3 ms" in text
     # 2 GiB in 40 ms out; nothing timed in yet.
-    assert "Copies: out 53.7 GB/s, in none timed" in text
+    assert "Copies: out 53.7 GB/s, in none timed | Recomputing: 2.5 ms" in text
     assert "1 at limit" in text and "1 explicit" in text
     assert "Failed allocations placed by paging out a range: 1" in text
     assert "Prefetched: 4 (3 hits)" in text
@@ -599,3 +625,139 @@ def test_every_conf_key_is_parsed_listed_and_documented() -> None:
     docstring = load_lms().__doc__ or ""
     named = set(re.findall(r"``(lms[a-z_]*)``", docstring)) | {"lms"}
     assert parsed <= named, parsed - named
+
+
+def _between(text: str, start: str, end: str) -> str:
+    begin = text.index(start)
+    return text[begin : text.index(end, begin)]
+
+
+def test_stats_keys_match_the_header_and_the_bindings() -> None:
+    """Every field of the engine's LmsStats reaches the stats dict of the bindings, under its
+    own name, as a counter or a gauge as the header declares it; lms.py lists the same keys and
+    lms_stats() documents each of them."""
+    import re
+
+    root = LMS_PY.parents[3]
+    header = (root / "engine/c10/cuda/LargeModelSupport.h").read_text()
+    fields = _between(header, "struct LmsStats {", "};")
+    header_counters = set(re.findall(r"^\s*(?:int64_t|double|size_t) (\w+)", fields, re.M))
+    header_gauges = set(re.findall(r"^\s*LmsStat (\w+);", fields, re.M))
+    header_floats = set(re.findall(r"^\s*double (\w+)", fields, re.M))
+    bindings = (root / "engine/torch/csrc/cuda/LmsBindings.cpp").read_text()
+    to_dict = _between(bindings, "py::dict statsToDict(", "\n}\n")
+    entries = dict(re.findall(r'dict\["(\w+)"\] = (.*);', to_dict))
+    for key, value in entries.items():
+        assert re.search(rf"\bstats\.{key}\b", value), (key, value)
+    binding_gauges = {key for key, value in entries.items() if value.startswith("gaugeToDict(")}
+    binding_counters = set(entries) - binding_gauges
+    assert binding_counters == header_counters, binding_counters ^ header_counters
+    assert binding_gauges == header_gauges, binding_gauges ^ header_gauges
+    lms = load_lms()
+    assert set(lms._COUNTER_KEYS) == header_counters, set(lms._COUNTER_KEYS) ^ header_counters
+    assert set(lms._GAUGE_KEYS) == header_gauges, set(lms._GAUGE_KEYS) ^ header_gauges
+    assert len(lms._COUNTER_KEYS) + len(lms._GAUGE_KEYS) == len(entries)
+    stats = stats_dict()
+    assert set(stats) == set(entries)
+    assert {key for key, value in stats.items() if isinstance(value, float)} == header_floats
+    doc = lms.lms_stats.__doc__ or ""
+    undocumented = [key for key in entries if f"``{key}``" not in doc]
+    assert not undocumented, undocumented
+    floats = _between(doc, "The counters", "(floats)")
+    assert all(f"``{key}``" in floats for key in header_floats), floats
+
+
+def test_bindings_match_the_api_and_the_storage_states() -> None:
+    """The bindings lms.py calls are those LmsBindings.cpp defines (less those the drop-in
+    extension defines itself), each setting's setter and getter both; the fake bindings here
+    stand for all of them; the storage states lms.py lists are the header's."""
+    import re
+
+    root = LMS_PY.parents[3]
+    bindings = (root / "engine/torch/csrc/cuda/LmsBindings.cpp").read_text()
+    defined = set(re.findall(r'm\.def\(\s*"(_cuda_lms_\w+)"', bindings))
+    used = set(re.findall(r"\b(_cuda_lms_\w+)\b", LMS_PY.read_text()))
+    assert used <= defined, used - defined
+    for name in defined:
+        if name.startswith("_cuda_lms_set"):
+            getter = name.replace("_cuda_lms_set", "_cuda_lms_get", 1)
+            assert getter in defined, name
+            assert {name, getter} <= used, name
+    faked = {name for name in dir(FakeBindings) if name.startswith("_cuda_lms_")}
+    missing = (used - faked) - {"_cuda_lms_pinForLaunch"}  # set by the tests that use it
+    assert not missing, missing
+    header = (root / "engine/c10/cuda/LargeModelSupport.h").read_text()
+    states = _between(header, "enum class StorageState : uint8_t {", "};")
+    names = re.findall(r"^\s*([A-Z]\w*),", states, re.M)
+    spelled = {"PagedOut": "paged out"}
+    expected = tuple(spelled.get(name, name.lower()) for name in names)
+    assert load_lms()._STORAGE_STATES == expected
+
+
+def load_integration() -> ModuleType:
+    path = LMS_PY.parents[3] / "extension/torch_lms/_integration.py"
+    spec = importlib.util.spec_from_file_location("torch_lms_integration_under_test", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_extension_exports_every_setting() -> None:
+    """The drop-in extension puts each setter and getter of lms.py into torch.cuda."""
+    integration = load_integration()
+    settings = {name for name in load_lms().__all__ if name.startswith(("set_", "get_"))}
+    assert settings <= set(integration.API_NAMES), settings - set(integration.API_NAMES)
+    assert {"set_recompute_lms", "get_recompute_lms"} <= set(integration.API_NAMES)
+
+
+def test_every_conf_key_the_header_documents_is_named_in_the_docstring() -> None:
+    """lms.py's docstring names every PYTORCH_CUDA_ALLOC_CONF key of the header."""
+    import re
+
+    header = (LMS_PY.parents[3] / "engine/c10/cuda/LargeModelSupport.h").read_text()
+    documented = set(re.findall(r"^//\s+(lms[a-z_]*):", header, re.M))
+    assert "lms_recompute" in documented
+    named = set(re.findall(r"``(lms[a-z_]*)``", load_lms().__doc__ or "")) | {"lms"}
+    assert documented <= named, documented - named
+
+
+@pytest.mark.parametrize(
+    ("paged_out", "dropped", "message"),
+    [
+        (0, 0, None),
+        (4 * MiB, 0, r"\(4\.0 MiB paged out to host memory\)"),
+        (0, 8 * MiB, r"\(8\.0 MiB dropped to be recomputed\)"),
+        (4 * MiB, 8 * MiB, r"4\.0 MiB paged out to host memory, 8\.0 MiB dropped"),
+    ],
+)
+def test_extension_refuses_a_capture_while_storages_are_paged_out_or_dropped(
+    monkeypatch: pytest.MonkeyPatch, paged_out: int, dropped: int, message: str | None
+) -> None:
+    """The drop-in extension's guard of CUDA graph captures: a page-in or a recompute cannot
+    be captured, so a capture waits until nothing of the device is paged out or dropped."""
+    integration = load_integration()
+    fake = FakeBindings()
+    fake.enabled = True
+    stats = stats_dict()
+    stats["pagedout_bytes"] = {"current": paged_out, "peak": paged_out}
+    stats["dropped_bytes"] = {"current": dropped, "peak": dropped}
+    fake._cuda_lms_stats = lambda device: stats  # type: ignore[method-assign]
+    api = ModuleType("lms_api")
+    api.capturing_with_resident_inputs = lambda: False  # type: ignore[attr-defined]
+    begun: list[str] = []
+    monkeypatch.setattr(
+        torch.cuda.graphs.CUDAGraph, "capture_begin", lambda self: begun.append("begin")
+    )
+    monkeypatch.setattr(torch.cuda.graphs.graph, "__enter__", lambda self: begun.append("enter"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    integration._guard_graph_capture(fake, api)
+    if message is None:
+        torch.cuda.graphs.CUDAGraph.capture_begin(object())
+        assert begun == ["begin"]
+        return
+    with pytest.raises(RuntimeError, match=message):
+        torch.cuda.graphs.CUDAGraph.capture_begin(object())
+    with pytest.raises(RuntimeError, match="neither a page-in nor a recompute can be captured"):
+        torch.cuda.graphs.graph.__enter__(object())
+    assert begun == []

@@ -10,7 +10,7 @@ Enable LMS before the tensors it should manage are created, with
 :func:`set_enabled_lms` or ``PYTORCH_CUDA_ALLOC_CONF=lms:True`` (further keys:
 ``lms_limit_mb``, ``lms_size_mb``, ``lms_prefetch``, ``lms_speculative_mb``,
 ``lms_schedule``, ``lms_lookahead``, ``lms_prefetch_budget_mb``,
-``lms_graph_prefetch``, ``lms_host_limit_mb``).
+``lms_graph_prefetch``, ``lms_host_limit_mb``, ``lms_recompute``).
 
 Host memory, where storages are paged out to, has a budget shared by the LMS
 processes of the host (see :func:`set_host_limit_lms`): a page-out that would
@@ -70,6 +70,7 @@ __all__ = [
     "get_lookahead_lms",
     "get_prefetch_budget_lms",
     "get_prefetch_lms",
+    "get_recompute_lms",
     "get_schedule_lms",
     "get_size_lms",
     "get_speculative_lms",
@@ -86,6 +87,7 @@ __all__ = [
     "set_lookahead_lms",
     "set_prefetch_budget_lms",
     "set_prefetch_lms",
+    "set_recompute_lms",
     "set_schedule_lms",
     "set_size_lms",
     "set_speculative_lms",
@@ -132,6 +134,11 @@ _COUNTER_KEYS = (
     "copy_out_ms",
     "copy_in_bytes",
     "copy_in_ms",
+    "drop_count",
+    "drop_bytes",
+    "recompute_count",
+    "recompute_bytes",
+    "recompute_ms",
     "oom_count",
     "pin_failures",
     "cache_releases",
@@ -145,12 +152,13 @@ _GAUGE_KEYS = (
     "active_bytes",
     "inactive_bytes",
     "pagedout_bytes",
+    "dropped_bytes",
     "host_bytes",
     "over_limit_bytes",
     "operator_output_bytes",
     "private_pool_bytes",
 )
-_STORAGE_STATES = ("unmanaged", "allocated", "active", "inactive", "paged out")
+_STORAGE_STATES = ("unmanaged", "allocated", "active", "inactive", "paged out", "dropped")
 
 _INT_MAX = 2**31 - 1
 _MISSING_BINDINGS = (
@@ -748,6 +756,51 @@ def get_host_limit_lms() -> int:
     return int(_lms_bindings()._cuda_lms_getHostLimit())
 
 
+def set_recompute_lms(enable: bool) -> None:
+    r"""Enable or disable recomputing instead of paging (disabled by default).
+
+    Operator-boundary pinning records, for each output of an operator on an
+    allow-list of pure, deterministic operators, a recipe: the operator and
+    its inputs. With this on, LMS decides per storage when it picks a victim:
+    a storage with a recipe is dropped instead of paged out when recomputing
+    it costs less than paging it, that is, when its producing operator's
+    measured duration (plus bringing back those of its inputs that are not
+    resident) is less than moving the storage over the bus both ways at the
+    copy bandwidth measured on the device. A dropped storage has no copy
+    anywhere (:func:`lms_storage_state` says ``"dropped"``); the inputs of its
+    recipe are kept alive, and LMS may page them out like any other storage.
+    When an operator needs the storage, LMS recomputes it by replaying its
+    producing operator on those inputs. The recomputed contents are
+    bit-identical to the dropped ones. ``PYTORCH_CUDA_ALLOC_CONF=lms_recompute:True``
+    turns it on too. ``lms_stats()`` reports ``drop_count``, ``drop_bytes``,
+    ``recompute_count``, ``recompute_bytes``, ``recompute_ms`` and the gauge
+    ``dropped_bytes``.
+
+    A recipe follows the version counters of its tensors: an in-place write
+    to an input or to the output (an in-place operator on the tensor or on a
+    view of it) invalidates it, and the storage is paged out like any other.
+    An in-place write through another tensor object that bypasses version
+    counters (``.data``) is not seen, and a recompute after it reads the
+    changed inputs: the same contract autograd's saved tensors have.
+
+    Args:
+        enable (bool): ``True`` to drop and recompute where it is cheaper than
+            paging, ``False`` to page out every victim.
+    """
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
+    _lms_bindings()._cuda_lms_setRecompute(enable)
+
+
+def get_recompute_lms() -> bool:
+    r"""Return whether LMS recomputes instead of paging (see :func:`set_recompute_lms`).
+
+    Returns:
+        bool: ``True`` if victims with a recipe may be dropped and recomputed.
+    """
+    return bool(_lms_bindings()._cuda_lms_getRecompute())
+
+
 def reset_lms_schedule() -> None:
     r"""Forget the learned swap schedule.
 
@@ -777,8 +830,8 @@ def reclaim_inactive(device: _DeviceArg = None) -> int:
 def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     r"""Return the Large Model Support statistics of a device.
 
-    The counters are ints except ``stall_ms``, ``copy_out_ms`` and ``copy_in_ms``
-    (floats):
+    The counters are ints except ``stall_ms``, ``copy_out_ms``, ``copy_in_ms``
+    and ``recompute_ms`` (floats):
 
     - ``pageout_count``, ``pageout_bytes``, ``pagein_count``, ``pagein_bytes``:
       copies to and from host memory.
@@ -822,6 +875,11 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       bytes and the milliseconds they took. Bytes over milliseconds is the
       bandwidth paging gets on this machine (what a storage costs to page out
       and back in); copies still running are not counted yet.
+    - Recompute instead of paging (see :func:`set_recompute_lms`):
+      ``drop_count`` and ``drop_bytes`` (victims dropped instead of paged out),
+      ``recompute_count`` and ``recompute_bytes`` (dropped storages recomputed,
+      one operator replayed each) and ``recompute_ms`` (the device time the
+      replays took, timed on their streams).
     - ``oom_count``: LMS out-of-memory errors raised.
     - ``pin_failures``: operators whose inputs could not all be made resident
       (each raised :class:`torch.OutOfMemoryError` at its first allocation, or,
@@ -840,7 +898,8 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       and ``host_refusals`` (pinned allocations the budget refused).
 
     The gauges ``managed_bytes``, ``active_bytes``, ``inactive_bytes``,
-    ``pagedout_bytes``, ``host_bytes`` (pinned host memory LMS holds,
+    ``pagedout_bytes``, ``dropped_bytes`` (dropped storages, whose contents
+    are to be recomputed), ``host_bytes`` (pinned host memory LMS holds,
     process-wide), ``over_limit_bytes`` (bytes allocated beyond the limit
     after an allocation's reclaim: pinned by running operators or not
     reclaimable), ``operator_output_bytes`` (allocated by running operators
@@ -878,7 +937,7 @@ def reset_peak_lms_stats(device: _DeviceArg = None) -> None:
 
 
 def reset_accumulated_lms_stats(device: _DeviceArg = None) -> None:
-    r"""Reset the LMS counters (copies, reclaims, allocations, prefetch, stall time, OOMs).
+    r"""Reset the LMS counters (copies, drops, reclaims, allocations, prefetch, stall time, OOMs).
 
     With LMS built in, :func:`~torch.cuda.reset_accumulated_memory_stats` does
     this too.
@@ -900,8 +959,10 @@ def lms_storage_state(tensor: torch.Tensor) -> str:
     Returns:
         str: one of ``"unmanaged"`` (LMS does not manage it), ``"allocated"``
         (resident, not yet used by an operator), ``"active"`` (in use by a
-        running operator), ``"inactive"`` (resident and reclaimable) or
-        ``"paged out"`` (its contents are in host memory).
+        running operator), ``"inactive"`` (resident and reclaimable),
+        ``"paged out"`` (its contents are in host memory) or ``"dropped"``
+        (no copy anywhere: recomputed when an operator needs it, see
+        :func:`set_recompute_lms`).
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -1006,6 +1067,7 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
         ("active_bytes", "Pinned by operators"),
         ("inactive_bytes", "Reclaimable memory"),
         ("pagedout_bytes", "Paged out to host"),
+        ("dropped_bytes", "Dropped to recompute"),
         ("host_bytes", "Pinned host memory"),
         ("over_limit_bytes", "Over the limit"),
         ("operator_output_bytes", "Held by running ops"),
@@ -1030,6 +1092,20 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
             _format_size(counters["pagein_bytes"]),
         )
     )
+    lines.append(
+        row(
+            "Dropped (no copy)",
+            _format_count(counters["drop_count"]),
+            _format_size(counters["drop_bytes"]),
+        )
+    )
+    lines.append(
+        row(
+            "Recomputed",
+            _format_count(counters["recompute_count"]),
+            _format_size(counters["recompute_bytes"]),
+        )
+    )
     lines.append("-" * _WIDTH)
     lines.append(
         f" Reclaims: {counters['reclaim_limit']} at limit, "
@@ -1052,7 +1128,8 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
     )
     lines.append(
         f" Copies: out {_bandwidth(counters['copy_out_bytes'], counters['copy_out_ms'])}, "
-        f"in {_bandwidth(counters['copy_in_bytes'], counters['copy_in_ms'])}".ljust(_WIDTH)
+        f"in {_bandwidth(counters['copy_in_bytes'], counters['copy_in_ms'])} | "
+        f"Recomputing: {float(counters['recompute_ms']):.1f} ms".ljust(_WIDTH)
     )
     period = int(counters["schedule_period"])
     schedule = f"period {period} ops" if counters["schedule_active"] else "inactive"

@@ -199,6 +199,14 @@ int64_t getHostLimit() {
   return asInt(engine::getHostLimit());
 }
 
+void setRecompute(bool enabled) {
+  engine::setRecomputeEnabled(enabled);
+}
+
+bool getRecompute() {
+  return engine::isRecomputeEnabled();
+}
+
 } // namespace
 
 // The Python layer (torch/cuda/lms.py) validates arguments with friendlier
@@ -264,6 +272,11 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["copy_out_ms"] = stats.copy_out_ms;
   dict["copy_in_bytes"] = stats.copy_in_bytes;
   dict["copy_in_ms"] = stats.copy_in_ms;
+  dict["drop_count"] = stats.drop_count;
+  dict["drop_bytes"] = stats.drop_bytes;
+  dict["recompute_count"] = stats.recompute_count;
+  dict["recompute_bytes"] = stats.recompute_bytes;
+  dict["recompute_ms"] = stats.recompute_ms;
   dict["oom_count"] = stats.oom_count;
   dict["pin_failures"] = stats.pin_failures;
   dict["cache_releases"] = stats.cache_releases;
@@ -275,6 +288,7 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["active_bytes"] = gaugeToDict(stats.active_bytes);
   dict["inactive_bytes"] = gaugeToDict(stats.inactive_bytes);
   dict["pagedout_bytes"] = gaugeToDict(stats.pagedout_bytes);
+  dict["dropped_bytes"] = gaugeToDict(stats.dropped_bytes);
   dict["host_bytes"] = gaugeToDict(stats.host_bytes);
   dict["over_limit_bytes"] = gaugeToDict(stats.over_limit_bytes);
   dict["operator_output_bytes"] = gaugeToDict(stats.operator_output_bytes);
@@ -340,6 +354,8 @@ void initLmsBindings(PyObject* module) {
       torch::wrap_pybind_function(&getGraphPrefetch));
   m.def("_cuda_lms_setHostLimit", torch::wrap_pybind_function(&setHostLimit));
   m.def("_cuda_lms_getHostLimit", torch::wrap_pybind_function(&getHostLimit));
+  m.def("_cuda_lms_setRecompute", torch::wrap_pybind_function(&setRecompute));
+  m.def("_cuda_lms_getRecompute", torch::wrap_pybind_function(&getRecompute));
 }
 
 } // namespace torch::cuda::lms

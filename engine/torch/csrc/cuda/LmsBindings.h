@@ -11,8 +11,9 @@
 
 namespace torch::cuda::lms {
 
-// LMS statistics of one device as a dict: counters as ints, "stall_ms" as a
-// float, each gauge as {"current": int, "peak": int}. torch._C's
+// LMS statistics of one device as a dict: counters as ints, the times in
+// milliseconds ("stall_ms", "copy_out_ms", "copy_in_ms", "recompute_ms") as
+// floats, each gauge as {"current": int, "peak": int}. torch._C's
 // _cuda_memoryStats() nests it under "lms", so torch.cuda.memory_stats()
 // reports "lms.pageout_bytes", "lms.host_bytes.current", ...
 pybind11::dict statsToDict(const c10::cuda::lms::LmsStats& stats);
