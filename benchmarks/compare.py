@@ -10,7 +10,10 @@ For one model group (``--model resnet152|vit_l|gpt``) it measures, in this order
 3. ``lms_fits`` and ``baseline_repeat``: LMS on with everything fitting (uncapped), then LMS
    off again, for LMS's overhead when nothing is paged;
 4. for each oversubscription factor f (default 1.5, 2, 4), under the cap P/f
-   (``torch.cuda.set_per_process_memory_fraction``), at batch B: ``lms``,
+   (``torch.cuda.set_per_process_memory_fraction``), at batch B, the methods of ``--methods``:
+   ``lms``, ``lms_hybrid`` (``lms`` with ``torch.cuda.set_recompute_lms(True)``: a victim is
+   dropped and recomputed instead of paged out where replaying its operator is cheaper than
+   copying it out and back), ``lms_reactive`` (the learned schedule off), ``offload``,
    ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``) and
    ``checkpoint`` (``torch.utils.checkpoint`` around every block);
 5. for each factor, while the search budget lasts: the largest batch that trains without
@@ -19,7 +22,9 @@ For one model group (``--model resnet152|vit_l|gpt``) it measures, in this order
    error cannot poison the next one).
 
 Every row gets throughput, bytes moved each way per iteration (LMS statistics for LMS, the
-saved tensors' bytes through pack/unpack hooks for save_on_cpu, 0 for checkpointing) and
+saved tensors' bytes through pack/unpack hooks for save_on_cpu, 0 for checkpointing; LMS rows
+of a build that can recompute also the bytes dropped and recomputed and the replays' device
+time per iteration) and
 its efficiency against the roofline ``max(B x uncapped time per sample, copy time)``, where
 the copy time of ``out`` bytes to and ``in`` bytes from the host is
 ``max(out / D2H, in / H2D, (out + in) / bidirectional)`` at the bandwidths measured in this
@@ -40,10 +45,10 @@ all (no memory fraction is set anywhere). The uncapped LMS-off baseline at a bat
 (and, with ``--linearity-check``, a second batch) gives a linear memory model, peak = S + a x
 batch; the device limit D is the memory free when the run starts (``torch.cuda.mem_get_info``);
 each factor f (default 1.25, 1.5, 2) trains at the batch B_f = floor((f x D - S) / a), whose
-need S + B_f x a (an estimate) exceeds D by the deficit. ``lms``, ``offload``, ``save_on_cpu``
-and ``checkpoint`` train there uncapped, against the same rooflines, with the compute time
-extrapolated from the fitting run. It writes nocap-MODEL.csv, -goals.csv, .json and .png, and
-compares LMS's efficiency with the capped results at the same deficit over limit
+need S + B_f x a (an estimate) exceeds D by the deficit. ``lms``, ``lms_hybrid``, ``offload``,
+``save_on_cpu`` and ``checkpoint`` train there uncapped, against the same rooflines, with the
+compute time extrapolated from the fitting run. It writes nocap-MODEL.csv, -goals.csv, .json
+and .png, and compares LMS's efficiency with the capped results at the same deficit over limit
 (``--capped-results``).
 
 ``--rescore FOLDER`` needs no GPU: it recomputes the goals of the runs recorded in FOLDER's
@@ -109,11 +114,19 @@ from harness import (  # noqa: E402
 
 MODELS = ("resnet152", "vit_l", "gpt")
 REGIMES = ("capped", "nocap")
-CAPPED_METHODS = ("lms", "lms_reactive", "offload", "save_on_cpu", "checkpoint", "no_lms")
+CAPPED_METHODS = (
+    "lms",
+    "lms_hybrid",
+    "lms_reactive",
+    "offload",
+    "save_on_cpu",
+    "checkpoint",
+    "no_lms",
+)
 # Methods measured at batch B under every cap (no_lms is measured at its own largest batch).
-PEER_METHODS = ("lms", "lms_reactive", "offload", "save_on_cpu", "checkpoint")
+PEER_METHODS = ("lms", "lms_hybrid", "lms_reactive", "offload", "save_on_cpu", "checkpoint")
 # Rows --profile-iterations profiles: the ones that move memory.
-PROFILED_METHODS = ("lms", "lms_reactive", "offload", "save_on_cpu")
+PROFILED_METHODS = ("lms", "lms_hybrid", "lms_reactive", "offload", "save_on_cpu")
 # The goals. Each target is set here only: the goal rows, the chart's goal line and the
 # --help text (goals_help) all read it.
 # LMS time against the deficit roofline (Measurement.deficit_efficiency), at every factor.
@@ -151,8 +164,15 @@ NOCAP_OUT_VS_DEFICIT_TARGET = f"<= {NOCAP_OUT_VS_DEFICIT_GOAL:.2f}x"
 NOCAP_VS_CAPPED_TARGET = f">= {NOCAP_VS_CAPPED_GOAL:.2f}x capped"
 
 # Per-regime defaults of the options whose parser default is None.
-NOCAP_METHODS = ("lms", "offload", "save_on_cpu", "checkpoint")
-LMS_METHODS = ("lms", "lms_reactive")
+NOCAP_METHODS = ("lms", "lms_hybrid", "offload", "save_on_cpu", "checkpoint")
+# The methods that train with LMS on: lms (the defaults, learned schedule), lms_hybrid (the same
+# with recompute instead of paging where that is cheaper: torch.cuda.set_recompute_lms) and
+# lms_reactive (the learned schedule off).
+LMS_METHODS = ("lms", "lms_hybrid", "lms_reactive")
+# LMS methods with recompute on (every other LMS row runs with it off).
+RECOMPUTE_METHODS = ("lms_hybrid",)
+# LMS methods with the learned swap schedule off.
+REACTIVE_METHODS = ("lms_reactive",)
 REGIME_DEFAULTS: dict[str, dict[str, Any]] = {
     "capped": {
         "factors": [1.5, 2.0, 4.0, 8.0],
@@ -340,6 +360,16 @@ class Measurement:
     # by the linear memory model, and the device limit D; deficit_bytes = need - limit.
     need_bytes: int | None = None
     limit_bytes: int | None = None
+    # Recompute (LMS rows of a build whose statistics have it; lms_hybrid turns it on): per
+    # timed iteration, victims dropped instead of paged out and dropped storages recomputed
+    # (count and bytes), and the device time of the replays; the peak of the bytes held
+    # dropped over the row. None where the statistics have no recompute keys.
+    drop_count_per_iter: float | None = None
+    drop_bytes_per_iter: float | None = None
+    recompute_count_per_iter: float | None = None
+    recompute_bytes_per_iter: float | None = None
+    recompute_ms_per_iter: float | None = None
+    dropped_peak_bytes: int | None = None
 
     def finish_timing(self) -> None:
         if self.iteration_times:
@@ -812,7 +842,8 @@ def nocap_host_bytes(
     method: str, plan: NocapPlan, per_sample_bytes: float, saved_per_sample: float | None = None
 ) -> int:
     """The pinned host memory a no-cap row is estimated to need: LMS about the deficit plus
-    the device share it keeps free; offload and save_on_cpu every saved tensor, B x the bytes
+    the device share it keeps free (every LMS method: lms_hybrid holds no more than lms, what
+    it drops needs no host copy); offload and save_on_cpu every saved tensor, B x the bytes
     autograd saves per sample (``saved_per_sample``, measured) or B x a where that is larger
     or not measured (saved tensors can add up to more than the peak); checkpointing none."""
     if method in LMS_METHODS:
@@ -849,7 +880,9 @@ def nocap_row_estimate(
     saved_per_sample: float | None = None,
 ) -> float:
     """estimate_row_seconds of ``method`` at ``plan``'s batch (slowdown 1): LMS moves its host
-    estimate each way, offload and save_on_cpu every saved tensor, checkpointing recomputes."""
+    estimate each way, offload and save_on_cpu every saved tensor, checkpointing recomputes.
+    lms_hybrid gets lms's estimate, a bound: it moves at most what lms moves, and drops a
+    victim only where replaying its operator takes less than the copies it saves."""
     compute = compute_s_per_sample * plan.batch
     host = nocap_host_bytes(method, plan, per_sample_bytes, saved_per_sample)
     if method == "checkpoint":
@@ -1070,6 +1103,15 @@ MEASUREMENT_COLUMNS = (
     "oom_retries",
     "detail",
 )
+# LMS's recompute per iteration (Measurement.drop_bytes_per_iter, recompute_bytes_per_iter,
+# recompute_ms_per_iter): columns of every CSV written since lms_hybrid. Not part of
+# MEASUREMENT_COLUMNS, which readers of the committed compare-MODEL.csv files require
+# (summarize.py): files written before have none of them.
+RECOMPUTE_COLUMNS = ("drop_gib_per_iter", "recompute_gib_per_iter", "recompute_ms_per_iter")
+# The columns of compare-MODEL.csv as written: MEASUREMENT_COLUMNS with the recompute columns
+# before the detail.
+assert MEASUREMENT_COLUMNS[-1] == "detail"
+CAPPED_CSV_COLUMNS = (*MEASUREMENT_COLUMNS[:-1], *RECOMPUTE_COLUMNS, "detail")
 GOAL_COLUMNS = ("model", "goal", "factor", "value", "target", "met", "gap", "note")
 # The no-cap CSV (nocap-MODEL.csv): the rows' batch, estimated need, device limit and deficit,
 # the first step apart, host memory and the allocator's retries; no caps, no batch searches.
@@ -1089,6 +1131,7 @@ NOCAP_MEASUREMENT_COLUMNS = (
     "in_gib_per_iter",
     "out_vs_deficit",
     "stall_ms_per_iter",
+    *RECOMPUTE_COLUMNS,
     "lms_schedule",
     "peak_allocated_gib",
     "host_pinned_peak_gib",
@@ -1165,9 +1208,24 @@ def _ms(value: float | None) -> str:
     return _num(None if value is None else value * 1000, ".2f")
 
 
+def recompute_record(m: Measurement) -> dict[str, str]:
+    """The recompute columns of ``m`` (RECOMPUTE_COLUMNS; empty where not recorded)."""
+    return {
+        "drop_gib_per_iter": _gib(m.drop_bytes_per_iter),
+        "recompute_gib_per_iter": _gib(m.recompute_bytes_per_iter),
+        "recompute_ms_per_iter": _num(m.recompute_ms_per_iter, ".2f"),
+    }
+
+
+def capped_measurement_record(m: Measurement) -> dict[str, str]:
+    """The row of compare-MODEL.csv as written (CAPPED_CSV_COLUMNS)."""
+    merged = {**measurement_record(m), **recompute_record(m)}
+    return {k: merged[k] for k in CAPPED_CSV_COLUMNS}
+
+
 def nocap_measurement_record(m: Measurement) -> dict[str, str]:
     """The row of nocap-MODEL.csv (NOCAP_MEASUREMENT_COLUMNS)."""
-    base = measurement_record(m)
+    base = {**measurement_record(m), **recompute_record(m)}
     extra = {
         "need_gib": _gib(m.need_bytes),
         "limit_gib": _gib(m.limit_bytes),
@@ -1197,6 +1255,35 @@ def goal_record(model: str, g: Goal) -> dict[str, str]:
 
 def _fmt_factor(text: str) -> str:
     return f"{text}x" if text else "uncapped"
+
+
+# The tables' column of LMS's recompute, beside the bytes moved: shown where a row recorded it.
+RECOMPUTE_HEADER = "GiB dropped / recomputed, recompute ms per iter"
+
+
+def recompute_cell(r: dict[str, str]) -> str:
+    """A row's recompute per iteration for the tables (RECOMPUTE_HEADER): bytes dropped /
+    bytes recomputed, and the replays' device time; empty where the row recorded none (rows
+    without LMS, builds without recompute, records written before it)."""
+    drop, again, ms = (r.get(k, "") for k in RECOMPUTE_COLUMNS)
+    if not (drop or again or ms):
+        return ""
+    return f"{drop or '0'} / {again or '0'}, {ms or '0'} ms"
+
+
+def _with_recompute(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], records: Sequence[dict[str, str]]
+) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """``headers`` and ``rows`` with the recompute column after the bytes moved, where any of
+    ``records`` (the rows' records, in order) has a recompute figure; unchanged otherwise."""
+    cells = [recompute_cell(r) for r in records]
+    if not any(cells):
+        return tuple(headers), [tuple(row) for row in rows]
+    at = list(headers).index("GiB out/in per iter") + 1
+    return (
+        (*headers[:at], RECOMPUTE_HEADER, *headers[at:]),
+        [(*row[:at], cell, *row[at:]) for row, cell in zip(rows, cells)],
+    )
 
 
 def measurements_markdown(records: Sequence[dict[str, str]]) -> str:
@@ -1244,7 +1331,7 @@ def measurements_markdown(records: Sequence[dict[str, str]]) -> str:
                 status,
             )
         )
-    return markdown_table(headers, rows)
+    return markdown_table(*_with_recompute(headers, rows, records))
 
 
 def nocap_measurements_markdown(records: Sequence[dict[str, str]]) -> str:
@@ -1295,7 +1382,7 @@ def nocap_measurements_markdown(records: Sequence[dict[str, str]]) -> str:
                 status,
             )
         )
-    return markdown_table(headers, rows)
+    return markdown_table(*_with_recompute(headers, rows, records))
 
 
 def goals_markdown(records: Sequence[dict[str, str]]) -> str:
@@ -1732,7 +1819,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_methods,
         default=None,
         help="methods measured under each cap or at each nocap batch (comma-separated; split "
-        f"a run across calls with it): {', '.join(PEER_METHODS)} " + _regime_default("methods"),
+        f"a run across calls with it): {', '.join(PEER_METHODS)}. lms_hybrid is lms with "
+        "recompute on (torch.cuda.set_recompute_lms(True)): a victim is dropped and recomputed "
+        "instead of paged out where replaying its operator is cheaper than copying it out and "
+        "back; the other LMS rows run with recompute off. An LMS without set_recompute_lms "
+        "ends the run with an error where lms_hybrid is named here, and leaves it out of the "
+        "default methods " + _regime_default("methods"),
     )
     parser.add_argument(
         "--overhead",
@@ -1964,6 +2056,96 @@ def lms_settings(args: argparse.Namespace, cap: int | None, schedule: bool = Tru
     )
 
 
+def method_lms_settings(
+    args: argparse.Namespace, method: str, cap: int | None
+) -> LmsSettings | None:
+    """The LMS settings of a row of ``method`` under ``cap`` (None: uncapped), or None where
+    the method trains without LMS. Every LMS method has lms's settings, the learned schedule
+    off for REACTIVE_METHODS; recompute is set apart (set_recompute, in train_measure)."""
+    if method not in LMS_METHODS:
+        return None
+    return lms_settings(args, cap, schedule=method not in REACTIVE_METHODS)
+
+
+class RecomputeUnavailable(RuntimeError):
+    """lms_hybrid was asked for and this LMS build cannot recompute (no set_recompute_lms)."""
+
+
+def recompute_unavailable_reason(cuda: Any) -> str:
+    """Why ``cuda`` (``torch.cuda``, after ensure_lms_api: the extension adds its functions on
+    import) cannot run lms_hybrid, or "" where it can."""
+    if callable(getattr(cuda, "set_recompute_lms", None)):
+        return ""
+    return (
+        "lms_hybrid needs torch.cuda.set_recompute_lms (LMS's recompute instead of paging), "
+        "which this PyTorch and its LMS (torch_lms extension or patched build) do not have: "
+        "build them from a checkout that has it, or leave lms_hybrid out of --methods"
+    )
+
+
+def set_recompute(cuda: Any, enabled: bool) -> Callable[[], None]:
+    """Turns LMS's recompute (``cuda.set_recompute_lms``) on or off for a row and returns what
+    puts back the setting in force before (``get_recompute_lms`` where the build has it,
+    else off: its default). A build without recompute: off is what it does anyway (nothing is
+    set, nothing to put back); on raises RecomputeUnavailable with the reason."""
+    setter = getattr(cuda, "set_recompute_lms", None)
+    if not callable(setter):
+        if enabled:
+            raise RecomputeUnavailable(recompute_unavailable_reason(cuda))
+        return lambda: None
+    getter = getattr(cuda, "get_recompute_lms", None)
+    previous = bool(getter()) if callable(getter) else False
+    setter(enabled)
+    return lambda: setter(previous)
+
+
+def check_recompute(
+    args: argparse.Namespace,
+    backend: str,
+    cuda: Any,
+    methods_given: bool,
+    log: Callable[[str], None] = print,
+) -> str:
+    """Where ``args.methods`` has lms_hybrid (RECOMPUTE_METHODS), LMS is there (``backend``)
+    and ``cuda`` cannot recompute: the error to end the run with where the methods were given
+    (``--methods``); where they are the regime's default, the recompute methods are left out
+    of ``args.methods`` with a note (``log``) instead. "" otherwise (without LMS the LMS rows
+    are skipped with that reason)."""
+    asked = [m for m in args.methods if m in RECOMPUTE_METHODS]
+    reason = recompute_unavailable_reason(cuda) if asked and backend else ""
+    if not reason:
+        return ""
+    if methods_given:
+        return reason
+    args.methods = tuple(m for m in args.methods if m not in RECOMPUTE_METHODS)
+    log(f"== {', '.join(asked)} left out of the default methods: {reason}")
+    return ""
+
+
+def record_recompute(
+    m: Measurement, before: dict[str, Any], after: dict[str, Any], iterations: int
+) -> None:
+    """Fills ``m``'s recompute figures from LMS statistics ``before`` and ``after`` its timed
+    ``iterations``, as the page-out figures are: drops and recomputes (count, bytes) and the
+    replays' milliseconds per iteration, and the peak of the ``dropped_bytes`` gauge (reset
+    with the other peaks when the row's LMS was applied). Statistics without ``drop_bytes``
+    (a build without recompute) leave them None."""
+    if "drop_bytes" not in after:
+        return
+
+    def per_iteration(key: str) -> float:
+        return (after.get(key, 0) - before.get(key, 0)) / iterations
+
+    m.drop_count_per_iter = per_iteration("drop_count")
+    m.drop_bytes_per_iter = per_iteration("drop_bytes")
+    m.recompute_count_per_iter = per_iteration("recompute_count")
+    m.recompute_bytes_per_iter = per_iteration("recompute_bytes")
+    m.recompute_ms_per_iter = per_iteration("recompute_ms")
+    gauge = after.get("dropped_bytes")
+    if isinstance(gauge, dict) and "peak" in gauge:
+        m.dropped_peak_bytes = int(gauge["peak"])
+
+
 # ---------------------------------------------------------------------------------------
 # GPU work
 # ---------------------------------------------------------------------------------------
@@ -2035,7 +2217,11 @@ def train_measure(
     log: Callable[[str], None] = print,
 ) -> Measurement:
     """Trains ``workload`` fresh under ``m``'s cap and method; fills ``m`` (never raises for
-    out-of-memory or other training errors: they become the row's status)."""
+    out-of-memory or other training errors: they become the row's status).
+
+    With ``lms``, LMS's recompute is turned on for RECOMPUTE_METHODS (lms_hybrid) and off for
+    every other LMS row before LMS is applied and the model built, and put back as it was
+    after LMS is off again (rows share a process)."""
     import models
     import torch
     from _lms_setup import (
@@ -2065,6 +2251,7 @@ def train_measure(
             m.detail = "torchtune.training.OffloadActivations"
     model: Any = None
     optimizer: Any = None
+    restore_recompute: Callable[[], None] | None = None
     retries_left = args.oom_retries if lms is not None else 0
     settle()
     if nocap:
@@ -2078,6 +2265,7 @@ def train_measure(
     try:
         with memory_cap(m.cap_bytes):
             if lms is not None:
+                restore_recompute = set_recompute(torch.cuda, m.method in RECOMPUTE_METHODS)
                 apply_lms(lms)
             with device:
                 model = workload.build()
@@ -2155,6 +2343,7 @@ def train_measure(
             m.out_bytes_per_iter = (after["pageout_bytes"] - before["pageout_bytes"]) / iterations
             m.in_bytes_per_iter = (after["pagein_bytes"] - before["pagein_bytes"]) / iterations
             m.stall_ms_per_iter = (after["stall_ms"] - before["stall_ms"]) / iterations
+            record_recompute(m, before, after, iterations)
             ahead_gib = (
                 (after.get("peak_pageout_bytes", 0) - before.get("peak_pageout_bytes", 0))
                 / iterations
@@ -2209,6 +2398,8 @@ def train_measure(
         if lms is not None:
             apply_lms(LmsSettings(enabled=False))
             settle()
+        if restore_recompute is not None:
+            restore_recompute()
         if nocap:
             release_pinned_host_cache()
         # Rows share a process: memory a row leaves allocated (seen after a failed row)
@@ -2325,6 +2516,12 @@ def describe(m: Measurement) -> str:
         )
     if m.stall_ms_per_iter:
         parts.append(f"stall {m.stall_ms_per_iter:.1f} ms/iter")
+    if m.drop_bytes_per_iter or m.recompute_bytes_per_iter:
+        parts.append(
+            f"dropped {(m.drop_bytes_per_iter or 0) / GiB:.2f} / recomputed "
+            f"{(m.recompute_bytes_per_iter or 0) / GiB:.2f} GiB, recompute "
+            f"{m.recompute_ms_per_iter or 0:.1f} ms per iter"
+        )
     if m.peak_allocated_bytes is not None:
         parts.append(f"peak {m.peak_allocated_bytes / GiB:.2f} GiB")
     if m.oom_retries:
@@ -2419,7 +2616,10 @@ def probes_json(result: SearchResult) -> list[dict[str, Any]]:
     return [one(p) for p in result.probes]
 
 
-def run_benchmark(args: argparse.Namespace) -> int:
+def run_benchmark(args: argparse.Namespace, methods_given: bool = True) -> int:
+    """The measurements on the GPU. ``methods_given``: ``--methods`` was given (otherwise
+    ``args.methods`` is the regime's default), which decides what lms_hybrid on a build
+    without recompute does (check_recompute)."""
     import signal
 
     import torch
@@ -2434,6 +2634,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
         lms_reason = ""
     except LmsUnavailable as exc:
         backend, lms_reason = "", str(exc)
+    error = check_recompute(args, backend, torch.cuda, methods_given)
+    if error:
+        print(f"compare.py: {error}", file=sys.stderr)
+        return 2
     if not args.amp:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
@@ -2559,11 +2763,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
                 f"{peak / GiB:.2f} GiB, static {static / GiB:.2f} GiB)"
             )
             for method in args.methods:
-                if method in ("lms", "lms_reactive"):
-                    settings = lms_settings(args, caps[f], schedule=method == "lms")
-                    row = measure(method, f, caps[f], batch, settings)
-                else:
-                    row = measure(method, f, caps[f], batch, None)
+                row = measure(method, f, caps[f], batch, method_lms_settings(args, method, caps[f]))
                 row.deficit_bytes = max(0, peak - caps[f])
             save(final=False)
 
@@ -2921,9 +3121,7 @@ class NocapRun:
         # rivals' rows are the ones skipped.
         for method in args.methods:
             steps = self.steps + (args.profile_iterations if method in PROFILED_METHODS else 0)
-            lms = None
-            if method in LMS_METHODS:
-                lms = lms_settings(args, None, schedule=method == "lms")
+            lms = method_lms_settings(args, method, None)
             for f in args.factors:
                 if f not in plans:
                     reason = next(p["error"] for p in self.plans if p["factor"] == f)
@@ -3048,8 +3246,8 @@ def write_outputs(
         records = [nocap_measurement_record(m) for m in rows]
         columns, env_columns = NOCAP_MEASUREMENT_COLUMNS, NOCAP_ENV_COLUMNS
     else:
-        records = [measurement_record(m) for m in rows]
-        columns, env_columns = MEASUREMENT_COLUMNS, csv_env_columns(env)
+        records = [capped_measurement_record(m) for m in rows]
+        columns, env_columns = CAPPED_CSV_COLUMNS, csv_env_columns(env)
     goal_records = [goal_record(args.model, g) for g in goals]
     write_csv(out / f"{stem}.csv", columns, records, env, env_columns)
     write_csv(out / f"{stem}-goals.csv", GOAL_COLUMNS, goal_records, env, env_columns)
@@ -3094,6 +3292,7 @@ def write_outputs(
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    methods_given = args.methods is not None
     try:
         check_args(args)
     except ValueError as exc:
@@ -3102,7 +3301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_rescore(args)
     if args.probe_batch is not None:
         return run_probe(args)
-    return run_benchmark(args)
+    return run_benchmark(args, methods_given)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import importlib.util
 import json
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import compare
 import pytest
@@ -558,3 +560,334 @@ def test_deficit_rooflines_bound_both_ways_and_one_way_at_a_time() -> None:
     assert "| lms |" in compare.measurements_markdown([old])
     with pytest.raises(ValueError):
         compare.serial_copy_seconds(-1, 0, BW)
+
+
+# ---------------------------------------------------------------------------------------
+# lms_hybrid: LMS with recompute instead of paging where that is cheaper
+# ---------------------------------------------------------------------------------------
+
+
+def test_lms_hybrid_is_planned_like_lms() -> None:
+    # Everywhere lms is, right after it.
+    for methods in (
+        compare.CAPPED_METHODS,
+        compare.PEER_METHODS,
+        compare.PROFILED_METHODS,
+        compare.NOCAP_METHODS,
+        compare.LMS_METHODS,
+    ):
+        assert methods[methods.index("lms") + 1] == "lms_hybrid", methods
+    assert compare.RECOMPUTE_METHODS == ("lms_hybrid",)
+    parser = compare.build_parser()
+    args = parser.parse_args(["--model", "resnet152"])
+    compare.check_args(args)
+    assert "lms_hybrid" in args.methods  # a default of the capped regime
+    args = parser.parse_args(["--model", "resnet152", "--methods", "lms,lms_hybrid,checkpoint"])
+    assert args.methods == ("lms", "lms_hybrid", "checkpoint")
+    text = " ".join(parser.format_help().split())
+    assert "lms, lms_hybrid, lms_reactive, offload, save_on_cpu, checkpoint" in text
+    assert "set_recompute_lms(True)" in text
+    # The same LMS settings as lms (learned schedule on); lms_reactive turns the schedule off.
+    args.lms_limit_frac, args.prefetch = 0.7, 2
+    cap = 1000 * (1 << 20)
+    hybrid = compare.method_lms_settings(args, "lms_hybrid", cap)
+    assert hybrid is not None and hybrid == compare.method_lms_settings(args, "lms", cap)
+    assert hybrid.enabled and hybrid.schedule and hybrid.limit_mb == 700 and hybrid.prefetch == 2
+    reactive = compare.method_lms_settings(args, "lms_reactive", cap)
+    assert reactive is not None and not reactive.schedule
+    assert compare.method_lms_settings(args, "checkpoint", cap) is None
+
+
+class FakeRecompute:
+    """torch.cuda's recompute switch: set_recompute_lms and get_recompute_lms, calls logged."""
+
+    def __init__(self, events: list[tuple[str, Any]], state: bool = False) -> None:
+        self.events = events
+        self.state = state
+
+    def set_recompute_lms(self, enabled: bool) -> None:
+        self.events.append(("set_recompute_lms", enabled))
+        self.state = enabled
+
+    def get_recompute_lms(self) -> bool:
+        return self.state
+
+
+def test_set_recompute_turns_it_on_and_puts_it_back() -> None:
+    events: list[tuple[str, Any]] = []
+    cuda = FakeRecompute(events)
+    restore = compare.set_recompute(cuda, True)
+    assert events == [("set_recompute_lms", True)] and cuda.state
+    restore()
+    assert events[-1] == ("set_recompute_lms", False) and not cuda.state
+    # What was in force before comes back (lms_recompute:True in PYTORCH_CUDA_ALLOC_CONF):
+    # an lms row runs with it off meanwhile.
+    cuda.state = True
+    restore = compare.set_recompute(cuda, False)
+    assert not cuda.state
+    restore()
+    assert cuda.state
+    # Without a getter: back to off, the default.
+    events.clear()
+    only_set = SimpleNamespace(set_recompute_lms=lambda on: events.append(("set", on)))
+    compare.set_recompute(only_set, True)()
+    assert events == [("set", True), ("set", False)]
+    # A build without recompute: off sets nothing, on is an error that says what is missing.
+    compare.set_recompute(SimpleNamespace(), False)()
+    with pytest.raises(compare.RecomputeUnavailable, match="set_recompute_lms"):
+        compare.set_recompute(SimpleNamespace(), True)
+
+
+def test_check_recompute_ends_the_run_or_leaves_the_default_out() -> None:
+    parser = compare.build_parser()
+    lines: list[str] = []
+    given = parser.parse_args(["--model", "gpt", "--methods", "lms,lms_hybrid"])
+    error = compare.check_recompute(given, "extension", SimpleNamespace(), True, lines.append)
+    assert "lms_hybrid needs torch.cuda.set_recompute_lms" in error
+    assert "leave lms_hybrid out of --methods" in error
+    default = parser.parse_args(["--model", "gpt"])
+    compare.check_args(default)
+    # The default methods: the run goes on without lms_hybrid, and says so.
+    assert (
+        compare.check_recompute(default, "extension", SimpleNamespace(), False, lines.append) == ""
+    )
+    assert "lms_hybrid" not in default.methods and "lms" in default.methods
+    assert lines and lines[0].startswith("== lms_hybrid left out of the default methods")
+    # With recompute, or without LMS at all (its rows are skipped for that): nothing to say.
+    cuda = FakeRecompute([])
+    for backend, api in (("extension", cuda), ("", SimpleNamespace())):
+        args = parser.parse_args(["--model", "gpt", "--methods", "lms_hybrid"])
+        assert compare.check_recompute(args, backend, api, True, lines.append) == ""
+        assert args.methods == ("lms_hybrid",)
+
+
+def test_lms_hybrid_without_recompute_is_an_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch = pytest.importorskip("torch")
+    import _lms_setup
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delattr(torch.cuda, "set_recompute_lms", raising=False)
+    monkeypatch.setattr(_lms_setup, "ensure_lms_api", lambda: "extension")
+    argv = ["--model", "gpt", "--methods", "lms,lms_hybrid", "--out", str(tmp_path)]
+    assert compare.main(argv) == 2
+    assert "compare.py: lms_hybrid needs torch.cuda.set_recompute_lms" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # ended before measuring anything
+
+
+# LMS statistics of a build with recompute, before and after 2 timed iterations.
+STATS_BEFORE = {
+    "pageout_bytes": 10 * GiB,
+    "pagein_bytes": 9 * GiB,
+    "stall_ms": 5.0,
+    "drop_count": 3,
+    "drop_bytes": GiB,
+    "recompute_count": 2,
+    "recompute_bytes": GiB // 2,
+    "recompute_ms": 4.0,
+    "limit_bytes": 8 * GiB,
+}
+STATS_AFTER = {
+    **STATS_BEFORE,
+    "pageout_bytes": 14 * GiB,
+    "pagein_bytes": 13 * GiB,
+    "stall_ms": 25.0,
+    "drop_count": 43,
+    "drop_bytes": 4 * GiB,
+    "recompute_count": 42,
+    "recompute_bytes": 3 * GiB + GiB // 2,
+    "recompute_ms": 34.0,
+    "dropped_bytes": {"current": 0, "peak": 2 * GiB},
+}
+
+
+def test_recompute_stats_in_the_row_the_csv_and_the_tables() -> None:
+    m = Measurement("resnet152", "lms_hybrid", 2.0, 5 * GiB, 64, iteration_times=[0.5])
+    m.finish_timing()
+    m.out_bytes_per_iter = m.in_bytes_per_iter = 2 * GiB
+    compare.record_recompute(m, STATS_BEFORE, STATS_AFTER, 2)
+    assert (m.drop_count_per_iter, m.drop_bytes_per_iter) == (20, 1.5 * GiB)
+    assert (m.recompute_count_per_iter, m.recompute_bytes_per_iter) == (20, 1.5 * GiB)
+    assert m.recompute_ms_per_iter == 15.0 and m.dropped_peak_bytes == 2 * GiB
+    assert "dropped 1.50 / recomputed 1.50 GiB, recompute 15.0 ms per iter" in compare.describe(m)
+    record = compare.capped_measurement_record(m)
+    assert tuple(record) == compare.CAPPED_CSV_COLUMNS
+    assert (record["drop_gib_per_iter"], record["recompute_gib_per_iter"]) == ("1.500", "1.500")
+    assert record["recompute_ms_per_iter"] == "15.00"
+    plain = Measurement("resnet152", "checkpoint", 2.0, 5 * GiB, 64, iteration_times=[0.4])
+    plain.finish_timing()
+    table = compare.measurements_markdown([record, compare.capped_measurement_record(plain)])
+    header, _, hybrid_line, plain_line = table.splitlines()
+    cells = [c.strip() for c in header.split("|")]
+    at = cells.index("GiB out/in per iter")
+    assert cells[at + 1] == compare.RECOMPUTE_HEADER  # where the page-out figures are
+    assert [c.strip() for c in hybrid_line.split("|")][at + 1] == "1.500 / 1.500, 15.00 ms"
+    assert [c.strip() for c in plain_line.split("|")][at + 1] == ""
+    # Statistics without recompute (an older build) leave the figures unset and the table as
+    # it was; so do records written before the columns existed.
+    old = Measurement("resnet152", "lms", 2.0, 5 * GiB, 64)
+    compare.record_recompute(old, {}, {"pageout_bytes": 0}, 2)
+    assert old.drop_bytes_per_iter is None and old.dropped_peak_bytes is None
+    assert compare.recompute_record(old) == {c: "" for c in compare.RECOMPUTE_COLUMNS}
+    before = compare.measurement_record(plain)
+    assert compare.RECOMPUTE_HEADER not in compare.measurements_markdown([before])
+    nocap = compare.nocap_measurement_record(m)
+    assert tuple(nocap) == compare.NOCAP_MEASUREMENT_COLUMNS and nocap["drop_gib_per_iter"]
+    assert compare.RECOMPUTE_HEADER in compare.nocap_measurements_markdown([nocap])
+
+
+def test_written_csv_reads_back_with_the_committed_columns(tmp_path: Path) -> None:
+    import summarize
+
+    assert set(compare.MEASUREMENT_COLUMNS) < set(compare.CAPPED_CSV_COLUMNS)
+    assert compare.CAPPED_CSV_COLUMNS[-1] == "detail"
+    m = Measurement("gpt", "lms_hybrid", 2.0, GiB, 8)
+    compare.record_recompute(m, STATS_BEFORE, STATS_AFTER, 2)
+    path = tmp_path / "compare-gpt.csv"
+    compare.write_csv(path, compare.CAPPED_CSV_COLUMNS, [compare.capped_measurement_record(m)], {})
+    (row,) = summarize._read(path, compare.MEASUREMENT_COLUMNS)
+    assert row["method"] == "lms_hybrid" and row["drop_gib_per_iter"] == "1.500"
+    # A JSON record of this version reads back; one written before the fields existed too.
+    back = compare.measurement_from_record(json.loads(json.dumps(asdict(m))))
+    assert back.recompute_ms_per_iter == 15.0 and back.dropped_peak_bytes == 2 * GiB
+    old = {k: v for k, v in asdict(m).items() if "drop" not in k and "recompute" not in k}
+    assert compare.measurement_from_record(old).drop_bytes_per_iter is None
+
+
+class TinyWorkload:
+    """A workload of compare.make_workload's shape that trains on the CPU (its build ignores
+    the CUDA device context), logging when the model is built."""
+
+    description = "tiny"
+    default_batch = 4
+
+    def __init__(self, torch: Any, events: list[tuple[str, Any]], cuda: FakeRecompute) -> None:
+        self.torch = torch
+        self.events = events
+        self.cuda = cuda
+
+    def build(self) -> Any:
+        self.events.append(("build", self.cuda.state))
+        return self.torch.nn.Linear(4, 2, device="cpu")
+
+    def checkpoint(self, model: Any) -> None:
+        raise AssertionError("not a checkpoint row")
+
+    def make_optimizer(self, model: Any, name: str | None) -> Any:
+        return self.torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def make_batch(self, batch: int, device: Any, step: int) -> tuple[Any, Any]:
+        return self.torch.randn(batch, 4), self.torch.randint(0, 2, (batch,))
+
+    def loss(self, out: Any, targets: Any) -> Any:
+        return self.torch.nn.functional.cross_entropy(out, targets)
+
+
+def fake_cuda_training(
+    monkeypatch: pytest.MonkeyPatch, recompute: bool, state: bool = False
+) -> tuple[Any, list[tuple[str, Any]], FakeRecompute]:
+    """torch.cuda and _lms_setup faked so that train_measure runs on the CPU: LMS's calls go
+    to the event log; ``recompute``: torch.cuda has set_recompute_lms (currently ``state``)."""
+    torch = pytest.importorskip("torch")
+    import _lms_setup
+
+    events: list[tuple[str, Any]] = []
+    cuda = FakeRecompute(events, state)
+    for name, fake in (
+        ("current_device", lambda: 0),
+        ("synchronize", lambda: None),
+        ("reset_peak_memory_stats", lambda: None),
+        ("memory_allocated", lambda: 0),
+        ("max_memory_allocated", lambda: 0),
+        ("memory_stats", lambda: {}),
+    ):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    if recompute:
+        monkeypatch.setattr(torch.cuda, "set_recompute_lms", cuda.set_recompute_lms, raising=False)
+        monkeypatch.setattr(torch.cuda, "get_recompute_lms", cuda.get_recompute_lms, raising=False)
+    else:
+        monkeypatch.delattr(torch.cuda, "set_recompute_lms", raising=False)
+    stats = iter([STATS_BEFORE, STATS_AFTER])
+    monkeypatch.setattr(_lms_setup, "lms_stats", lambda: dict(next(stats)))
+    monkeypatch.setattr(
+        _lms_setup, "apply_lms", lambda s: events.append(("apply_lms", s.enabled, cuda.state))
+    )
+    monkeypatch.setattr(compare, "reset_rss_peak", lambda: False)
+    return torch, events, cuda
+
+
+def test_train_measure_sets_recompute_up_for_lms_hybrid_and_puts_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True)
+    args = compare.build_parser().parse_args(["--model", "resnet152"])
+    compare.check_args(args)
+    m = Measurement("resnet152", "lms_hybrid", None, None, 4)
+    lines: list[str] = []
+    compare.train_measure(
+        args,
+        TinyWorkload(torch, events, cuda),
+        m,
+        warmup=1,
+        iterations=2,
+        lms=compare.method_lms_settings(args, "lms_hybrid", None),
+        log=lines.append,
+    )
+    assert m.status == "ok", (m.detail, lines)
+    # Recompute on before LMS is applied and the model built; LMS off, then recompute off.
+    assert events == [
+        ("set_recompute_lms", True),
+        ("apply_lms", True, True),
+        ("build", True),
+        ("apply_lms", False, True),
+        ("set_recompute_lms", False),
+    ]
+    assert len(m.iteration_times) == 2 and m.out_bytes_per_iter == 2 * GiB
+    assert m.drop_bytes_per_iter == 1.5 * GiB and m.recompute_bytes_per_iter == 1.5 * GiB
+    assert m.recompute_ms_per_iter == 15.0 and m.dropped_peak_bytes == 2 * GiB
+    assert compare.capped_measurement_record(m)["recompute_ms_per_iter"] == "15.00"
+
+    # An lms row runs with recompute off, also where it was on before, and puts it back.
+    torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True, state=True)
+    m = Measurement("resnet152", "lms", None, None, 4)
+    settings = compare.method_lms_settings(args, "lms", None)
+    compare.train_measure(
+        args, TinyWorkload(torch, events, cuda), m, warmup=1, iterations=2, lms=settings
+    )
+    assert m.status == "ok"
+    assert [e for e in events if e[0] != "apply_lms"] == [
+        ("set_recompute_lms", False),
+        ("build", False),
+        ("set_recompute_lms", True),
+    ]
+    # A row without LMS leaves recompute alone.
+    torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True)
+    m = Measurement("resnet152", "baseline", None, None, 4)
+    compare.train_measure(
+        args, TinyWorkload(torch, events, cuda), m, warmup=1, iterations=2, lms=None
+    )
+    assert m.status == "ok" and events == [("build", False)]
+    assert m.drop_bytes_per_iter is None
+
+
+def test_train_measure_lms_hybrid_without_recompute_fails_the_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch, events, cuda = fake_cuda_training(monkeypatch, recompute=False)
+    args = compare.build_parser().parse_args(["--model", "resnet152"])
+    compare.check_args(args)
+    m = Measurement("resnet152", "lms_hybrid", None, None, 4)
+    settings = compare.method_lms_settings(args, "lms_hybrid", None)
+    compare.train_measure(
+        args,
+        TinyWorkload(torch, events, cuda),
+        m,
+        warmup=1,
+        iterations=2,
+        lms=settings,
+        log=lambda s: None,
+    )
+    assert m.status == "error" and "RecomputeUnavailable" in m.detail
+    assert "set_recompute_lms" in m.detail
+    assert events == [("apply_lms", False, False)]  # nothing built; LMS left off

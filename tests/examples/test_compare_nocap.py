@@ -427,6 +427,9 @@ class FakeGpu:
             seconds = 1.25 * max(compute, compare.serial_copy_seconds(moved, moved, BW))
             m.stall_ms_per_iter = 10.0
             m.host_pinned_peak_bytes = int(moved)
+            if m.method == "lms_hybrid":  # a quarter of the deficit dropped and recomputed
+                m.drop_bytes_per_iter = m.recompute_bytes_per_iter = m.deficit_bytes / 4
+                m.recompute_ms_per_iter = 12.0
         m.out_bytes_per_iter = m.in_bytes_per_iter = moved
         m.first_iteration_s = 3 * seconds
         m.warmup_times = [3 * seconds, seconds, seconds, seconds]
@@ -603,6 +606,55 @@ def test_nocap_run_measures_saved_bytes_for_the_host_estimate(tmp_path: Path) ->
     calls.clear()
     run, _, _ = make_run(tmp_path, "--methods", "lms,checkpoint", saved_bytes=saved)
     assert run.run() == 0 and calls == []
+
+
+def test_nocap_run_plans_lms_hybrid_like_lms(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run, gpu, _ = make_run(tmp_path, "--time-budget-s", "100000")
+    assert run.args.methods == compare.NOCAP_METHODS and "lms_hybrid" in run.args.methods
+    settings: dict[tuple[str, float | None], Any] = {}
+    train = run.train
+
+    def spy(m: Measurement, lms: Any) -> None:
+        settings[m.method, m.factor] = lms
+        train(m, lms)
+
+    run.train = spy
+    assert run.run() == 0
+    factors = (1.25, 1.5, 2.0)
+    by = {(m.method, m.factor): m for m in run.rows}
+    for f in factors:
+        hybrid, lms = by["lms_hybrid", f], by["lms", f]
+        assert hybrid.status == "ok" and hybrid.batch == lms.batch
+        assert (hybrid.need_bytes, hybrid.deficit_bytes) == (lms.need_bytes, lms.deficit_bytes)
+        # LMS's settings, learned schedule on (recompute is train_measure's to set).
+        assert settings["lms_hybrid", f] == settings["lms", f] and settings["lms", f].schedule
+        assert hybrid.deficit_efficiency is not None
+    # Method by method, LMS first: lms, lms_hybrid, then the rivals.
+    order = [(m, f) for m, f, _, _ in gpu.trained[2:]]
+    assert order[:6] == [("lms", f) for f in factors] + [("lms_hybrid", f) for f in factors]
+    # Its host and time estimates are lms's: it moves at most what lms moves.
+    plan = NocapPlan(2.0, 154, 80 * GiB, 40 * GiB)
+    host = compare.nocap_host_bytes("lms", plan, 0.5 * GiB)
+    assert compare.nocap_host_bytes("lms_hybrid", plan, 0.5 * GiB) == host > 0
+    assert compare.nocap_row_estimate(
+        "lms_hybrid", plan, 0.5 * GiB, 0.01, BW, 7
+    ) == compare.nocap_row_estimate("lms", plan, 0.5 * GiB, 0.01, BW, 7)
+    # The recompute figures: in the JSON, the CSV and the printed table.
+    data = json.loads((tmp_path / "nocap-gpt.json").read_text())
+    record = next(
+        r for r in data["measurements"] if r["method"] == "lms_hybrid" and r["factor"] == 2.0
+    )
+    assert record["drop_bytes_per_iter"] == 10 * GiB and record["recompute_ms_per_iter"] == 12.0
+    with (tmp_path / "nocap-gpt.csv").open(newline="") as f:
+        rows = {(r["method"], r["factor"]): r for r in csv.DictReader(f)}
+    assert rows["lms_hybrid", "2"]["drop_gib_per_iter"] == "10.000"
+    assert rows["lms_hybrid", "2"]["recompute_gib_per_iter"] == "10.000"
+    assert rows["lms_hybrid", "2"]["recompute_ms_per_iter"] == "12.00"
+    assert rows["lms", "2"]["drop_gib_per_iter"] == ""
+    out = capsys.readouterr().out
+    assert compare.RECOMPUTE_HEADER in out and "10.000 / 10.000, 12.00 ms" in out
 
 
 def test_nocap_run_skips_what_the_time_budget_cannot_hold(tmp_path: Path) -> None:
