@@ -639,8 +639,11 @@ CapturePtr capture(const at::RecordFunction& fn) {
   if (!info.pure || !info.handle.has_value()) {
     return nullptr;
   }
-  CapturePtr capture(new Capture(*info.handle));
   const auto inputs = fn.inputs();
+  if (inputs.size() != info.handle->schema().arguments().size()) {
+    return nullptr; // the record has no arguments to replay with
+  }
+  CapturePtr capture(new Capture(*info.handle));
   capture->args.reserve(inputs.size());
   for (const c10::IValue& value : inputs) {
     if (!collectable(value)) {
