@@ -20,6 +20,9 @@ MiB = 1024 * 1024
 # Tensors of this size are well above the default 1 MiB size threshold.
 CHUNK_ELEMS = 4 * MiB // 4  # 4 MiB of float32
 
+# The keys of lms_stats() (and, under "lms.", of memory_stats()): the counters,
+# then the gauges, each gauge a {"current", "peak"} dict. They are exactly those
+# of the stats dict of torch/csrc/cuda/LmsBindings.cpp.
 COUNTERS = (
     "pageout_count",
     "pageout_bytes",
@@ -29,21 +32,64 @@ COUNTERS = (
     "reclaim_speculative",
     "reclaim_alloc_failure",
     "reclaim_explicit",
+    "fragment_reclaims",
     "alloc_from_cache",
     "alloc_from_device",
     "alloc_after_reclaim",
     "prefetch_count",
     "prefetch_hits",
+    "prefetch_late",
+    "pagein_demand_count",
+    "schedule_active",
+    "schedule_period",
+    "schedule_detections",
+    "schedule_fallbacks",
+    "schedule_victims",
+    "schedule_prefetch_count",
+    "schedule_rescues",
+    "schedule_prefetch_budget_bytes",
+    "early_pageout_count",
+    "early_pageout_bytes",
+    "peak_pageout_count",
+    "peak_pageout_bytes",
+    "graph_prefetch_count",
+    "graph_prefetch_bytes",
+    "graph_pageout_count",
     "stall_ms",
+    "copy_out_bytes",
+    "copy_out_ms",
+    "copy_in_bytes",
+    "copy_in_ms",
+    "drop_count",
+    "drop_bytes",
+    "recompute_count",
+    "recompute_bytes",
+    "recompute_ms",
     "oom_count",
+    "pin_failures",
+    "cache_releases",
+    "host_budget_bytes",
+    "host_ledger_bytes",
+    "host_refusals",
     "limit_bytes",
+)
+# The counters that are floats (milliseconds); every other counter is an int.
+FLOAT_COUNTERS = (
+    "stall_ms",
+    "copy_out_ms",
+    "copy_in_ms",
+    "recompute_ms",
 )
 GAUGES = (
     "managed_bytes",
     "active_bytes",
     "inactive_bytes",
     "pagedout_bytes",
+    "dropped_bytes",
     "host_bytes",
+    "over_limit_bytes",
+    "operator_output_bytes",
+    "private_pool_bytes",
 )
 
 
@@ -58,17 +104,19 @@ class TestCudaLms(TestCase):
             torch.cuda.get_size_lms(),
             torch.cuda.get_prefetch_lms(),
             torch.cuda.get_speculative_lms(),
+            torch.cuda.get_recompute_lms(),
         )
         torch.cuda.reset_accumulated_lms_stats()
 
     def tearDown(self):
-        enabled, size, prefetch, speculative = self.saved
+        enabled, size, prefetch, speculative, recompute = self.saved
         torch.cuda.synchronize()
         torch.cuda.set_limit_lms(0)
         torch.cuda.set_host_limit_lms(0)
         torch.cuda.set_size_lms(size)
         torch.cuda.set_prefetch_lms(prefetch)
         torch.cuda.set_speculative_lms(speculative)
+        torch.cuda.set_recompute_lms(recompute)
         torch.cuda.set_enabled_lms(enabled)
         torch.cuda.empty_cache()
         super().tearDown()
@@ -118,6 +166,14 @@ class TestCudaLms(TestCase):
         self.assertEqual(torch.cuda.lms_stats()["host_budget_bytes"], 8 * 1024 * MiB)
         torch.cuda.set_host_limit_lms(0)
 
+    def test_recompute_round_trip(self):
+        torch.cuda.set_recompute_lms(True)
+        self.assertIs(torch.cuda.get_recompute_lms(), True)
+        self.assertTrue(torch._C._cuda_lms_getRecompute())
+        torch.cuda.set_recompute_lms(False)
+        self.assertIs(torch.cuda.get_recompute_lms(), False)
+        self.assertFalse(torch._C._cuda_lms_getRecompute())
+
     def test_invalid_arguments(self):
         with self.assertRaisesRegex(TypeError, "enable must be a bool"):
             torch.cuda.set_enabled_lms(1)
@@ -137,6 +193,8 @@ class TestCudaLms(TestCase):
             torch.cuda.set_speculative_lms("1M")
         with self.assertRaisesRegex(ValueError, "limit_bytes must be >= 0"):
             torch.cuda.set_host_limit_lms(-1)
+        with self.assertRaisesRegex(TypeError, "enable must be a bool"):
+            torch.cuda.set_recompute_lms(1)
         with self.assertRaisesRegex(ValueError, "invalid CUDA device index"):
             torch.cuda.set_limit_lms(MiB, device=torch.cuda.device_count())
         with self.assertRaisesRegex(TypeError, "tensor must be a torch.Tensor"):
@@ -150,7 +208,8 @@ class TestCudaLms(TestCase):
     def test_stats_keys(self):
         stats = torch.cuda.lms_stats()
         self.assertEqual(set(stats), set(COUNTERS) | set(GAUGES))
-        self.assertIsInstance(stats["stall_ms"], float)
+        for key in COUNTERS:
+            self.assertIsInstance(stats[key], float if key in FLOAT_COUNTERS else int)
         for key in GAUGES:
             self.assertEqual(set(stats[key]), {"current", "peak"})
         memory_stats = torch.cuda.memory_stats()
