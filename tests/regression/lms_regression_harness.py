@@ -296,7 +296,19 @@ def check_capped_training(
     settle()
     assert torch.cuda.memory_allocated() == baseline, "device memory did not return to baseline"
     assert host_bytes() == host_baseline, "LMS still holds pinned host memory"
-    assert torch.cuda.lms_stats()["managed_bytes"]["current"] == 0
+    left = torch.cuda.lms_stats()
+    assert left["managed_bytes"]["current"] == 0, "LMS still manages storages: " + ", ".join(
+        f"{k} {left[k]['current']}"
+        for k in (
+            "managed_bytes",
+            "active_bytes",
+            "inactive_bytes",
+            "pagedout_bytes",
+            "dropped_bytes",
+            "operator_output_bytes",
+        )
+        if k in left
+    )
 
 
 # ---------------------------------------------------------------------------------------

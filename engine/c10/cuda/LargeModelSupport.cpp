@@ -3263,7 +3263,8 @@ void* fillDropped(c10::StorageImpl& dropped, c10::StorageImpl& fresh) {
     e.stats.recompute_bytes += sz(*r);
   }
   std::swap(
-      dropped._mutable_data_ptr_no_checks(), fresh._mutable_data_ptr_no_checks());
+      dropped._mutable_data_ptr_no_checks(),
+      fresh._mutable_data_ptr_no_checks());
   rememberOwner(*f, dropped);
   rememberOwner(*r, fresh);
   return f;

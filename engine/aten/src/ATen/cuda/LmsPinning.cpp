@@ -243,27 +243,25 @@ void noteOperator(const char* name, const StorageList& storages) {
 // writes an output. An operator that allocates nothing runs on the host
 // copies, slowly but correctly.
 // Before an operator writes a storage that a dropped storage's recipe reads,
-// that storage is recomputed (see LmsRecipes.h).
-void recomputeBeforeWrites(
-    const at::RecordFunction& fn,
-    const StorageList& storages) {
-  if (recipes::anyDependents()) {
-    recipes::beforeWrites(
-        fn,
-        c10::ArrayRef<c10::StorageImpl*>(storages.data(), storages.size()));
+// that storage is recomputed (see LmsRecipes.h). When it cannot be, the
+// operator must not run: its first allocation raises the error (a
+// RecordFunction callback cannot).
+void recomputeBeforeWrites(const at::RecordFunction& fn) {
+  try {
+    recipes::beforeWrites(fn);
+  } catch (...) {
+    StorageList storages;
+    for (const c10::IValue& input : fn.inputs()) {
+      collect(input, storages);
+    }
+    engine::setPendingError(deviceOf(storages), std::current_exception());
   }
 }
 
 // An operator inside the outermost one (or replayed for a recompute): no
 // pins, but its arguments may be a recipe, and what it writes is guarded.
 std::unique_ptr<at::ObserverContext> enterNested(const at::RecordFunction& fn) {
-  if (recipes::anyDependents()) {
-    StorageList storages;
-    for (const c10::IValue& input : fn.inputs()) {
-      collect(input, storages);
-    }
-    recomputeBeforeWrites(fn, storages);
-  }
+  recomputeBeforeWrites(fn);
   if (t_depth != t_capture_depth) {
     return nullptr;
   }
@@ -303,7 +301,7 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   if (storages.empty()) {
     return nullptr;
   }
-  recomputeBeforeWrites(fn, storages);
+  recomputeBeforeWrites(fn);
 
   auto context = std::make_unique<PinnedStorages>();
   context->pinned.reserve(storages.size());

@@ -59,15 +59,10 @@ CapturePtr capture(const at::RecordFunction& fn);
 void record(const at::RecordFunction& fn, Capture& capture);
 
 // At an operator's start, before its inputs are pinned: when the operator
-// writes one of `storages` on which a dropped storage's recipe depends, the
-// dropped storage is recomputed now and its recipe invalidated.
-void beforeWrites(
-    const at::RecordFunction& fn,
-    c10::ArrayRef<c10::StorageImpl*> storages);
-
-// Whether any dropped storage's recipe depends on another storage now (a
-// cheap test before beforeWrites' work).
-bool anyDependents();
+// writes (by its schema) an argument on which a dropped storage's recipe
+// depends, the dropped storage is recomputed now and its recipe invalidated.
+// Nothing while a recipe is replayed: a replay writes only what it allocates.
+void beforeWrites(const at::RecordFunction& fn);
 
 // Installs the engine's recompute hooks (from registerOperatorPinning).
 void installHooks();
