@@ -302,6 +302,14 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
     return nullptr;
   }
   recomputeBeforeWrites(fn);
+  if (engine::isRecomputeEnabled()) {
+    // Dropped inputs first: their replays then have the room that the
+    // page-ins of the others would take.
+    std::stable_partition(
+        storages.begin(), storages.end(), [](c10::StorageImpl* storage) {
+          return engine::getState(*storage) == engine::StorageState::Dropped;
+        });
+  }
 
   auto context = std::make_unique<PinnedStorages>();
   context->pinned.reserve(storages.size());

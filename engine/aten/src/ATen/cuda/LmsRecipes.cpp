@@ -567,6 +567,7 @@ void recompute(c10::StorageImpl& storage) {
     // under, as an operator nested in the one that needs the storage.
     const c10::impl::ForceDispatchKeyGuard keys(recipe->keys);
     const c10::AutoGradMode no_grad(false);
+    const uint64_t caught = engine::outOfMemoryErrorsRaised();
     ++t_replaying;
     try {
       recipe->handle.callBoxed(&stack);
@@ -575,6 +576,16 @@ void recompute(c10::StorageImpl& storage) {
       throw;
     }
     --t_replaying;
+    if (engine::outOfMemoryErrorsRaised() != caught) {
+      TORCH_WARN_ONCE(
+          "Large Model Support: recomputing a dropped output of ",
+          describe(*recipe),
+          " caught an out-of-memory error inside it: a library such as cuDNN "
+          "then runs an algorithm that needs less memory, whose results can "
+          "differ in the last bits from the first run. Give the program more "
+          "room (a higher memory cap, a smaller batch), or turn recompute "
+          "off (torch.cuda.set_recompute_lms(False)), for the same numbers.");
+    }
   }
   TORCH_CHECK(
       recipe->output < stack.size() && stack[recipe->output].isTensor(),
@@ -650,9 +661,11 @@ bool replaying() {
 }
 
 bool autocastActive() {
-  return c10::impl::tls_is_dispatch_key_included(
-             c10::DispatchKey::AutocastCUDA) &&
-      !c10::impl::tls_is_dispatch_key_excluded(c10::DispatchKey::AutocastCUDA);
+  // Autocast keys are in the default excluded set; enabling autocast takes
+  // its key out of it (CUDA tensors carry the key themselves), and autocast's
+  // wrappers exclude it again around the operator they call.
+  return !c10::impl::tls_is_dispatch_key_excluded(
+      c10::DispatchKey::AutocastCUDA);
 }
 
 static bool anyDependents() {
