@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from lmstool.torchcheck import check, report
+from lmstool.torchcheck import UPSTREAM_SOURCES, check, engine_sources, report
 
 
 def cmd_torchcheck(args: argparse.Namespace) -> int:
@@ -15,14 +15,15 @@ def cmd_torchcheck(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    units = [*engine_sources(), *UPSTREAM_SOURCES]  # from the engine manifest
     p = subparsers.add_parser(
         "torchcheck",
-        help="run torchgen and compile LmsPinning.cpp, LmsBindings.cpp and "
-        "torch/csrc/cuda/Module.cpp of a patched tree (object files only)",
+        help="run torchgen and compile "
+        + ", ".join(Path(unit).name for unit in units)
+        + " of a patched tree (object files only)",
         description="Compile check (no GPU, no full build) of the LMS sources above c10 in a "
         "PyTorch tree with the LMS series applied: torchgen's ATen headers, then object files "
-        "for aten/src/ATen/cuda/LmsPinning.cpp, torch/csrc/cuda/LmsBindings.cpp and "
-        "torch/csrc/cuda/Module.cpp. LMS sources must be free of -Wall -Wextra warnings.",
+        "for " + ", ".join(units) + ". LMS sources must be free of -Wall -Wextra warnings.",
     )
     p.add_argument("--tree", type=Path, required=True, help="patched PyTorch source tree")
     p.add_argument(

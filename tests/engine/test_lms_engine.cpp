@@ -1379,6 +1379,14 @@ class RecomputeEnv {
     return s;
   }
 
+  // withRecipe(), then dropped by a reclaim of everything inactive.
+  StoragePtr dropped(size_t bytes, uint64_t seed) {
+    auto s = withRecipe(bytes, seed);
+    lms::reclaimInactive(0);
+    REQUIRE(state(s) == lms::StorageState::Dropped);
+    return s;
+  }
+
   // Pages one storage without a recipe out and in: the copy bandwidth is
   // then measured.
   static void measureBus() {
@@ -1499,9 +1507,7 @@ TEST_CASE(a_failed_recompute_leaves_the_storage_dropped_and_retries) {
   {
     RecomputeEnv recompute;
     RecomputeEnv::measureBus();
-    auto s = recompute.withRecipe(8 * kMiB, 500);
-    lms::reclaimInactive(0);
-    REQUIRE(state(s) == lms::StorageState::Dropped);
+    auto s = recompute.dropped(8 * kMiB, 500);
     recipes().fail_next = true;
     bool threw = false;
     try {
@@ -1521,11 +1527,7 @@ TEST_CASE(a_dropped_storage_that_dies_leaves_nothing_behind) {
   {
     RecomputeEnv recompute;
     RecomputeEnv::measureBus();
-    {
-      auto s = recompute.withRecipe(8 * kMiB, 600);
-      lms::reclaimInactive(0);
-      REQUIRE(state(s) == lms::StorageState::Dropped);
-    }
+    { auto s = recompute.dropped(8 * kMiB, 600); }
     CHECK_EQ(recipes().forgotten, 1);
     CHECK(recipes().seed.empty());
     CHECK_EQ(lms::getStats(0).dropped_bytes.current, 0);

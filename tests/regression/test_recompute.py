@@ -57,6 +57,12 @@ def _warm(op: Callable[[], Any]) -> None:
     torch.cuda.synchronize()
 
 
+def _product(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x @ w of two resident inputs: a 64 MiB output whose recipe (mm) costs next to nothing."""
+    x, w = _small(seed, 4096, 32), _small(seed + 1, 32, 4096)
+    return x, w, x @ w
+
+
 def _on() -> None:
     deterministic()
     torch.cuda.set_enabled_lms(True)
@@ -103,8 +109,7 @@ def test_dropped_storages_are_recomputed_bit_identical_and_recursively(
 
 def test_a_write_to_an_input_recomputes_its_dependents_first() -> None:
     _on()
-    x, w = _small(3, 4096, 32), _small(4, 32, 4096)
-    y = x @ w
+    x, _w, y = _product(3)
     want = y.cpu()
     torch.cuda.synchronize()
     torch.cuda.reclaim_inactive()
@@ -122,8 +127,7 @@ def test_a_write_to_an_input_recomputes_its_dependents_first() -> None:
 
 def test_a_write_to_the_output_invalidates_its_recipe() -> None:
     _on()
-    x, w = _small(5, 4096, 32), _small(6, 32, 4096)
-    y = x @ w
+    _x, _w, y = _product(5)  # kept: a recipe holds its inputs weakly
     y[0].mul_(2)  # through a view: the version counter is shared
     want = y.cpu()
     torch.cuda.synchronize()
@@ -154,8 +158,7 @@ def test_recompute_off_pages_out() -> None:
     _on()
     torch.cuda.set_recompute_lms(False)
     assert not torch.cuda.get_recompute_lms()
-    x, w = _small(7, 4096, 32), _small(8, 32, 4096)
-    y = x @ w
+    _x, _w, y = _product(7)
     torch.cuda.synchronize()
     torch.cuda.reclaim_inactive()
     assert storage_state(y) == "paged out"

@@ -2816,6 +2816,28 @@ Record* rematerialize(c10::StorageImpl& storage, Record* r) {
   return now;
 }
 
+// Recomputes the storage if it was dropped and returns its record, not busy
+// and not dropped, with its engine's lock taken in `lock`; null when the
+// storage holds no LMS allocation any more. A reclaim on another thread may
+// drop it again before the lock is taken: then it is recomputed again.
+Record* settledResident(
+    c10::StorageImpl& storage,
+    Record* r,
+    std::unique_lock<std::mutex>& lock) {
+  for (;;) {
+    r = rematerialize(storage, r);
+    if (r == nullptr) {
+      return nullptr;
+    }
+    lock = std::unique_lock<std::mutex>(r->engine->mutex);
+    r->engine->settled.wait(lock, [&] { return !r->busy; });
+    if (r->state != State::Dropped) {
+      return r;
+    }
+    lock.unlock();
+  }
+}
+
 } // namespace
 
 void pin(c10::StorageImpl& storage) {
@@ -2826,19 +2848,10 @@ void pin(c10::StorageImpl& storage) {
       return;
     }
   }
-  // A reclaim on another thread may drop it again before it is pinned.
-  for (;;) {
-    r = rematerialize(storage, r);
-    if (r == nullptr) {
-      return;
-    }
-    DeviceEngine& e = *r->engine;
-    std::unique_lock<std::mutex> lock(e.mutex);
-    e.settled.wait(lock, [&] { return !r->busy; });
-    if (r->state != State::Dropped) {
-      makeResident(e, *r, storage, State::Active, lock);
-      return;
-    }
+  std::unique_lock<std::mutex> lock;
+  r = settledResident(storage, r, lock);
+  if (r != nullptr) {
+    makeResident(*r->engine, *r, storage, State::Active, lock);
   }
 }
 
@@ -2903,27 +2916,18 @@ void access(c10::StorageImpl& storage) {
     arm(storage, false);
     return;
   }
-  // A reclaim on another thread may drop it again before it is resident.
-  for (;;) {
-    r = rematerialize(storage, r);
-    if (r == nullptr) {
-      return;
-    }
-    DeviceEngine& e = *r->engine;
-    std::unique_lock<std::mutex> lock(e.mutex);
-    e.settled.wait(lock, [&] { return !r->busy; });
-    if (r->state == State::Dropped) {
-      continue;
-    }
-    if (r->state == State::Active) {
-      // Pinned: resident and off the reclaim list already, but perhaps paged
-      // in on another stream a moment ago.
-      waitUntilResident(e, *r, currentStream(e.device));
-      return;
-    }
-    makeResident(e, *r, storage, State::Allocated, lock);
+  std::unique_lock<std::mutex> lock;
+  r = settledResident(storage, r, lock);
+  if (r == nullptr) {
     return;
   }
+  if (r->state == State::Active) {
+    // Pinned: resident and off the reclaim list already, but perhaps paged
+    // in on another stream a moment ago.
+    waitUntilResident(*r->engine, *r, currentStream(r->engine->device));
+    return;
+  }
+  makeResident(*r->engine, *r, storage, State::Allocated, lock);
 }
 
 StorageState getState(const c10::StorageImpl& storage) {

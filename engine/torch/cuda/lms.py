@@ -770,8 +770,12 @@ def set_recompute_lms(enable: bool) -> None:
     anywhere (:func:`lms_storage_state` says ``"dropped"``); the inputs of its
     recipe are kept alive, and LMS may page them out like any other storage.
     When an operator needs the storage, LMS recomputes it by replaying its
-    producing operator on those inputs. The recomputed contents are
-    bit-identical to the dropped ones. ``PYTORCH_CUDA_ALLOC_CONF=lms_recompute:True``
+    producing operator on those inputs (recomputing them first if they were
+    dropped too), and an operator that writes one of those inputs has the
+    storage recomputed before it runs. The recomputed contents are
+    bit-identical to the dropped ones, unless the replay caught an
+    out-of-memory error inside it (a library such as cuDNN then runs an
+    algorithm that needs less memory); LMS warns when that happens. ``PYTORCH_CUDA_ALLOC_CONF=lms_recompute:True``
     turns it on too. ``lms_stats()`` reports ``drop_count``, ``drop_bytes``,
     ``recompute_count``, ``recompute_bytes``, ``recompute_ms`` and the gauge
     ``dropped_bytes``.
@@ -1078,34 +1082,13 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
     lines.append("-" * _WIDTH)
     lines.append(row("       Copies", "  Count   ", "   Size   "))
     lines.append("-" * _WIDTH)
-    lines.append(
-        row(
-            "Paged out",
-            _format_count(counters["pageout_count"]),
-            _format_size(counters["pageout_bytes"]),
-        )
-    )
-    lines.append(
-        row(
-            "Paged in",
-            _format_count(counters["pagein_count"]),
-            _format_size(counters["pagein_bytes"]),
-        )
-    )
-    lines.append(
-        row(
-            "Dropped (no copy)",
-            _format_count(counters["drop_count"]),
-            _format_size(counters["drop_bytes"]),
-        )
-    )
-    lines.append(
-        row(
-            "Recomputed",
-            _format_count(counters["recompute_count"]),
-            _format_size(counters["recompute_bytes"]),
-        )
-    )
+    for name, count, size in (
+        ("Paged out", "pageout_count", "pageout_bytes"),
+        ("Paged in", "pagein_count", "pagein_bytes"),
+        ("Dropped (no copy)", "drop_count", "drop_bytes"),
+        ("Recomputed", "recompute_count", "recompute_bytes"),
+    ):
+        lines.append(row(name, _format_count(counters[count]), _format_size(counters[size])))
     lines.append("-" * _WIDTH)
     lines.append(
         f" Reclaims: {counters['reclaim_limit']} at limit, "
