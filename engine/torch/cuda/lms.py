@@ -776,7 +776,8 @@ def set_recompute_lms(enable: bool) -> None:
     bit-identical to the dropped ones, unless the replay caught an
     out-of-memory error inside it (a library such as cuDNN then runs an
     algorithm that needs less memory); LMS warns when that happens.
-    ``PYTORCH_CUDA_ALLOC_CONF=lms_recompute:True`` turns it on too. ``lms_stats()`` reports ``drop_count``, ``drop_bytes``,
+    ``PYTORCH_CUDA_ALLOC_CONF=lms_recompute:True`` turns it on too.
+    ``lms_stats()`` reports ``drop_count``, ``drop_bytes``,
     ``recompute_count``, ``recompute_bytes``, ``recompute_ms`` and the gauge
     ``dropped_bytes``.
 
