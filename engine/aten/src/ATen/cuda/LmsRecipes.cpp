@@ -749,7 +749,8 @@ uint64_t signatureOf(const Capture& capture) {
     if (!impl.defined()) {
       continue;
     }
-    hash = mix(hash, static_cast<uint64_t>(impl->dtype().toScalarType()));
+    hash = mix(
+        hash, static_cast<uint64_t>(c10::typeMetaToScalarType(impl->dtype())));
     for (const int64_t size : impl->sizes()) {
       hash = mix(hash, static_cast<uint64_t>(size));
     }
