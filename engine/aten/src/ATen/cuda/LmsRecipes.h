@@ -15,10 +15,12 @@
 //
 // Correct by construction:
 // * Only operators on an allow-list of pure, deterministic functions
-//   (convolution, matrix products, pointwise arithmetic and activations,
-//   layer and group normalization, softmax, pooling, casts, embedding) whose
+//   (convolution, matrix products, pointwise operators whose backward reads
+//   their inputs, layer and group normalization, pooling, embedding) whose
 //   schema writes no argument and returns no alias: same inputs, same bits.
-//   Random operators are not on it.
+//   Their tensor arguments are ones autograd saves anyway, so keeping them
+//   alive for a dropped storage costs no memory. Random operators are not on
+//   it.
 // * A recipe is valid while its inputs and its output have the versions
 //   they had when it was recorded: an in-place write to either (through any
 //   view: views share the version counter) invalidates it, as it does
