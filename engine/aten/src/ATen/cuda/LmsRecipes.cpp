@@ -43,10 +43,12 @@ namespace engine = c10::cuda::lms;
 // schema writes nothing and returns no alias. Only operators whose tensor
 // arguments autograd saves for their own backward anyway: a dropped storage
 // keeps its recipe's arguments alive, and an argument that would otherwise
-// die (the scores under a softmax, the two sides of a residual add) would
-// then take memory that paging has to make room for. (ViT-L at 2x its
-// device: with softmax, add and friends on the list, recompute paged 15%
-// more and stalled three times as long as paging alone.)
+// die (the scores under a softmax, the two sides of a residual add) then
+// takes memory that paging has to make room for. (With softmax, add, relu
+// and casts on the list, ViT-L at 2x its device paged more and stalled
+// longer with recompute on than with paging alone,
+// benchmarks/results/recompute/2026-11-26-h200x2-12049f0/; this list is the
+// remedy that reasoning suggests, not yet measured.)
 bool onAllowList(std::string_view name) {
   static const std::unordered_set<std::string_view> names{
       // Convolution: saves its input and weight.
