@@ -366,13 +366,16 @@ bool outputHolds(const Recipe& recipe) {
 
 double costMs(c10::StorageImpl& storage) {
   std::shared_ptr<Recipe> recipe = find(contextOf(storage));
-  if (recipe == nullptr || !outputHolds(*recipe)) {
+  if (recipe == nullptr) {
     return -1.0;
   }
   double ms = 0.0;
   std::vector<std::pair<at::Tensor, bool>> inputs; // and whether on the GPU
   {
     std::lock_guard<std::mutex> lock(g_mutex);
+    if (!outputHolds(*recipe)) {
+      return -1.0;
+    }
     ms = recipe->timing != nullptr ? recipe->timing->read() : -1.0;
     if (ms < 0.0) {
       return -1.0;
