@@ -716,22 +716,69 @@ void pointAtHostCopy(Record& r, void* host_ptr, StorageRef& keep_alive) {
   dp = c10::DataPtr(host_ptr, ctx, &deleteRecord, device);
 }
 
-// Milliseconds a copy of `bytes` takes each way at the bandwidth measured so
+// Milliseconds per byte a copy takes one way at the bandwidth measured so
 // far (the other way's where one way has none yet), or -1 before any copy was
-// timed.
-double copyCost(DeviceEngine& e, size_t bytes, bool to_device) {
-  pollTimings(e, /*wait=*/false);
-  std::lock_guard<std::mutex> lock(e.timing_mutex);
+// timed. Timing lock held.
+double msPerByte(const DeviceEngine& e, bool to_device) {
   double ms = to_device ? e.bus_in_ms : e.bus_out_ms;
   double moved = to_device ? e.bus_in_bytes : e.bus_out_bytes;
   if (moved <= 0.0 || ms <= 0.0) {
     ms = to_device ? e.bus_out_ms : e.bus_in_ms;
     moved = to_device ? e.bus_out_bytes : e.bus_in_bytes;
   }
-  if (moved <= 0.0 || ms <= 0.0) {
-    return -1.0;
+  return moved <= 0.0 || ms <= 0.0 ? -1.0 : ms / moved;
+}
+
+// Milliseconds a copy of `bytes` takes one way (`to_device`), or both ways
+// (out and back in) when `both_ways`; -1 before any copy was timed.
+double copyCost(
+    DeviceEngine& e,
+    size_t bytes,
+    bool to_device,
+    bool both_ways = false) {
+  pollTimings(e, /*wait=*/false);
+  std::lock_guard<std::mutex> lock(e.timing_mutex);
+  double per_byte = msPerByte(e, to_device);
+  if (both_ways && per_byte >= 0.0) {
+    const double back = msPerByte(e, !to_device);
+    per_byte = back < 0.0 ? -1.0 : per_byte + back;
   }
-  return ms * static_cast<double>(bytes) / moved;
+  return per_byte < 0.0 ? -1.0 : per_byte * static_cast<double>(bytes);
+}
+
+// Gives a record's device memory back to the allocator, to be reused only
+// after the work queued so far on every stream that used it and after a
+// page-in copy that may still be writing it. In a deleter (`in_deleter`) a
+// CUDA error is a warning; elsewhere it throws.
+void releaseDeviceMemory(DeviceEngine& e, Record& r, bool in_deleter) {
+  const auto check = [in_deleter](cudaError_t err) {
+    if (in_deleter) {
+      C10_CUDA_CHECK_WARN(err);
+    } else {
+      C10_CUDA_CHECK(err);
+    }
+  };
+  if (r.device_ready != nullptr) {
+    check(cudaStreamWaitEvent(r.stream, r.device_ready, 0));
+    e.events.put(r.device_ready);
+    r.device_ready = nullptr;
+  }
+  if (r.device_ptr != nullptr) {
+    // Reuse is ordered on the allocation stream, which the allocator knows
+    // even for adopted storages. Other streams that used the memory since
+    // LMS last moved it are unknown to the allocator: order after them too.
+    if (!r.users.empty()) {
+      cudaEvent_t used = e.events.get(/*timing=*/false);
+      for (cudaStream_t s : r.users) {
+        check(cudaEventRecord(used, s));
+        check(cudaStreamWaitEvent(r.stream, used, 0));
+      }
+      e.events.put(used);
+    }
+    backend().free(r.device_ptr);
+    r.device_ptr = nullptr;
+  }
+  r.users.clear();
 }
 
 // Drops a victim instead of copying it out, when it has a recipe and
@@ -748,9 +795,9 @@ bool dropInstead(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
       r.device_ptr == nullptr) {
     return false;
   }
-  const double out = copyCost(e, r.size, /*to_device=*/false);
-  const double in = copyCost(e, r.size, /*to_device=*/true);
-  if (out < 0.0 || in < 0.0) {
+  const double paging =
+      copyCost(e, r.size, /*to_device=*/false, /*both_ways=*/true);
+  if (paging < 0.0) {
     return false;
   }
   StorageRef storage = r.owner.lock();
@@ -762,26 +809,11 @@ bool dropInstead(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
     return false;
   }
   const double cost = hooks->cost_ms(*storage);
-  if (cost < 0.0 || cost >= out + in || !hooks->retain(*storage)) {
+  if (cost < 0.0 || cost >= paging || !hooks->retain(*storage)) {
     return false;
   }
   DeviceScope guard(e.device);
-  if (!r.users.empty()) {
-    cudaEvent_t used = e.events.get(/*timing=*/false);
-    for (cudaStream_t s : r.users) {
-      C10_CUDA_CHECK(cudaEventRecord(used, s));
-      C10_CUDA_CHECK(cudaStreamWaitEvent(r.stream, used, 0));
-    }
-    e.events.put(used);
-  }
-  if (r.device_ready != nullptr) { // a prefetch copy may still be writing
-    C10_CUDA_CHECK(cudaStreamWaitEvent(r.stream, r.device_ready, 0));
-    e.events.put(r.device_ready);
-    r.device_ready = nullptr;
-  }
-  backend().free(r.device_ptr);
-  r.device_ptr = nullptr;
-  r.users.clear();
+  releaseDeviceMemory(e, r, /*in_deleter=*/false);
   r.dropped = true;
   const c10::Device device = dp.device();
   void* ctx = dp.release_context();
@@ -2338,24 +2370,7 @@ void deleteRecord(void* ctx) {
       r->device_ptr = nullptr;
     }
   }
-  if (r->device_ready != nullptr) {
-    C10_CUDA_CHECK_WARN(cudaStreamWaitEvent(r->stream, r->device_ready, 0));
-    e.events.put(r->device_ready);
-  }
-  if (r->device_ptr != nullptr) {
-    // Reuse is ordered on the allocation stream, which the allocator knows
-    // even for adopted storages. Other streams that used the memory since
-    // LMS last moved it are unknown to the allocator: order after them too.
-    if (!r->users.empty()) {
-      cudaEvent_t used = e.events.get(/*timing=*/false);
-      for (cudaStream_t s : r->users) {
-        C10_CUDA_CHECK_WARN(cudaEventRecord(used, s));
-        C10_CUDA_CHECK_WARN(cudaStreamWaitEvent(r->stream, used, 0));
-      }
-      e.events.put(used);
-    }
-    backend().free(r->device_ptr);
-  }
+  releaseDeviceMemory(e, *r, /*in_deleter=*/true);
   if (r->host.ptr != nullptr) {
     // The page-out copy may still be writing into the buffer.
     hostPool().release(r->host, r->host_ready, e.device);

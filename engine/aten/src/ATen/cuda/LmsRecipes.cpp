@@ -190,6 +190,18 @@ bool versionHolds(const c10::VariableVersion& counter, uint32_t version) {
 
 } // namespace
 
+namespace {
+
+uint64_t mix(uint64_t hash, uint64_t value) {
+  return (hash ^ value) * 0x100000001b3ULL; // FNV-1a step
+}
+
+uint64_t mix(uint64_t hash, const std::string& text) {
+  return mix(hash, std::hash<std::string>()(text));
+}
+
+} // namespace
+
 struct Capture {
   c10::OperatorHandle handle;
   std::vector<c10::IValue> args; // tensors left undefined
@@ -197,9 +209,16 @@ struct Capture {
   c10::impl::LocalDispatchKeySet keys; // in force when it ran
   c10::DeviceIndex device = -1;
   cudaEvent_t start = nullptr;
+  // The operator and its tensor arguments' types, sizes and strides: what
+  // its measured duration is shared by (fastest()).
+  uint64_t signature;
 
   explicit Capture(c10::OperatorHandle h)
-      : handle(std::move(h)), keys(c10::impl::tls_local_dispatch_key_set()) {}
+      : handle(std::move(h)),
+        keys(c10::impl::tls_local_dispatch_key_set()),
+        signature(
+            mix(mix(0xcbf29ce484222325ULL, handle.schema().name()),
+                handle.schema().overload_name())) {}
 };
 
 void CaptureDeleter::operator()(Capture* capture) const {
@@ -715,6 +734,14 @@ CapturePtr capture(const at::RecordFunction& fn) {
         capture->device = arg.storage->device().index();
       }
       capture->tensors.push_back(std::move(arg));
+      uint64_t& hash = capture->signature;
+      hash = mix(hash, static_cast<uint64_t>(tensor.scalar_type()));
+      for (const int64_t size : tensor.sizes()) {
+        hash = mix(hash, static_cast<uint64_t>(size));
+      }
+      for (const int64_t stride : tensor.strides()) {
+        hash = mix(hash, static_cast<uint64_t>(stride));
+      }
       capture->args.emplace_back(at::Tensor());
     } else {
       capture->args.push_back(value);
@@ -729,44 +756,13 @@ CapturePtr capture(const at::RecordFunction& fn) {
   return capture;
 }
 
-namespace {
-
-uint64_t mix(uint64_t hash, uint64_t value) {
-  return (hash ^ value) * 0x100000001b3ULL; // FNV-1a step
-}
-
-uint64_t signatureOf(const Capture& capture) {
-  uint64_t hash =
-      mix(0xcbf29ce484222325ULL,
-          std::hash<std::string>()(capture.handle.schema().name()));
-  hash = mix(
-      hash, std::hash<std::string>()(capture.handle.schema().overload_name()));
-  for (const TensorArg& arg : capture.tensors) {
-    TensorStrong impl = arg.weak.lock();
-    if (!impl.defined()) {
-      continue;
-    }
-    hash = mix(
-        hash, static_cast<uint64_t>(c10::typeMetaToScalarType(impl->dtype())));
-    for (const int64_t size : impl->sizes()) {
-      hash = mix(hash, static_cast<uint64_t>(size));
-    }
-    for (const int64_t stride : impl->strides()) {
-      hash = mix(hash, static_cast<uint64_t>(stride));
-    }
-  }
-  return hash;
-}
-
-} // namespace
-
 void record(const at::RecordFunction& fn, Capture& capture) {
   if (std::uncaught_exceptions() > 0) {
     return; // the operator failed: nothing to record
   }
   auto timing = std::make_shared<Timing>();
   timing->device = capture.device;
-  timing->signature = signatureOf(capture);
+  timing->signature = capture.signature;
   timing->start = std::exchange(capture.start, nullptr);
   timing->end = events().get(capture.device);
   C10_CUDA_CHECK(cudaEventRecord(
