@@ -65,6 +65,8 @@ COUNTERS = (
     "recompute_count",
     "recompute_bytes",
     "recompute_ms",
+    "recompute_input_prefetch_count",
+    "recompute_input_prefetch_bytes",
     "oom_count",
     "pin_failures",
     "cache_releases",

@@ -5,6 +5,7 @@
 #include "lms_test.h"
 #include "lms_test_allocator.h"
 #include "lms_test_data.h"
+#include "lms_test_recipes.h"
 #include "lms_test_storage.h"
 
 #include <c10/core/StorageImpl.h>
@@ -1254,87 +1255,9 @@ TEST_CASE(devices_reclaim_independently) {
 // into a new storage.
 // ---------------------------------------------------------------------------
 
-struct FakeRecipes {
-  std::mutex mutex;
-  std::map<void*, uint64_t> seed; // by DataPtr context
-  double cost_ms = 0.0;
-  bool valid = true;
-  int forgotten = 0;
-  int replays = 0;
-  bool fail_next = false;
-  // Pinned (and so recomputed first) before a storage is replayed.
-  std::map<c10::StorageImpl*, c10::StorageImpl*> input_of;
-};
-
-FakeRecipes& recipes() {
-  static FakeRecipes r;
-  return r;
-}
-
-double fakeCost(c10::StorageImpl& storage) {
-  FakeRecipes& r = recipes();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  const bool known =
-      r.seed.count(storage._mutable_data_ptr_no_checks().get_context()) > 0;
-  return known && r.valid ? r.cost_ms : -1.0;
-}
-
-bool fakeRetain(c10::StorageImpl& storage) {
-  return fakeCost(storage) >= 0.0;
-}
-
-void fakeRecompute(c10::StorageImpl& storage) {
-  FakeRecipes& r = recipes();
-  uint64_t seed = 0;
-  c10::StorageImpl* input = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(r.mutex);
-    if (r.fail_next) {
-      r.fail_next = false;
-      TORCH_CHECK(false, "fake recompute failure");
-    }
-    seed = r.seed.at(storage._mutable_data_ptr_no_checks().get_context());
-    const auto it = r.input_of.find(&storage);
-    input = it != r.input_of.end() ? it->second : nullptr;
-    ++r.replays;
-  }
-  if (input != nullptr) {
-    lms::pin(*input); // recomputes it first if it was dropped too
-  }
-  auto fresh = newStorage(storage.nbytes());
-  const auto words = pattern(storage.nbytes(), seed);
-  C10_CUDA_CHECK(cudaMemcpyAsync(
-      fresh->_mutable_data_ptr_no_checks().get(),
-      words.data(),
-      storage.nbytes(),
-      cudaMemcpyHostToDevice,
-      lms_test::stream()));
-  C10_CUDA_CHECK(cudaStreamSynchronize(lms_test::stream()));
-  if (input != nullptr) {
-    lms::unpin(*input);
-  }
-  void* old_context = storage._mutable_data_ptr_no_checks().get_context();
-  void* context = lms::fillDropped(storage, *fresh);
-  {
-    std::lock_guard<std::mutex> lock(r.mutex);
-    r.seed.erase(old_context);
-    r.seed[context] = seed;
-  }
-  lms::setRecomputable(storage, true);
-}
-
-void fakeForget(void* context) {
-  FakeRecipes& r = recipes();
-  std::lock_guard<std::mutex> lock(r.mutex);
-  r.seed.erase(context);
-  ++r.forgotten;
-}
-
-const lms::RecomputeHooks kFakeHooks{
-    &fakeCost,
-    &fakeRetain,
-    &fakeRecompute,
-    &fakeForget};
+using lms_test::FakeRecipes;
+using lms_test::kFakeHooks;
+using lms_test::recipes;
 
 // Installs the fake recipes and times copies (a drop needs the bandwidth
 // measured) for a test.

@@ -13,6 +13,7 @@
 #include "lms_test.h"
 #include "lms_test_allocator.h"
 #include "lms_test_data.h"
+#include "lms_test_recipes.h"
 
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -40,6 +41,7 @@
 extern "C" {
 __attribute__((weak)) size_t simgpu_device_bytes_in_use(int device);
 __attribute__((weak)) size_t simgpu_host_bytes_in_use(void);
+__attribute__((weak)) void simgpu_set_copy_bandwidth(double bytes_per_second);
 }
 
 namespace {
@@ -835,6 +837,132 @@ TEST_CASE(training_loop_runs_on_the_learned_schedule) {
     CHECK_EQ(st.pagein_demand_count, int64_t(0));
     CHECK_EQ(st.prefetch_late, int64_t(0));
     CHECK_EQ(run.mismatches, 0);
+  }
+  checkBaseline();
+}
+
+// Recompute on the learned schedule: each layer's activation has a recipe
+// that reads the activation before it (as a convolution's output is made from
+// its saved input), which the backward pass uses only after it. Under the
+// limit some are dropped; the schedule files a dropped storage under its next
+// use like a paged-out one and pages its recipe's input in ahead of it, so
+// the recompute, on demand, finds the input resident.
+TEST_CASE(
+    the_inputs_of_dropped_storages_are_paged_in_ahead_of_their_recompute) {
+  lms_test::FakeRecipes& fake = lms_test::recipes();
+  {
+    std::lock_guard<std::mutex> lock(fake.mutex);
+    fake.seed.clear();
+    fake.input_of.clear();
+    fake.cost_ms = 0.0;
+    fake.valid = true;
+  }
+  // Copies take time (a drop is priced against the measured bus).
+  if (simgpu_set_copy_bandwidth != nullptr) {
+    simgpu_set_copy_bandwidth(2e9);
+  }
+  lms::setRecomputeHooks(&lms_test::kFakeHooks);
+  lms::setRecomputeEnabled(true);
+  {
+    // Peak demand about 48 MiB: at 42 MiB a few activations are dropped and
+    // the inputs paged in for their recompute stay until it.
+    Runner run(42 * kMiB);
+    lms::setPrefetchBudget(12 * kMiB);
+    lms::setLookahead(6);
+    Model m = makeModel(run);
+    const auto train = [&](int iteration) {
+      const uint64_t base = static_cast<uint64_t>(iteration) * 1000;
+      Tensor x;
+      run.op("input", {}, [&] { x = run.output(kActivation, base + 999); });
+      run.endOutputs();
+      std::vector<Tensor> acts;
+      acts.reserve(kLayers);
+      Tensor* prev = &x;
+      for (int i = 0; i < kLayers; ++i) {
+        Tensor a;
+        run.op("forward", {&m.weights[i], prev}, [&] {
+          a = run.output(kActivation, base + i);
+        });
+        {
+          std::lock_guard<std::mutex> lock(fake.mutex);
+          fake.seed[a.storage->_mutable_data_ptr_no_checks().get_context()] =
+              a.seed;
+          fake.input_of[a.storage.get()] = prev->storage.get();
+        }
+        lms::setRecomputable(*a.storage, true);
+        run.endOutputs();
+        acts.push_back(a);
+        prev = &acts.back();
+      }
+      Tensor grad;
+      run.op("loss", {&acts.back()}, [&] {
+        grad = run.output(kActivation, base + 100);
+      });
+      run.endOutputs();
+      for (int i = kLayers - 1; i >= 0; --i) {
+        Tensor next;
+        run.op("backward", {&m.weights[i], &acts[i], &grad}, [&] {
+          next = run.output(kActivation, base + 200 + i);
+        });
+        run.endOutputs();
+        grad = next;
+        {
+          std::lock_guard<std::mutex> lock(fake.mutex);
+          fake.input_of.erase(acts[i].storage.get());
+        }
+        acts[i] = Tensor{};
+      }
+      for (int i = 0; i < kLayers; ++i) {
+        run.op("step", {&m.weights[i]}, [&] {
+          run.update(m.weights[i], base + 300 + i);
+        });
+      }
+    };
+    int iteration = 0;
+    for (; iteration < 4; ++iteration) {
+      train(iteration);
+    }
+    REQUIRE(lms::getStats(0).schedule_active == 1);
+    lms::resetAccumulatedStats(0);
+    {
+      std::lock_guard<std::mutex> lock(fake.mutex);
+      fake.inputs_paged_out = 0;
+    }
+    for (; iteration < 8; ++iteration) {
+      train(iteration);
+    }
+    const auto st = lms::getStats(0);
+    int inputs_paged_out = 0;
+    {
+      std::lock_guard<std::mutex> lock(fake.mutex);
+      inputs_paged_out = fake.inputs_paged_out;
+    }
+    std::printf(
+        "  steady state, 4 iterations: %lld dropped, %lld recomputed (%d "
+        "with the input paged out), %lld recipe inputs paged in ahead, %lld "
+        "page-ins on demand, %lld page-outs\n",
+        static_cast<long long>(st.drop_count),
+        static_cast<long long>(st.recompute_count),
+        inputs_paged_out,
+        static_cast<long long>(st.recompute_input_prefetch_count),
+        static_cast<long long>(st.pagein_demand_count),
+        static_cast<long long>(st.pageout_count));
+    CHECK_EQ(st.schedule_active, int64_t(1));
+    CHECK(st.drop_count > 0);
+    CHECK(st.recompute_count > 0);
+    CHECK(st.recompute_input_prefetch_count > 0);
+    // Without the inputs paged in ahead, every recompute here finds its input
+    // paged out and pages it in on demand.
+    CHECK_EQ(inputs_paged_out, 0);
+    CHECK_EQ(
+        st.recompute_input_prefetch_bytes,
+        st.recompute_input_prefetch_count * int64_t(kActivation));
+    CHECK_EQ(run.mismatches, 0);
+  }
+  lms::setRecomputeEnabled(false);
+  lms::setRecomputeHooks(nullptr);
+  if (simgpu_set_copy_bandwidth != nullptr) {
+    simgpu_set_copy_bandwidth(0);
   }
   checkBaseline();
 }

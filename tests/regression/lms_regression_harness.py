@@ -175,6 +175,8 @@ OPTIONAL_STATS = (
     "recompute_count",
     "recompute_bytes",
     "recompute_ms",
+    "recompute_input_prefetch_count",
+    "recompute_input_prefetch_bytes",
     "copy_out_bytes",
     "copy_out_ms",
     "copy_in_bytes",

@@ -182,6 +182,11 @@ struct Record {
   std::atomic<uint64_t> touch{0};
   // The gap before that touch (AccessSchedule::Use::gap).
   std::atomic<uint64_t> gap{0};
+  // The operator clock by which a dropped storage's recompute reads it (0:
+  // none): an input of a recipe, paged in or kept for that recompute, is no
+  // victim before then, although its own next use may come much later.
+  // Cleared by its next use.
+  std::atomic<uint64_t> needed_by{0};
   // Paged out early by the schedule: the copy to host is queued on the D2H
   // stream, and the device memory is kept until it is done (then freed with
   // no stream waiting), or until the storage is used again (then no copy
@@ -360,6 +365,8 @@ struct DeviceEngine {
   double bus_out_bytes = 0.0;
   double bus_in_ms = 0.0;
   double bus_in_bytes = 0.0;
+  // Stall timed over the same copies: how much of their time streams waited.
+  double bus_stall_ms = 0.0;
 
   cudaStream_t copyStream() {
     std::lock_guard<std::mutex> lock(mutex);
@@ -501,6 +508,7 @@ void pollTimings(DeviceEngine& e, bool wait) {
     switch (s.what) {
       case Timed::Stall:
         e.stall_ms += elapsed;
+        e.bus_stall_ms += elapsed;
         break;
       case Timed::CopyOut:
         e.copy_out_ms += elapsed;
@@ -521,6 +529,21 @@ void pollTimings(DeviceEngine& e, bool wait) {
     e.events.put(s.start);
     e.events.put(s.end);
     e.timings.pop_front();
+  }
+  // The cost model follows the recent copies: halving every accumulator
+  // keeps the bandwidth and the stall share of roughly the last few seconds
+  // of copy time, so a schedule that learns to hide copies lowers the price
+  // of paging within an iteration or two.
+  constexpr double kBusWindowMs = 2000.0;
+  if (e.bus_out_ms + e.bus_in_ms > kBusWindowMs) {
+    for (double* v :
+         {&e.bus_out_ms,
+          &e.bus_out_bytes,
+          &e.bus_in_ms,
+          &e.bus_in_bytes,
+          &e.bus_stall_ms}) {
+      *v /= 2.0;
+    }
   }
 }
 
@@ -746,6 +769,23 @@ double copyCost(
   return per_byte < 0.0 ? -1.0 : per_byte * static_cast<double>(bytes);
 }
 
+// What paging `bytes` out and back in costs the program: both copies' time,
+// times the share of recent copy time that streams spent waiting for copies
+// (at most 1). A copy the learned schedule hides behind compute costs
+// nothing; a recompute always runs on the compute stream.
+double pagingCost(DeviceEngine& e, size_t bytes) {
+  const double both =
+      copyCost(e, bytes, /*to_device=*/false, /*both_ways=*/true);
+  if (both < 0.0) {
+    return -1.0;
+  }
+  std::lock_guard<std::mutex> lock(e.timing_mutex);
+  const double copying = e.bus_out_ms + e.bus_in_ms;
+  const double share =
+      copying > 0.0 ? std::min(1.0, e.bus_stall_ms / copying) : 1.0;
+  return both * share;
+}
+
 // Gives a record's device memory back to the allocator, to be reused only
 // after the work queued so far on every stream that used it and after a
 // page-in copy that may still be writing it. In a deleter (`in_deleter`) a
@@ -782,12 +822,13 @@ void releaseDeviceMemory(DeviceEngine& e, Record& r, bool in_deleter) {
 }
 
 // Drops a victim instead of copying it out, when it has a recipe and
-// recomputing it costs less than paging it out and back in at the measured
-// bandwidth (before any copy was timed, victims are paged out: that measures
-// it). Its memory goes back to the allocator in the order of every stream
-// that used it, and its DataPtr holds no address until it is recomputed. The
-// victim is busy and on no list; the engine lock is not held. Returns false,
-// nothing changed, when the victim is to be paged out.
+// recomputing it costs less than paging it out and back in (pagingCost():
+// the copies at the measured bandwidth, as far as they make streams wait;
+// before any copy was timed, victims are paged out: that measures it). Its
+// memory goes back to the allocator in the order of every stream that used it,
+// and its DataPtr holds no address until it is recomputed. The victim is busy
+// and on no list; the engine lock is not held. Returns false, nothing changed,
+// when the victim is to be paged out.
 bool dropInstead(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
   const RecomputeHooks* hooks = g_recompute_hooks.load();
   if (!r.recomputable || hooks == nullptr || !g_recompute.load() ||
@@ -795,8 +836,7 @@ bool dropInstead(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
       r.device_ptr == nullptr) {
     return false;
   }
-  const double paging =
-      copyCost(e, r.size, /*to_device=*/false, /*both_ways=*/true);
+  const double paging = pagingCost(e, r.size);
   if (paging < 0.0) {
     return false;
   }
@@ -1138,11 +1178,13 @@ size_t reclaimFragments(DeviceEngine& e, size_t size, cudaStream_t stream) {
 
 void markPagedOut(DeviceEngine& e, Record& r, List& list) {
   if (r.dropped) {
-    // Nothing to page in ahead: the prefetch paths never see it.
     r.dropped = false;
     r.state = State::Dropped;
     clearPrefetched(e, r);
     e.dropped_list.push_back(&r);
+    // Filed by its next use too: the schedule pages its recipe's inputs in
+    // ahead of the recompute (prefetchUpcoming).
+    addUpcoming(e, r);
     ++e.stats.drop_count;
     e.stats.drop_bytes += static_cast<int64_t>(r.size);
     add(e.stats.inactive_bytes, -static_cast<int64_t>(r.size));
@@ -1492,7 +1534,13 @@ void waitUntilResident(DeviceEngine& e, Record& r, cudaStream_t stream) {
   const cudaError_t err = cudaEventQuery(r.device_ready);
   if (err == cudaErrorNotReady) {
     (void)cudaGetLastError(); // not an error: clear the sticky state
+    // A page-in that has not finished: the stream's wait for it is stall.
+    cudaEvent_t reached = e.events.get(/*timing=*/true);
+    C10_CUDA_CHECK(cudaEventRecord(reached, stream));
     C10_CUDA_CHECK(cudaStreamWaitEvent(stream, r.device_ready, 0));
+    cudaEvent_t waited = e.events.get(/*timing=*/true);
+    C10_CUDA_CHECK(cudaEventRecord(waited, stream));
+    addStall(e, reached, waited);
     return; // other streams may still need it
   }
   C10_CUDA_CHECK(err);
@@ -1634,7 +1682,7 @@ void refileUpcoming(DeviceEngine& e, uint64_t generation) {
     r->upcoming = false;
   }
   e.upcoming.clear();
-  for (List* list : {&e.pagedout_list, &e.draining_list}) {
+  for (List* list : {&e.pagedout_list, &e.draining_list, &e.dropped_list}) {
     for (Record* r = list->head; r != nullptr; r = r->next) {
       addUpcoming(e, *r);
     }
@@ -1664,7 +1712,14 @@ Record* pickVictim(DeviceEngine& e, size_t threshold, uint64_t protect_until) {
         }
         const uint64_t touch = r->touch.load();
         const uint64_t gap = r->gap.load();
-        const uint64_t next = schedule.nextUse(touch, r->size, gap);
+        uint64_t next = schedule.nextUse(touch, r->size, gap);
+        const uint64_t needed = r->needed_by.load(std::memory_order_relaxed);
+        if (needed != 0) {
+          if (protect_until != 0) {
+            continue; // kept for a recompute: no early page-out
+          }
+          next = std::min(next, needed);
+        }
         if (protect_until != 0 &&
             schedule.deathBeforeUse(touch, r->size, gap) <= protect_until) {
           continue;
@@ -1854,9 +1909,60 @@ bool prefetchTaken(
   return ok;
 }
 
+// Pages in, on the H2D stream, the paged-out inputs of the recipe of dropped
+// `storage`, whose next use is at operator clock `next`, while the prefetched
+// bytes not yet used stay within `budget`: its recompute, on demand, then
+// finds them resident instead of paging them in on the compute stream. Every
+// input is marked needed by `next`, so that no victim choice takes it away
+// before. Returns false when the limit left no room. The engine lock is not
+// held.
+bool prefetchRecipeInputs(
+    DeviceEngine& e,
+    c10::StorageImpl& storage,
+    uint64_t next,
+    cudaStream_t stream,
+    size_t budget) {
+  const RecomputeHooks* hooks = g_recompute_hooks.load();
+  if (hooks == nullptr || hooks->inputs == nullptr) {
+    return true;
+  }
+  std::vector<StorageRef> inputs; // destroyed after every lock is released
+  hooks->inputs(storage, inputs);
+  for (const StorageRef& input : inputs) {
+    Record* r = recordOf(*input);
+    if (r == nullptr || r->engine != &e) {
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      const uint64_t needed = r->needed_by.load(std::memory_order_relaxed);
+      if (needed == 0 || next < needed) {
+        r->needed_by.store(next, std::memory_order_relaxed);
+      }
+      if (r->busy || r->state != State::PagedOut ||
+          e.prefetched_bytes + r->size > budget) {
+        continue;
+      }
+      if (!takeForPrefetch(e, *r)) {
+        continue;
+      }
+    }
+    if (!prefetchTaken(
+            e,
+            *r,
+            stream,
+            &LmsStats::recompute_input_prefetch_count,
+            &LmsStats::recompute_input_prefetch_bytes)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 // Pages in, on the H2D stream, the paged-out storages used within the next
 // `window` operators, soonest first, while the prefetched bytes not yet used
-// stay within `budget` and the limit has room.
+// stay within `budget` and the limit has room; for a dropped one, the inputs
+// its recompute reads (prefetchRecipeInputs).
 void prefetchUpcoming(
     DeviceEngine& e,
     uint64_t now,
@@ -1865,6 +1971,9 @@ void prefetchUpcoming(
   const cudaStream_t stream = currentStream(e.device);
   while (true) {
     Record* r = nullptr;
+    bool was_dropped = false;
+    uint64_t next = 0;
+    StorageRef dropped; // released after the engine lock
     {
       std::lock_guard<std::mutex> lock(e.mutex);
       // A predicted use that passed unseen: leave it to demand paging.
@@ -1876,12 +1985,27 @@ void prefetchUpcoming(
         return;
       }
       r = e.upcoming.begin()->second;
-      if (r->busy || e.prefetched_bytes + r->size > budget) {
+      if (r->state == State::Dropped) {
+        was_dropped = true;
+        next = e.upcoming.begin()->first;
+        removeUpcoming(e, *r);
+        if (!r->busy) {
+          dropped = r->owner.lock();
+        }
+      } else {
+        if (r->busy || e.prefetched_bytes + r->size > budget) {
+          return;
+        }
+        if (!takeForPrefetch(e, *r)) {
+          continue;
+        }
+      }
+    }
+    if (was_dropped) {
+      if (dropped && !prefetchRecipeInputs(e, *dropped, next, stream, budget)) {
         return;
       }
-      if (!takeForPrefetch(e, *r)) {
-        continue;
-      }
+      continue;
     }
     if (!prefetchTaken(e, *r, stream, &LmsStats::schedule_prefetch_count)) {
       // No room under the limit yet: early page-outs make some, and the
@@ -2215,6 +2339,7 @@ void noteUse(Record& r) {
     r.gap.store(now - last, std::memory_order_relaxed);
     r.touch.store(now, std::memory_order_relaxed);
   }
+  r.needed_by.store(0, std::memory_order_relaxed);
 }
 
 // Makes `r` resident for use on the current stream and moves it to `target`
@@ -3270,6 +3395,7 @@ void* fillDropped(c10::StorageImpl& dropped, c10::StorageImpl& fresh) {
         toString(publicState(f->state)),
         ")");
     e.dropped_list.remove(r);
+    removeUpcoming(e, *r);
     leave(e, *r);
     enter(e, *r, State::Allocated);
     clearFresh(e, *f);
@@ -3291,6 +3417,10 @@ void* fillDropped(c10::StorageImpl& dropped, c10::StorageImpl& fresh) {
 
 double copyCostMs(c10::DeviceIndex device, size_t bytes, bool to_device) {
   return copyCost(engineFor(device), bytes, to_device);
+}
+
+double pagingCostMs(c10::DeviceIndex device, size_t bytes) {
+  return pagingCost(engineFor(device), bytes);
 }
 
 void recordStream(const c10::DataPtr& data_ptr, cudaStream_t stream) {

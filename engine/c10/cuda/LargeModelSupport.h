@@ -382,6 +382,10 @@ struct LmsStats {
   int64_t recompute_count = 0;
   int64_t recompute_bytes = 0;
   double recompute_ms = 0.0;
+  // Inputs of dropped storages' recipes that the learned schedule paged in
+  // ahead of the recompute.
+  int64_t recompute_input_prefetch_count = 0;
+  int64_t recompute_input_prefetch_bytes = 0;
   int64_t oom_count = 0; // LMS out-of-memory errors raised
   // Operators whose inputs could not all be made resident.
   int64_t pin_failures = 0;
@@ -550,6 +554,12 @@ struct RecomputeHooks {
   // The allocation whose DataPtr context is `context` is gone: forget its
   // recipe. Called from the storage's deleter.
   void (*forget)(void* context);
+  // Appends to `out` the CUDA storages that recomputing dropped `storage`
+  // reads, so that the learned schedule can page them in ahead of its
+  // recompute. Same rules as cost_ms.
+  void (*inputs)(
+      c10::StorageImpl& storage,
+      std::vector<c10::intrusive_ptr<c10::StorageImpl>>& out);
 };
 C10_CUDA_API void setRecomputeHooks(const RecomputeHooks* hooks);
 
@@ -565,6 +575,14 @@ C10_CUDA_API void setRecomputable(c10::StorageImpl& storage, bool recomputable);
 C10_CUDA_API void* fillDropped(
     c10::StorageImpl& dropped,
     c10::StorageImpl& fresh);
+
+// What paging `bytes` out and back in costs the program on `device`, in
+// milliseconds: the copies' time both ways at the bandwidth measured so far,
+// times the share of copy time that recent copies made streams wait (the
+// learned schedule hides the rest behind compute). A storage is dropped
+// instead of paged out when recomputing it costs less. Negative before any
+// copy was timed.
+C10_CUDA_API double pagingCostMs(c10::DeviceIndex device, size_t bytes);
 
 // Milliseconds that copying `bytes` to the host (or back to the device)
 // takes at the bandwidth measured on `device` so far, or a negative value

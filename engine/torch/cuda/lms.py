@@ -139,6 +139,8 @@ _COUNTER_KEYS = (
     "recompute_count",
     "recompute_bytes",
     "recompute_ms",
+    "recompute_input_prefetch_count",
+    "recompute_input_prefetch_bytes",
     "oom_count",
     "pin_failures",
     "cache_releases",
@@ -760,26 +762,35 @@ def set_recompute_lms(enable: bool) -> None:
     r"""Enable or disable recomputing instead of paging (disabled by default).
 
     Operator-boundary pinning records, for each output of an operator on an
-    allow-list of pure, deterministic operators, a recipe: the operator and
-    its inputs. With this on, LMS decides per storage when it picks a victim:
-    a storage with a recipe is dropped instead of paged out when recomputing
-    it costs less than paging it, that is, when its producing operator's
-    measured duration (plus bringing back those of its inputs that are not
-    resident) is less than moving the storage over the bus both ways at the
-    copy bandwidth measured on the device. A dropped storage has no copy
+    allow-list of pure operators, a recipe: the operator and its inputs. The
+    list holds deterministic operators (convolution, matrix products,
+    pointwise operators whose backward reads their inputs, layer and group
+    normalization, pooling, embedding) and dropout, whose recipe saves the
+    state of the device's default CUDA generator and replays with it. With
+    this on, LMS decides per storage when it picks a victim: a storage with a
+    recipe is dropped instead of paged out when recomputing it costs less than
+    paging it. Recomputing costs its producing operator's measured duration,
+    plus bringing back those of its inputs that are not resident. Paging
+    costs moving the storage over the bus both ways at the copy bandwidth
+    measured on the device, times the share of recent copy time that made
+    streams wait (``stall_ms`` of :func:`lms_stats`, over the last few
+    seconds of copies: copies the learned schedule hides behind compute cost
+    nothing). A dropped storage has no copy
     anywhere (:func:`lms_storage_state` says ``"dropped"``); the inputs of its
-    recipe are kept alive, and LMS may page them out like any other storage.
-    When an operator needs the storage, LMS recomputes it by replaying its
-    producing operator on those inputs (recomputing them first if they were
-    dropped too), and an operator that writes one of those inputs has the
+    recipe are kept alive, and LMS may page them out like any other storage;
+    the learned schedule pages them in ahead of the dropped storage's next
+    use. When an operator needs the storage, LMS recomputes it by replaying
+    its producing operator on those inputs (recomputing them first if they
+    were dropped too), and an operator that writes one of those inputs has the
     storage recomputed before it runs. The recomputed contents are
     bit-identical to the dropped ones, unless the replay caught an
     out-of-memory error inside it (a library such as cuDNN then runs an
     algorithm that needs less memory); LMS warns when that happens.
     ``PYTORCH_CUDA_ALLOC_CONF=lms_recompute:True`` turns it on too.
     ``lms_stats()`` reports ``drop_count``, ``drop_bytes``,
-    ``recompute_count``, ``recompute_bytes``, ``recompute_ms`` and the gauge
-    ``dropped_bytes``.
+    ``recompute_count``, ``recompute_bytes``, ``recompute_ms``,
+    ``recompute_input_prefetch_count``, ``recompute_input_prefetch_bytes``
+    and the gauge ``dropped_bytes``.
 
     A recipe follows the version counters of its tensors: an in-place write
     to an input or to the output (an in-place operator on the tensor or on a
@@ -883,8 +894,11 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     - Recompute instead of paging (see :func:`set_recompute_lms`):
       ``drop_count`` and ``drop_bytes`` (victims dropped instead of paged out),
       ``recompute_count`` and ``recompute_bytes`` (dropped storages recomputed,
-      one operator replayed each) and ``recompute_ms`` (the device time the
-      replays took, timed on their streams).
+      one operator replayed each), ``recompute_ms`` (the device time the
+      replays took, timed on their streams), and
+      ``recompute_input_prefetch_count`` and ``recompute_input_prefetch_bytes``
+      (inputs of dropped storages' recipes that the learned schedule paged in
+      ahead of their recompute).
     - ``oom_count``: LMS out-of-memory errors raised.
     - ``pin_failures``: operators whose inputs could not all be made resident
       (each raised :class:`torch.OutOfMemoryError` at its first allocation, or,

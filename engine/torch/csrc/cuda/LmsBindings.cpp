@@ -277,6 +277,8 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["recompute_count"] = stats.recompute_count;
   dict["recompute_bytes"] = stats.recompute_bytes;
   dict["recompute_ms"] = stats.recompute_ms;
+  dict["recompute_input_prefetch_count"] = stats.recompute_input_prefetch_count;
+  dict["recompute_input_prefetch_bytes"] = stats.recompute_input_prefetch_bytes;
   dict["oom_count"] = stats.oom_count;
   dict["pin_failures"] = stats.pin_failures;
   dict["cache_releases"] = stats.cache_releases;

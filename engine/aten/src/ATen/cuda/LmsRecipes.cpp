@@ -4,10 +4,12 @@
 
 #include <ATen/cuda/LmsRecipes.h>
 
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/core/stack.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/core/GradMode.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
@@ -89,8 +91,20 @@ bool onAllowList(std::string_view name) {
       "aten::_adaptive_avg_pool2d",
       // Lookups: the indices are saved, the table is a parameter.
       "aten::embedding",
+      // Random (isRandom()): the output is saved by the operator that reads
+      // it next; the input, where it is alive (after a softmax, whose
+      // backward saves its output), costs nothing to keep.
+      "aten::dropout",
+      "aten::native_dropout",
   };
   return names.count(name) > 0;
+}
+
+// Operators on the allow-list that draw from the device's default CUDA
+// generator: their recipes save its state (seed and Philox offset) at the
+// operator's start, and a replay draws the same numbers from it.
+bool isRandom(std::string_view name) {
+  return name == "aten::dropout" || name == "aten::native_dropout";
 }
 
 thread_local int t_replaying = 0;
@@ -99,6 +113,11 @@ thread_local int t_replaying = 0;
 struct OperatorInfo {
   std::optional<c10::OperatorHandle> handle;
   bool pure = false; // on the allow-list, writes nothing, returns no alias
+  bool random = false; // draws from the default CUDA generator
+  // Has a CUDA kernel of its own and none for autocast: under autocast it
+  // runs on its arguments as given, so its recipe replays the same way
+  // whatever autocast's state at the replay.
+  bool cast_free = false;
   std::vector<size_t> written; // the arguments its schema writes
 };
 
@@ -125,6 +144,10 @@ const OperatorInfo& infoOf(const c10::OperatorName& name) {
       }
       slot->pure = onAllowList(name.name) && slot->written.empty() &&
           !schema.is_mutable() && !aliases;
+      slot->random = isRandom(name.name);
+      slot->cast_free =
+          handle->hasKernelForDispatchKey(c10::DispatchKey::CUDA) &&
+          !handle->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA);
       slot->handle.emplace(*handle);
     }
   }
@@ -188,6 +211,59 @@ bool versionHolds(const c10::VariableVersion& counter, uint32_t version) {
   return counter.enabled() && counter.current_version() == version;
 }
 
+// The state of a device's default CUDA generator: a random operator started
+// at it draws the same numbers again.
+struct GeneratorState {
+  uint64_t seed = 0;
+  uint64_t offset = 0; // Philox offset per thread
+};
+
+GeneratorState generatorState(c10::DeviceIndex device) {
+  at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  const auto* impl = gen.get<at::CUDAGeneratorImpl>();
+  return GeneratorState{impl->current_seed(), impl->philox_offset_per_thread()};
+}
+
+void setGeneratorState(c10::DeviceIndex device, const GeneratorState& state) {
+  at::Generator gen = at::cuda::detail::getDefaultCUDAGenerator(device);
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  auto* impl = gen.get<at::CUDAGeneratorImpl>();
+  if (impl->current_seed() != state.seed) {
+    impl->set_current_seed(state.seed); // resets the offset, set below
+  }
+  impl->set_philox_offset_per_thread(state.offset);
+}
+
+// Sets a device's default CUDA generator to a recipe's saved state for its
+// replay, and back to where it was afterwards: the program's own random
+// stream goes on as if the replay had not drawn. Another thread drawing from
+// the same generator during a replay would draw from the saved state; the
+// generator's lock cannot be held across the operator, which takes it.
+class GeneratorReplay {
+ public:
+  GeneratorReplay(c10::DeviceIndex device, const GeneratorState& saved)
+      : device_(device), before_(generatorState(device)) {
+    setGeneratorState(device_, saved);
+  }
+  GeneratorReplay(const GeneratorReplay&) = delete;
+  GeneratorReplay& operator=(const GeneratorReplay&) = delete;
+  ~GeneratorReplay() {
+    try {
+      setGeneratorState(device_, before_);
+    } catch (const std::exception& e) {
+      TORCH_WARN(
+          "Large Model Support: could not restore the CUDA generator after "
+          "recomputing a random operator: ",
+          e.what());
+    }
+  }
+
+ private:
+  c10::DeviceIndex device_;
+  GeneratorState before_;
+};
+
 } // namespace
 
 namespace {
@@ -208,6 +284,7 @@ struct Capture {
   std::vector<TensorArg> tensors;
   c10::impl::LocalDispatchKeySet keys; // in force when it ran
   c10::DeviceIndex device = -1;
+  std::optional<GeneratorState> rng; // a random operator's generator state
   cudaEvent_t start = nullptr;
   // The operator and its tensor arguments' types, sizes and strides: what
   // its measured duration is shared by (fastest()).
@@ -282,6 +359,7 @@ struct Recipe {
   std::vector<c10::IValue> args;
   std::vector<TensorArg> tensors;
   c10::impl::LocalDispatchKeySet keys;
+  std::optional<GeneratorState> rng;
   size_t output = 0; // which return
   c10::VariableVersion out_counter{c10::VariableVersion::DISABLED};
   uint32_t out_version = 0;
@@ -299,7 +377,8 @@ struct Recipe {
       : handle(capture.handle),
         args(capture.args),
         tensors(capture.tensors),
-        keys(capture.keys) {}
+        keys(capture.keys),
+        rng(capture.rng) {}
 };
 
 // Recipes by the DataPtr context of the allocation they make, and for each
@@ -584,6 +663,10 @@ void recompute(c10::StorageImpl& storage) {
     const c10::impl::ForceDispatchKeyGuard keys(recipe->keys);
     const c10::AutoGradMode no_grad(false);
     const uint64_t caught = engine::outOfMemoryErrorsRaised();
+    std::optional<GeneratorReplay> rng;
+    if (recipe->rng.has_value()) {
+      rng.emplace(recipe->device, *recipe->rng);
+    }
     ++t_replaying;
     try {
       recipe->handle.callBoxed(&stack);
@@ -646,7 +729,33 @@ void forget(void* context) {
   // Destroyed here, outside the lock: the inputs' deleters may come back.
 }
 
-const engine::RecomputeHooks kHooks{&costMs, &retain, &recompute, &forget};
+void inputsOf(
+    c10::StorageImpl& storage,
+    std::vector<c10::intrusive_ptr<c10::StorageImpl>>& out) {
+  std::shared_ptr<Recipe> recipe = find(contextOf(storage));
+  if (recipe == nullptr) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  for (const TensorArg& arg : recipe->tensors) {
+    if (arg.storage == nullptr || !arg.strong.defined()) {
+      continue; // not on a GPU, or not held: not retained
+    }
+    c10::StorageImpl* input = arg.strong.unsafeGetTensorImpl()
+                                  ->unsafe_storage()
+                                  .unsafeGetStorageImpl();
+    if (input != nullptr) {
+      out.push_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(input));
+    }
+  }
+}
+
+const engine::RecomputeHooks kHooks{
+    &costMs,
+    &retain,
+    &recompute,
+    &forget,
+    &inputsOf};
 
 bool collectable(const c10::IValue& value) {
   if (value.isTensorList() || value.isTuple() || value.isGenericDict()) {
@@ -700,12 +809,13 @@ CapturePtr capture(const at::RecordFunction& fn) {
   if (!name.has_value() || !onAllowList(name->name)) {
     return nullptr;
   }
-  // Under autocast, the inner operator it calls is the recipe.
-  if (autocastActive()) {
-    return nullptr;
-  }
   const OperatorInfo& info = infoOf(*name);
   if (!info.pure || !info.handle.has_value()) {
+    return nullptr;
+  }
+  // Under autocast, the recipe of an operator autocast casts for is the
+  // inner one it calls, with the casted arguments.
+  if (autocastActive() && !info.cast_free) {
     return nullptr;
   }
   const auto inputs = fn.inputs();
@@ -749,6 +859,10 @@ CapturePtr capture(const at::RecordFunction& fn) {
   }
   if (capture->device < 0) {
     return nullptr; // nothing on a GPU to time or recompute
+  }
+  if (info.random) {
+    // Before the operator runs: the state it starts drawing from.
+    capture->rng = generatorState(capture->device);
   }
   capture->start = events().get(capture->device);
   C10_CUDA_CHECK(cudaEventRecord(

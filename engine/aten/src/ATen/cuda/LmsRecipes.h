@@ -19,8 +19,10 @@
 //   their inputs, layer and group normalization, pooling, embedding) whose
 //   schema writes no argument and returns no alias: same inputs, same bits.
 //   Their tensor arguments are ones autograd saves anyway, so keeping them
-//   alive for a dropped storage costs no memory. Random operators are not on
-//   it.
+//   alive for a dropped storage costs no memory.
+// * Random operators on the list (dropout) save the state of the device's
+//   default CUDA generator (seed and Philox offset) when they start; a replay
+//   sets the generator to it, draws the same numbers, and sets it back.
 // * A recipe is valid while its inputs and its output have the versions
 //   they had when it was recorded: an in-place write to either (through any
 //   view: views share the version counter) invalidates it, as it does
@@ -33,9 +35,11 @@
 // * Recipes are taken at the outermost operator, whose outputs are what the
 //   program sees; operators nested deeper can run below autograd, where an
 //   in-place write does not bump the version counter. Under autocast, the
-//   recipe is the operator autocast calls with its casted arguments, one
-//   level down and still above autograd (the outer one would replay with the
-//   autocast state of the moment of the replay).
+//   recipe of an operator autocast casts for is the operator autocast calls
+//   with its casted arguments, one level down and still above autograd (the
+//   outer one would replay with the autocast state of the moment of the
+//   replay). An operator with a CUDA kernel and no autocast kernel runs on
+//   its arguments as given, and is its own recipe under autocast too.
 
 #include <ATen/record_function.h>
 

@@ -1,0 +1,128 @@
+#pragma once
+
+// A fake of the recipes operator-boundary pinning records for recompute
+// (c10::cuda::lms::RecomputeHooks): a storage's contents are the pattern of a
+// seed, and "replaying its operator" writes that pattern into a new storage
+// after pinning the storage it reads (input_of), which may itself be dropped.
+
+#include "lms_test_data.h"
+#include "lms_test_storage.h"
+
+#include <c10/core/StorageImpl.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/LargeModelSupport.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace lms_test {
+
+struct FakeRecipes {
+  std::mutex mutex;
+  std::map<void*, uint64_t> seed; // by DataPtr context
+  double cost_ms = 0.0;
+  bool valid = true;
+  int forgotten = 0;
+  int replays = 0;
+  // Replays whose input was paged out when they began (paged in on demand).
+  int inputs_paged_out = 0;
+  bool fail_next = false;
+  // Pinned (and so recomputed first) before a storage is replayed.
+  std::map<c10::StorageImpl*, c10::StorageImpl*> input_of;
+};
+
+inline FakeRecipes& recipes() {
+  static FakeRecipes r;
+  return r;
+}
+
+inline double fakeCost(c10::StorageImpl& storage) {
+  FakeRecipes& r = recipes();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const bool known =
+      r.seed.count(storage._mutable_data_ptr_no_checks().get_context()) > 0;
+  return known && r.valid ? r.cost_ms : -1.0;
+}
+
+inline bool fakeRetain(c10::StorageImpl& storage) {
+  return fakeCost(storage) >= 0.0;
+}
+
+inline void fakeRecompute(c10::StorageImpl& storage) {
+  FakeRecipes& r = recipes();
+  uint64_t seed = 0;
+  c10::StorageImpl* input = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    if (r.fail_next) {
+      r.fail_next = false;
+      TORCH_CHECK(false, "fake recompute failure");
+    }
+    seed = r.seed.at(storage._mutable_data_ptr_no_checks().get_context());
+    const auto it = r.input_of.find(&storage);
+    input = it != r.input_of.end() ? it->second : nullptr;
+    ++r.replays;
+  }
+  if (input != nullptr) {
+    if (c10::cuda::lms::getState(*input) ==
+        c10::cuda::lms::StorageState::PagedOut) {
+      std::lock_guard<std::mutex> lock(r.mutex);
+      ++r.inputs_paged_out;
+    }
+    c10::cuda::lms::pin(*input); // recomputes it first if it was dropped too
+  }
+  auto fresh = newStorage(storage.nbytes());
+  const auto words = pattern(storage.nbytes(), seed);
+  C10_CUDA_CHECK(cudaMemcpyAsync(
+      fresh->_mutable_data_ptr_no_checks().get(),
+      words.data(),
+      storage.nbytes(),
+      cudaMemcpyHostToDevice,
+      lms_test::stream()));
+  C10_CUDA_CHECK(cudaStreamSynchronize(lms_test::stream()));
+  if (input != nullptr) {
+    c10::cuda::lms::unpin(*input);
+  }
+  void* old_context = storage._mutable_data_ptr_no_checks().get_context();
+  void* context = c10::cuda::lms::fillDropped(storage, *fresh);
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.seed.erase(old_context);
+    r.seed[context] = seed;
+  }
+  c10::cuda::lms::setRecomputable(storage, true);
+}
+
+inline void fakeForget(void* context) {
+  FakeRecipes& r = recipes();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.seed.erase(context);
+  ++r.forgotten;
+}
+
+// Appends the storage a recipe reads (input_of), for the schedule to page in
+// ahead of the recompute.
+inline void fakeInputs(
+    c10::StorageImpl& storage,
+    std::vector<c10::intrusive_ptr<c10::StorageImpl>>& out) {
+  FakeRecipes& r = recipes();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  const auto it = r.input_of.find(&storage);
+  if (it != r.input_of.end()) {
+    out.push_back(
+        c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(it->second));
+  }
+}
+
+inline const c10::cuda::lms::RecomputeHooks kFakeHooks{
+    &fakeCost,
+    &fakeRetain,
+    &fakeRecompute,
+    &fakeForget,
+    &fakeInputs};
+
+} // namespace lms_test
