@@ -199,6 +199,18 @@ def settle() -> None:
     torch.cuda.empty_cache()
 
 
+def release_library_workspaces() -> None:
+    """Frees the workspaces cuBLAS and cuBLASLt keep per handle and stream
+    (``torch._C._cuda_clearCublasWorkspaces``). A thread's first matrix product creates one
+    for its handle and keeps it for the life of the process: a recompute that replays a
+    linear layer on the autograd thread creates one there, CUDA graph trees clear them around
+    each capture. Neither is memory of the model or of LMS."""
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        torch.cuda.synchronize()
+        clear_workspaces()
+
+
 def failed_allocations() -> int:
     """Allocations the caching allocator failed so far in this process (``num_ooms``)."""
     return torch.cuda.memory_stats().get("num_ooms", 0)
@@ -236,9 +248,11 @@ def check_capped_training(
     hybrid = RECOMPUTE if recompute is None else recompute
     settle()
     reference = train(make_model, make_batch, loss_fn, steps)
+    release_library_workspaces()
     settle()
-    # Taken after the reference run: libraries keep lazily created workspaces (cuBLAS,
-    # cuDNN) allocated for the life of the process, and those are not LMS's to return.
+    # Taken after the reference run: libraries keep lazily created workspaces (cuDNN, and
+    # cuBLAS's until released above) allocated for the life of the process, and those are
+    # not LMS's to return.
     baseline = torch.cuda.memory_allocated()
     peak, static = reference.peak_bytes, reference.static_bytes
     cap = int(static + cap_share * (peak - static))
@@ -295,6 +309,7 @@ def check_capped_training(
     assert_identical(reference, capped)
 
     del reference, capped
+    release_library_workspaces()
     settle()
     assert torch.cuda.memory_allocated() == baseline, "device memory did not return to baseline"
     assert host_bytes() == host_baseline, "LMS still holds pinned host memory"

@@ -328,13 +328,10 @@ def _settle_graphs_and_workspaces() -> None:
     """No CUDA graph tree and no cuBLAS workspace left: CUDA graph trees clear cuBLAS's
     workspaces around each warm-up and capture, compiled code without CUDA graphs keeps them
     for the life of the process, and neither is memory of the model or of LMS."""
-    from lms_regression_harness import settle
+    from lms_regression_harness import release_library_workspaces, settle
 
     torch._dynamo.reset()
-    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear_workspaces is not None:
-        torch.cuda.synchronize()
-        clear_workspaces()
+    release_library_workspaces()
     settle()
 
 

@@ -137,22 +137,53 @@ def test_a_write_to_the_output_invalidates_its_recipe() -> None:
     assert torch.equal(y.cpu(), want)
 
 
-def test_random_and_costly_storages_are_paged_out() -> None:
+def test_costly_storages_are_paged_out() -> None:
     _on()
     big = torch.ones(1 << 24, device="cuda")
-    d = F.dropout(big, p=0.5)  # random: not on the allow-list
-    want = d.cpu()
     # Recomputing s (16 MiB) would need all of big (64 MiB) paged in after it: dearer
     # than paging s out and in.
     s = big[: 1 << 22] * 3
     want_s = s.cpu()
     torch.cuda.synchronize()
     torch.cuda.reclaim_inactive()
-    assert storage_state(d) == "paged out"
     assert storage_state(big) == "paged out"
     assert storage_state(s) == "paged out"
-    assert torch.equal(d.cpu(), want)
     assert torch.equal(s.cpu(), want_s)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_dropout_replays_with_its_saved_generator_state(autocast: bool) -> None:
+    """A dropped dropout output comes back with the same mask although the program drew
+    from the generator since, and the replay leaves the program's generator where it was.
+    Under autocast the recipe is the inner native_dropout (dropout has no autocast kernel,
+    native_dropout a CUDA kernel and none for autocast)."""
+    _on()
+    row = _small(3, 1, 4096)  # under the size threshold: stays resident
+    h = row.expand(4096, 4096)  # kept: a recipe holds its inputs weakly
+
+    def make() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return F.dropout(h, p=0.5, training=True)  # 64 MiB, contiguous
+
+    _warm(make)
+    torch.cuda.manual_seed(11)
+    d = make()
+    want = d.cpu()
+    drawn = torch.cuda.get_rng_state()
+    torch.cuda.synchronize()
+    torch.cuda.reset_accumulated_lms_stats()
+    assert torch.cuda.reclaim_inactive() > 0
+    assert storage_state(d) == "dropped"
+    torch.rand(1000, device="cuda")  # the program's random stream moves on
+    moved = torch.cuda.get_rng_state()
+    assert not torch.equal(moved, drawn)
+    assert torch.equal(d.cpu(), want)  # recomputed: the same mask
+    assert torch.equal(torch.cuda.get_rng_state(), moved), "the replay moved the generator"
+    ops = torch.cuda.lms_recompute_operators()
+    name = "aten::native_dropout" if autocast else "aten::dropout"
+    assert name in ops, ops
+    assert ops[name]["drop_count"] == 1 and ops[name]["recompute_count"] == 1, ops
+    assert ops[name]["recompute_bytes"] == d.numel() * d.element_size()
 
 
 def test_recompute_off_pages_out() -> None:
@@ -208,6 +239,54 @@ class TokenMLP(torch.nn.Module):
         for block in self.blocks:
             x = x + block(x)
         return self.head(x.mean(dim=1))
+
+
+class DropoutAttention(torch.nn.Module):
+    """Attention blocks with dropout on the attention probabilities. Softmax's backward saves
+    the probabilities, so dropping dropout's output keeps nothing alive that would have died;
+    its replay must draw the same mask, or training diverges from the uncapped run."""
+
+    def __init__(self, width: int = 256, depth: int = 6, p: float = 0.1) -> None:
+        super().__init__()
+        self.p = p
+        self.scale = width**-0.5
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(width) for _ in range(depth))
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(width, 3 * width) for _ in range(depth))
+        self.out = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for norm, qkv, out in zip(self.norms, self.qkv, self.out):
+            q, k, v = qkv(norm(x)).chunk(3, dim=-1)
+            probs = torch.softmax(q @ k.transpose(-2, -1) * self.scale, dim=-1)
+            x = x + out(F.dropout(probs, self.p, self.training) @ v)
+        return self.head(x.mean(dim=1))
+
+
+def test_training_with_dropout_under_a_cap_is_bit_identical_with_recompute(
+    record: Callable[[str, Any], None],
+) -> None:
+    deterministic()
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator(device="cuda").manual_seed(700 + step)
+        tokens = torch.randn(16, 1024, 256, device="cuda", generator=g)
+        return tokens, torch.randint(0, 10, (16,), device="cuda", generator=g)
+
+    check_capped_training(
+        lambda: DropoutAttention().cuda(),
+        batch,
+        F.cross_entropy,
+        steps=4,
+        record=record,
+        cap_share=0.5,
+        recompute=True,
+    )
+    # The capped run's counts (the run without LMS after it drops nothing).
+    ops = torch.cuda.lms_recompute_operators()
+    record("recompute_operators", ops)
+    dropout = ops.get("aten::dropout", {})
+    assert dropout.get("recompute_count", 0) > 0, f"no dropout output was recomputed: {ops}"
 
 
 def test_training_under_a_cap_is_bit_identical_with_recompute(

@@ -68,6 +68,8 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "recompute_count": 5,
         "recompute_bytes": 5 * 4 * MiB,
         "recompute_ms": 2.5,
+        "recompute_input_prefetch_count": 1,
+        "recompute_input_prefetch_bytes": 4 * MiB,
         "oom_count": 0,
         "pin_failures": 0,
         "cache_releases": 0,
@@ -196,6 +198,17 @@ class FakeBindings:
 
     def _cuda_lms_resetAccumulatedStats(self, device: int) -> None:
         self._record("resetAccumulatedStats", device)
+
+    def _cuda_lms_recomputeOperators(self, device: int) -> dict[str, dict[str, int]]:
+        self._record("recomputeOperators", device)
+        return {
+            "aten::dropout": {
+                "drop_count": 3,
+                "drop_bytes": 3 * MiB,
+                "recompute_count": 2,
+                "recompute_bytes": 2 * MiB,
+            }
+        }
 
     def _cuda_lms_storageState(self, tensor: Any) -> str:
         return "unmanaged"
@@ -351,6 +364,19 @@ def test_stats_keys_and_copy(lms: ModuleType) -> None:
     assert set(stats) == set(lms._COUNTER_KEYS) | set(lms._GAUGE_KEYS)
     for gauge in lms._GAUGE_KEYS:
         assert set(stats[gauge]) == {"current", "peak"}
+
+
+def test_recompute_operators_per_device(lms: ModuleType) -> None:
+    counts = lms.lms_recompute_operators(device=1)
+    assert lms.fake.calls[-1] == ("recomputeOperators", (1,))
+    assert counts == {
+        "aten::dropout": {
+            "drop_count": 3,
+            "drop_bytes": 3 * MiB,
+            "recompute_count": 2,
+            "recompute_bytes": 2 * MiB,
+        }
+    }
 
 
 def test_storage_state(lms: ModuleType) -> None:

@@ -74,6 +74,7 @@ __all__ = [
     "get_schedule_lms",
     "get_size_lms",
     "get_speculative_lms",
+    "lms_recompute_operators",
     "lms_stats",
     "lms_storage_state",
     "reclaim_inactive",
@@ -942,6 +943,28 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     return dict(_lms_bindings()._cuda_lms_stats(_device(device)))
 
 
+def lms_recompute_operators(device: _DeviceArg = None) -> dict[str, dict[str, int]]:
+    r"""Return what recompute (see :func:`set_recompute_lms`) did on a device, per operator.
+
+    Keys are operator names (``"aten::convolution"``, ``"aten::dropout"``); each value
+    holds ``drop_count`` and ``drop_bytes`` (outputs of the operator dropped instead of
+    paged out) and ``recompute_count`` and ``recompute_bytes`` (dropped outputs recomputed
+    by replaying it), since the last :func:`reset_accumulated_lms_stats`. Their sums are
+    ``drop_count`` and the other totals of :func:`lms_stats` (an operator's storage that is
+    dropped again after a recompute counts again).
+
+    Args:
+        device (torch.device or int, optional): selected device. Returns the counts of the
+            current device, given by :func:`~torch.cuda.current_device`, if
+            :attr:`device` is ``None`` (default).
+
+    Returns:
+        dict: per operator name, its four counts (ints).
+    """
+    counts = _lms_bindings()._cuda_lms_recomputeOperators(_device(device))
+    return {str(name): {k: int(v) for k, v in entry.items()} for name, entry in counts.items()}
+
+
 def reset_peak_lms_stats(device: _DeviceArg = None) -> None:
     r"""Reset the ``"peak"`` values of the LMS gauges to their current values.
 
@@ -957,6 +980,8 @@ def reset_peak_lms_stats(device: _DeviceArg = None) -> None:
 
 def reset_accumulated_lms_stats(device: _DeviceArg = None) -> None:
     r"""Reset the LMS counters (copies, drops, reclaims, allocations, prefetch, stall time, OOMs).
+
+    The per-operator counts of :func:`lms_recompute_operators` are reset too.
 
     With LMS built in, :func:`~torch.cuda.reset_accumulated_memory_stats` does
     this too.

@@ -5,6 +5,7 @@
 #include <torch/csrc/cuda/LmsBindings.h>
 
 #include <ATen/cuda/LmsPinning.h>
+#include <ATen/cuda/LmsRecipes.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
@@ -158,6 +159,7 @@ void resetPeakStats(int64_t device) {
 }
 
 void resetAccumulatedStats(int64_t device) {
+  at::cuda::lms::recipes::resetOperatorCounts(checkedDevice(device));
   engine::resetAccumulatedStats(checkedDevice(device));
 }
 
@@ -201,6 +203,20 @@ int64_t getHostLimit() {
 
 void setRecompute(bool enabled) {
   engine::setRecomputeEnabled(enabled);
+}
+
+py::dict recomputeOperators(int64_t device) {
+  py::dict out;
+  for (const auto& [name, counts] :
+       at::cuda::lms::recipes::operatorCounts(checkedDevice(device))) {
+    py::dict entry;
+    entry["drop_count"] = counts.drops;
+    entry["drop_bytes"] = counts.drop_bytes;
+    entry["recompute_count"] = counts.recomputes;
+    entry["recompute_bytes"] = counts.recompute_bytes;
+    out[py::str(name)] = entry;
+  }
+  return out;
 }
 
 bool getRecompute() {
@@ -358,6 +374,9 @@ void initLmsBindings(PyObject* module) {
   m.def("_cuda_lms_getHostLimit", torch::wrap_pybind_function(&getHostLimit));
   m.def("_cuda_lms_setRecompute", torch::wrap_pybind_function(&setRecompute));
   m.def("_cuda_lms_getRecompute", torch::wrap_pybind_function(&getRecompute));
+  m.def(
+      "_cuda_lms_recomputeOperators",
+      torch::wrap_pybind_function(&recomputeOperators));
 }
 
 } // namespace torch::cuda::lms

@@ -390,6 +390,10 @@ auto& g_recipes = *new std::unordered_map<void*, std::shared_ptr<Recipe>>();
 auto& g_dependents =
     *new std::unordered_map<c10::StorageImpl*, std::vector<void*>>();
 std::atomic<size_t> g_dependent_count{0};
+// Per device and operator; guarded by g_mutex.
+auto& g_counts = *new std::unordered_map<
+    c10::DeviceIndex,
+    std::map<std::string, OperatorCounts>>();
 
 std::shared_ptr<Recipe> find(void* context) {
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -547,6 +551,11 @@ bool retain(c10::StorageImpl& storage) {
     }
     held.push_back(std::move(t));
   }
+  // A retained recipe is a drop: the engine drops the storage next.
+  OperatorCounts& counts =
+      g_counts[recipe.device][recipe.handle.schema().name()];
+  ++counts.drops;
+  counts.drop_bytes += static_cast<int64_t>(storage.nbytes());
   if (recipe.retained) {
     return true;
   }
@@ -707,6 +716,10 @@ void recompute(c10::StorageImpl& storage) {
     unretain(*recipe, context, dead);
     g_recipes.erase(context);
     g_recipes[now] = recipe;
+    OperatorCounts& counts =
+        g_counts[recipe->device][recipe->handle.schema().name()];
+    ++counts.recomputes;
+    counts.recompute_bytes += static_cast<int64_t>(storage.nbytes());
   }
   engine::setRecomputable(storage, true);
   stack.clear();
@@ -791,6 +804,18 @@ bool autocastActive() {
   // wrappers exclude it again around the operator they call.
   return !c10::impl::tls_is_dispatch_key_excluded(
       c10::DispatchKey::AutocastCUDA);
+}
+
+std::map<std::string, OperatorCounts> operatorCounts(c10::DeviceIndex device) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const auto it = g_counts.find(device);
+  return it != g_counts.end() ? it->second
+                              : std::map<std::string, OperatorCounts>();
+}
+
+void resetOperatorCounts(c10::DeviceIndex device) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_counts.erase(device);
 }
 
 static bool anyDependents() {

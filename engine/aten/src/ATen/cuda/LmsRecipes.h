@@ -42,8 +42,13 @@
 //   its arguments as given, and is its own recipe under autocast too.
 
 #include <ATen/record_function.h>
+#include <c10/core/Device.h>
+#include <c10/macros/Export.h>
 
+#include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
 
 namespace at::cuda::lms::recipes {
 
@@ -80,5 +85,17 @@ bool replaying();
 // Whether autocast for CUDA is in force for the operator being dispatched:
 // its recipe is then the operator autocast calls (one level down).
 bool autocastActive();
+
+// What recompute did on one device, per operator of the recipes: outputs
+// dropped and recomputed, and their bytes, since the last reset.
+struct OperatorCounts {
+  int64_t drops = 0;
+  int64_t drop_bytes = 0;
+  int64_t recomputes = 0;
+  int64_t recompute_bytes = 0;
+};
+TORCH_CUDA_CPP_API std::map<std::string, OperatorCounts> operatorCounts(
+    c10::DeviceIndex device);
+TORCH_CUDA_CPP_API void resetOperatorCounts(c10::DeviceIndex device);
 
 } // namespace at::cuda::lms::recipes
