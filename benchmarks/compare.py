@@ -370,6 +370,9 @@ class Measurement:
     recompute_bytes_per_iter: float | None = None
     recompute_ms_per_iter: float | None = None
     dropped_peak_bytes: int | None = None
+    # Per operator of the recipes, over the timed iterations: outputs dropped and recomputed,
+    # and their bytes (``torch.cuda.lms_recompute_operators``); None where LMS has no counts.
+    recompute_operators: dict[str, dict[str, int]] | None = None
 
     def finish_timing(self) -> None:
         if self.iteration_times:
@@ -2146,6 +2149,21 @@ def record_recompute(
         m.dropped_peak_bytes = int(gauge["peak"])
 
 
+def operator_counts_between(
+    before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
+) -> dict[str, dict[str, int]]:
+    """Per operator, the counts of ``torch.cuda.lms_recompute_operators`` that grew from
+    ``before`` to ``after`` (the timed iterations'); operators whose counts did not grow are
+    left out."""
+    grown: dict[str, dict[str, int]] = {}
+    for name, counts in after.items():
+        was = before.get(name, {})
+        delta = {key: value - was.get(key, 0) for key, value in counts.items()}
+        if any(delta.values()):
+            grown[name] = delta
+    return grown
+
+
 # ---------------------------------------------------------------------------------------
 # GPU work
 # ---------------------------------------------------------------------------------------
@@ -2227,6 +2245,7 @@ def train_measure(
     from _lms_setup import (
         apply_lms,
         is_oom,
+        lms_recompute_operators,
         lms_stats,
         memory_cap,
         release_pinned_host_cache,
@@ -2274,6 +2293,7 @@ def train_measure(
             model.train()
             optimizer = workload.make_optimizer(model, args.optimizer)
             before: dict[str, Any] | None = None
+            operators_before: dict[str, dict[str, int]] = {}
             allocator_before: dict[str, Any] = {}
 
             def one_step(step: int) -> None:
@@ -2297,6 +2317,7 @@ def train_measure(
                 if step == warmup:
                     torch.cuda.synchronize()
                     before = lms_stats()
+                    operators_before = lms_recompute_operators()
                     allocator_before = torch.cuda.memory_stats()
                     if isinstance(counter, models.StreamOffload):
                         counter.reset()
@@ -2324,6 +2345,9 @@ def train_measure(
                     m.warmup_times.append(elapsed)
                 step += 1
             after = lms_stats()
+            operators = operator_counts_between(operators_before, lms_recompute_operators())
+            if operators:
+                m.recompute_operators = operators
             allocator_after = torch.cuda.memory_stats()
             m.peak_allocated_bytes = torch.cuda.max_memory_allocated() - base
             retries = "num_alloc_retries"

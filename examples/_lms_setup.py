@@ -132,6 +132,17 @@ def lms_stats() -> dict[str, Any] | None:
     return dict(torch.cuda.lms_stats())
 
 
+def lms_recompute_operators() -> dict[str, dict[str, int]]:
+    """``torch.cuda.lms_recompute_operators()`` of the current device (drops and recomputes
+    per operator), or an empty dict without LMS or where this LMS has no such counts."""
+    import torch
+
+    counts = getattr(torch.cuda, "lms_recompute_operators", None)
+    if counts is None or not lms_available() or not torch.cuda.is_initialized():
+        return {}
+    return {str(name): dict(entry) for name, entry in counts().items()}
+
+
 def release_pinned_host_cache() -> None:
     """Returns the pinned host memory that PyTorch's caching host allocator keeps cached
     (``pin_memory=True`` tensors that died) to the system, where this PyTorch can."""

@@ -891,3 +891,17 @@ def test_train_measure_lms_hybrid_without_recompute_fails_the_row(
     assert m.status == "error" and "RecomputeUnavailable" in m.detail
     assert "set_recompute_lms" in m.detail
     assert events == [("apply_lms", False, False)]  # nothing built; LMS left off
+
+
+def test_operator_counts_between_keeps_what_grew() -> None:
+    before = {"aten::dropout": {"drop_count": 2, "recompute_count": 1}}
+    after = {
+        "aten::dropout": {"drop_count": 5, "recompute_count": 1},
+        "aten::linear": {"drop_count": 1, "recompute_count": 1},
+        "aten::gelu": {"drop_count": 0, "recompute_count": 0},
+    }
+    assert compare.operator_counts_between(before, after) == {
+        "aten::dropout": {"drop_count": 3, "recompute_count": 0},
+        "aten::linear": {"drop_count": 1, "recompute_count": 1},
+    }
+    assert compare.operator_counts_between(after, after) == {}
