@@ -373,6 +373,11 @@ class Measurement:
     # Per operator of the recipes, over the timed iterations: outputs dropped and recomputed,
     # and their bytes (``torch.cuda.lms_recompute_operators``); None where LMS has no counts.
     recompute_operators: dict[str, dict[str, int]] | None = None
+    # Per timed iteration: inputs of dropped storages' recipes the learned schedule paged in
+    # ahead of their recompute (bytes), and page-ins made on the compute stream when an
+    # operator (or a replay) needed a storage (count). None where the statistics lack them.
+    recompute_input_prefetch_bytes_per_iter: float | None = None
+    pagein_demand_count_per_iter: float | None = None
 
     def finish_timing(self) -> None:
         if self.iteration_times:
@@ -2144,6 +2149,10 @@ def record_recompute(
     m.recompute_count_per_iter = per_iteration("recompute_count")
     m.recompute_bytes_per_iter = per_iteration("recompute_bytes")
     m.recompute_ms_per_iter = per_iteration("recompute_ms")
+    if "recompute_input_prefetch_bytes" in after:
+        m.recompute_input_prefetch_bytes_per_iter = per_iteration("recompute_input_prefetch_bytes")
+    if "pagein_demand_count" in after:
+        m.pagein_demand_count_per_iter = per_iteration("pagein_demand_count")
     gauge = after.get("dropped_bytes")
     if isinstance(gauge, dict) and "peak" in gauge:
         m.dropped_peak_bytes = int(gauge["peak"])
@@ -2546,6 +2555,13 @@ def describe(m: Measurement) -> str:
             f"{(m.recompute_bytes_per_iter or 0) / GiB:.2f} GiB, recompute "
             f"{m.recompute_ms_per_iter or 0:.1f} ms per iter"
         )
+        if m.recompute_input_prefetch_bytes_per_iter is not None:
+            parts.append(
+                f"recipe inputs paged in ahead "
+                f"{m.recompute_input_prefetch_bytes_per_iter / GiB:.2f} GiB per iter"
+            )
+    if m.pagein_demand_count_per_iter:
+        parts.append(f"{m.pagein_demand_count_per_iter:.0f} page-ins on demand per iter")
     if m.peak_allocated_bytes is not None:
         parts.append(f"peak {m.peak_allocated_bytes / GiB:.2f} GiB")
     if m.oom_retries:

@@ -769,21 +769,22 @@ double copyCost(
   return per_byte < 0.0 ? -1.0 : per_byte * static_cast<double>(bytes);
 }
 
-// What paging `bytes` out and back in costs the program: both copies' time,
-// times the share of recent copy time that streams spent waiting for copies
-// (at most 1). A copy the learned schedule hides behind compute costs
-// nothing; a recompute always runs on the compute stream.
+// The share of recent copy time that streams spent waiting for copies (at
+// most 1; 1 before any copy was timed): what a copy costs the program per
+// millisecond of copying. A copy the learned schedule hides behind compute
+// costs nothing; a recompute always runs on the compute stream.
+double stallShare(DeviceEngine& e) {
+  std::lock_guard<std::mutex> lock(e.timing_mutex);
+  const double copying = e.bus_out_ms + e.bus_in_ms;
+  return copying > 0.0 ? std::min(1.0, e.bus_stall_ms / copying) : 1.0;
+}
+
+// What paging `bytes` out and back in costs the program: both copies' time
+// times the stall share.
 double pagingCost(DeviceEngine& e, size_t bytes) {
   const double both =
       copyCost(e, bytes, /*to_device=*/false, /*both_ways=*/true);
-  if (both < 0.0) {
-    return -1.0;
-  }
-  std::lock_guard<std::mutex> lock(e.timing_mutex);
-  const double copying = e.bus_out_ms + e.bus_in_ms;
-  const double share =
-      copying > 0.0 ? std::min(1.0, e.bus_stall_ms / copying) : 1.0;
-  return both * share;
+  return both < 0.0 ? -1.0 : both * stallShare(e);
 }
 
 // Gives a record's device memory back to the allocator, to be reused only
@@ -1921,7 +1922,12 @@ bool prefetchRecipeInputs(
     c10::StorageImpl& storage,
     uint64_t next,
     cudaStream_t stream,
-    size_t budget) {
+    size_t budget,
+    int depth = 0) {
+  // A dropped input is recomputed first, from its own recipe's inputs: those
+  // are paged in too, a few levels down (a GELU's output dropped with the
+  // linear layer's output it is made from).
+  constexpr int kMaxDepth = 4;
   const RecomputeHooks* hooks = g_recompute_hooks.load();
   if (hooks == nullptr || hooks->inputs == nullptr) {
     return true;
@@ -1933,19 +1939,30 @@ bool prefetchRecipeInputs(
     if (r == nullptr || r->engine != &e) {
       continue;
     }
+    bool dropped = false;
     {
       std::lock_guard<std::mutex> lock(e.mutex);
       const uint64_t needed = r->needed_by.load(std::memory_order_relaxed);
       if (needed == 0 || next < needed) {
         r->needed_by.store(next, std::memory_order_relaxed);
       }
-      if (r->busy || r->state != State::PagedOut ||
+      dropped = r->state == State::Dropped && !r->busy;
+      if (dropped || r->busy || r->state != State::PagedOut ||
           e.prefetched_bytes + r->size > budget) {
-        continue;
+        r = nullptr;
+      } else if (!takeForPrefetch(e, *r)) {
+        r = nullptr;
       }
-      if (!takeForPrefetch(e, *r)) {
-        continue;
+    }
+    if (dropped) {
+      if (depth < kMaxDepth &&
+          !prefetchRecipeInputs(e, *input, next, stream, budget, depth + 1)) {
+        return false;
       }
+      continue;
+    }
+    if (r == nullptr) {
+      continue;
     }
     if (!prefetchTaken(
             e,
@@ -3421,6 +3438,10 @@ double copyCostMs(c10::DeviceIndex device, size_t bytes, bool to_device) {
 
 double pagingCostMs(c10::DeviceIndex device, size_t bytes) {
   return pagingCost(engineFor(device), bytes);
+}
+
+double copyStallShare(c10::DeviceIndex device) {
+  return stallShare(engineFor(device));
 }
 
 void recordStream(const c10::DataPtr& data_ptr, cudaStream_t stream) {

@@ -584,6 +584,11 @@ C10_CUDA_API void* fillDropped(
 // copy was timed.
 C10_CUDA_API double pagingCostMs(c10::DeviceIndex device, size_t bytes);
 
+// The share of recent copy time on `device` that made streams wait (0 to 1;
+// 1 before any copy was timed): what a copy costs the program, per
+// millisecond of copying. pagingCostMs() is the copies' time times this.
+C10_CUDA_API double copyStallShare(c10::DeviceIndex device);
+
 // Milliseconds that copying `bytes` to the host (or back to the device)
 // takes at the bandwidth measured on `device` so far, or a negative value
 // before any copy was timed.

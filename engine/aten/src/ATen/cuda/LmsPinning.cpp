@@ -299,7 +299,15 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   // without managed inputs: the clock must not depend on what is managed.
   noteOperator(fn.name(), storages);
   if (storages.empty()) {
-    return nullptr;
+    // Nothing to pin, but its outputs may still have a recipe (a dropout of
+    // a broadcast row, an embedding of small indices).
+    recipes::CapturePtr capture = recipes::capture(fn);
+    if (capture == nullptr) {
+      return nullptr;
+    }
+    auto context = std::make_unique<PinnedStorages>();
+    context->capture = std::move(capture);
+    return context;
   }
   recomputeBeforeWrites(fn);
   if (engine::isRecomputeEnabled()) {

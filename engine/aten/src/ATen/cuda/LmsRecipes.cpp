@@ -501,12 +501,13 @@ double costMs(c10::StorageImpl& storage) {
         // A running operator uses it, and may be writing it.
         return -1.0;
       case engine::StorageState::PagedOut: {
+        // Priced as paging is: the copy as far as it makes streams wait.
         const double in =
             engine::copyCostMs(recipe->device, input->nbytes(), true);
         if (in < 0.0) {
           return -1.0;
         }
-        ms += in;
+        ms += in * engine::copyStallShare(recipe->device);
         break;
       }
       case engine::StorageState::Dropped: {
