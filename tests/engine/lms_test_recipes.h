@@ -73,7 +73,8 @@ inline void fakeRecompute(c10::StorageImpl& storage) {
       std::lock_guard<std::mutex> lock(r.mutex);
       ++r.inputs_paged_out;
     }
-    c10::cuda::lms::pin(*input); // recomputes it first if it was dropped too
+    // Recomputes it first if it was dropped too.
+    c10::cuda::lms::pinForRecompute(*input);
   }
   auto fresh = newStorage(storage.nbytes());
   const auto words = pattern(storage.nbytes(), seed);

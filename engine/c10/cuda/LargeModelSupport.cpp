@@ -2349,14 +2349,21 @@ void scheduleTick(DeviceEngine& e) {
 // A use of `r` by the running operator, resident or over the bus: the
 // learned schedule measures distances from the last one (see
 // AccessSchedule::Use).
+// Pins made for a recompute's replay on this thread (pinForRecompute): uses
+// the program does not make, which the learned schedule must not see.
+thread_local int t_recompute_pins = 0;
+
 void noteUse(Record& r) {
+  r.needed_by.store(0, std::memory_order_relaxed);
+  if (t_recompute_pins > 0) {
+    return;
+  }
   const uint64_t now = g_op_clock.load(std::memory_order_relaxed);
   const uint64_t last = r.touch.load(std::memory_order_relaxed);
   if (now > last) {
     r.gap.store(now - last, std::memory_order_relaxed);
     r.touch.store(now, std::memory_order_relaxed);
   }
-  r.needed_by.store(0, std::memory_order_relaxed);
 }
 
 // Makes `r` resident for use on the current stream and moves it to `target`
@@ -3010,6 +3017,16 @@ void pin(c10::StorageImpl& storage) {
   if (r != nullptr) {
     makeResident(*r->engine, *r, storage, State::Active, lock);
   }
+}
+
+void pinForRecompute(c10::StorageImpl& storage) {
+  ++t_recompute_pins;
+  struct Leave {
+    ~Leave() {
+      --t_recompute_pins;
+    }
+  } leave_scope;
+  pin(storage);
 }
 
 void unpin(c10::StorageImpl& storage) {

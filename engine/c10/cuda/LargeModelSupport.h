@@ -216,6 +216,11 @@ C10_CUDA_API const char* toString(StorageState state);
 // Makes the storage resident (paging it in on the current stream if needed)
 // and protects it from reclaim until the matching unpin().
 C10_CUDA_API void pin(c10::StorageImpl& storage);
+
+// pin() for a recompute's replay (RecomputeHooks::recompute), which reads
+// the storage where the program does not: the learned schedule, which knows
+// storages by when the program uses them, does not see this use.
+C10_CUDA_API void pinForRecompute(c10::StorageImpl& storage);
 // Ends one pin. When the last pin ends, the storage becomes inactive and
 // reclaimable; the current stream is remembered as a user of its memory.
 C10_CUDA_API void unpin(c10::StorageImpl& storage);

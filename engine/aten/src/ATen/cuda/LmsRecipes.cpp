@@ -596,7 +596,7 @@ class ReplayPins {
     if (std::find(pinned_.begin(), pinned_.end(), storage) != pinned_.end()) {
       return;
     }
-    engine::pin(*storage);
+    engine::pinForRecompute(*storage);
     if (engine::isManaged(storage->_mutable_data_ptr_no_checks())) {
       pinned_.push_back(storage);
     }
@@ -994,7 +994,7 @@ void beforeWrites(const at::RecordFunction& fn) {
     }
     // Recompute it while its inputs still hold what it was made from; after
     // the write its recipe would make something else.
-    engine::pin(*dropped);
+    engine::pinForRecompute(*dropped);
     engine::unpin(*dropped);
     std::lock_guard<std::mutex> lock(g_mutex);
     recipe->invalid = true;
