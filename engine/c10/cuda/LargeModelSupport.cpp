@@ -830,8 +830,29 @@ void releaseDeviceMemory(DeviceEngine& e, Record& r, bool in_deleter) {
 // and its DataPtr holds no address until it is recomputed. The victim is busy
 // and on no list; the engine lock is not held. Returns false, nothing changed,
 // when the victim is to be paged out.
+// PYTORCH_LMS_RECOMPUTE_LOG=1 prints every choice between dropping and paging
+// out a victim with a recipe to stderr (a diagnostic, not a setting).
+bool recomputeLog() {
+  static const bool on = [] {
+    const char* log = std::getenv("PYTORCH_LMS_RECOMPUTE_LOG");
+    return log != nullptr && *log != '\0' && std::string_view(log) != "0";
+  }();
+  return on;
+}
+
 bool dropInstead(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
   const RecomputeHooks* hooks = g_recompute_hooks.load();
+  if (recomputeLog() && hooks != nullptr && g_recompute.load()) {
+    std::fprintf(
+        stderr,
+        "LMS recompute: victim of %zu bytes: %s\n",
+        r.size,
+        !r.recomputable       ? "no recipe"
+            : r.graph_owned   ? "graph memory"
+            : r.draining      ? "draining"
+            : !r.stream_known ? "stream unknown"
+                              : "has a recipe");
+  }
   if (!r.recomputable || hooks == nullptr || !g_recompute.load() ||
       r.graph_owned || r.draining || !r.stream_known ||
       r.device_ptr == nullptr) {
@@ -850,7 +871,19 @@ bool dropInstead(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
     return false;
   }
   const double cost = hooks->cost_ms(*storage);
-  if (cost < 0.0 || cost >= paging || !hooks->retain(*storage)) {
+  const bool drop = cost >= 0.0 && cost < paging && hooks->retain(*storage);
+  if (recomputeLog()) {
+    std::fprintf(
+        stderr,
+        "LMS recompute: %zu bytes: recompute %.3f ms, paging %.3f ms (stall "
+        "share %.2f): %s\n",
+        r.size,
+        cost,
+        paging,
+        stallShare(e),
+        drop ? "dropped" : "paged out");
+  }
+  if (!drop) {
     return false;
   }
   DeviceScope guard(e.device);

@@ -24,6 +24,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -457,6 +459,27 @@ at::Tensor tensorOf(const TensorArg& arg) {
   return impl.defined() ? at::Tensor(std::move(impl)) : at::Tensor();
 }
 
+// PYTORCH_LMS_RECOMPUTE_LOG=1 (see the engine's dropInstead) also prints why a
+// recipe cannot price a recompute, and recipes an existing one blocks.
+bool recomputeLog() {
+  static const bool on = [] {
+    const char* log = std::getenv("PYTORCH_LMS_RECOMPUTE_LOG");
+    return log != nullptr && *log != '\0' && std::string_view(log) != "0";
+  }();
+  return on;
+}
+
+double noCost(const Recipe& recipe, const char* why) {
+  if (recomputeLog()) {
+    std::fprintf(
+        stderr,
+        "LMS recompute: %s cannot be recomputed now: %s\n",
+        recipe.handle.schema().name().c_str(),
+        why);
+  }
+  return -1.0;
+}
+
 bool outputHolds(const Recipe& recipe) {
   return !recipe.invalid &&
       versionHolds(recipe.out_counter, recipe.out_version);
@@ -476,16 +499,16 @@ double costMs(c10::StorageImpl& storage) {
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (!outputHolds(*recipe)) {
-      return -1.0;
+      return noCost(*recipe, "its output was written");
     }
     ms = recipe->timing != nullptr ? recipe->timing->read() : -1.0;
     if (ms < 0.0) {
-      return -1.0;
+      return noCost(*recipe, "its run is not timed yet");
     }
     for (const TensorArg& arg : recipe->tensors) {
       at::Tensor t = tensorOf(arg);
       if (!t.defined()) {
-        return -1.0; // gone or written since
+        return noCost(*recipe, "an input is gone or was written");
       }
       inputs.emplace_back(std::move(t), arg.storage != nullptr);
     }
@@ -499,7 +522,7 @@ double costMs(c10::StorageImpl& storage) {
     switch (engine::getState(*input)) {
       case engine::StorageState::Active:
         // A running operator uses it, and may be writing it.
-        return -1.0;
+        return noCost(*recipe, "a running operator uses an input");
       case engine::StorageState::PagedOut: {
         // Priced as paging is: the copy as far as it makes streams wait.
         const double in =
@@ -940,6 +963,13 @@ void record(const at::RecordFunction& fn, Capture& capture) {
       auto [it, added] = g_recipes.emplace(context, recipe);
       if (!added) {
         if (outputHolds(*it->second) || it->second->retained) {
+          if (recomputeLog()) {
+            std::fprintf(
+                stderr,
+                "LMS recompute: %s output kept the recipe of %s\n",
+                recipe->handle.schema().name().c_str(),
+                it->second->handle.schema().name().c_str());
+          }
           continue; // a recipe that still makes it
         }
         it->second = std::move(recipe);
