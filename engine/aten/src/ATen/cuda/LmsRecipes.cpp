@@ -32,6 +32,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <typeinfo>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -193,21 +194,60 @@ Events& events() {
   return *pool;
 }
 
-using TensorStrong =
-    c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
-using TensorWeak =
-    c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+using StorageStrong = c10::intrusive_ptr<c10::StorageImpl>;
+using StorageWeak = c10::weak_intrusive_ptr<c10::StorageImpl>;
 
-// A tensor argument: held weakly until its recipe's storage is dropped, then
-// strongly until it is recomputed or dies.
+// A tensor argument: its storage, held weakly until its recipe's storage is
+// dropped, then strongly (through `strong`) until it is recomputed or dies,
+// and how the tensor views the storage. The storage rather than the tensor
+// object: autograd keeps a tensor it saves as an output of its own operator
+// (softmax's result) through a shallow copy, which shares the storage and
+// the version counter while the object the recipe saw dies.
 struct TensorArg {
   size_t index = 0; // in Recipe::args
-  TensorWeak weak{TensorStrong()};
+  StorageWeak weak{StorageStrong()};
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  int64_t offset = 0;
+  caffe2::TypeMeta dtype;
+  c10::DispatchKey backend = c10::DispatchKey::CUDA;
+  bool conj = false;
+  bool neg = false;
+  bool wrapped_number = false;
   c10::VariableVersion version_counter{c10::VariableVersion::DISABLED};
   uint32_t version = 0;
   at::Tensor strong;
   c10::StorageImpl* storage = nullptr; // CUDA storage, for dependents
 };
+
+// Whether a recipe can hold `tensor` as its storage and view: a dense,
+// strided CPU or CUDA tensor of a plain TensorImpl (not a wrapper, a nested,
+// sparse or quantized tensor, or a Python subclass).
+bool viewable(const at::Tensor& tensor) {
+  const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  const c10::DispatchKeySet keys = impl->key_set();
+  return typeid(*impl) == typeid(c10::TensorImpl) && impl->has_storage() &&
+      tensor.layout() == c10::kStrided &&
+      (tensor.is_cuda() || tensor.is_cpu()) &&
+      !keys.has(c10::DispatchKey::Python) &&
+      !keys.has(c10::DispatchKey::ZeroTensor);
+}
+
+// The argument's tensor on `storage`: a new TensorImpl with the view, type
+// and bits the argument had.
+at::Tensor viewOf(const TensorArg& arg, StorageStrong storage) {
+  at::Tensor tensor = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(std::move(storage)),
+      c10::DispatchKeySet(arg.backend),
+      arg.dtype);
+  c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  impl->set_sizes_and_strides(arg.sizes, arg.strides);
+  impl->set_storage_offset(arg.offset);
+  impl->_set_conj(arg.conj);
+  impl->_set_neg(arg.neg);
+  impl->set_wrapped_number(arg.wrapped_number);
+  return tensor;
+}
 
 bool versionHolds(const c10::VariableVersion& counter, uint32_t version) {
   return counter.enabled() && counter.current_version() == version;
@@ -446,8 +486,9 @@ void unretain(Recipe& recipe, void* context, std::vector<at::Tensor>& dead) {
   recipe.retained = false;
 }
 
-// The tensor of an argument: the strong reference while retained, else the
-// weak one, if the tensor is alive and unchanged; undefined otherwise.
+// The tensor of an argument: the strong reference while retained, else a view
+// of its storage, if the storage is alive and the tensor unchanged; undefined
+// otherwise.
 at::Tensor tensorOf(const TensorArg& arg) {
   if (!versionHolds(arg.version_counter, arg.version)) {
     return at::Tensor();
@@ -455,8 +496,8 @@ at::Tensor tensorOf(const TensorArg& arg) {
   if (arg.strong.defined()) {
     return arg.strong;
   }
-  TensorStrong impl = arg.weak.lock();
-  return impl.defined() ? at::Tensor(std::move(impl)) : at::Tensor();
+  StorageStrong storage = arg.weak.lock();
+  return storage ? viewOf(arg, std::move(storage)) : at::Tensor();
 }
 
 // PYTORCH_LMS_RECOMPUTE_LOG=1 (see the engine's dropInstead) also prints why a
@@ -879,14 +920,24 @@ CapturePtr capture(const at::RecordFunction& fn) {
     }
     if (value.isTensor() && value.toTensor().defined()) {
       const at::Tensor& tensor = value.toTensor();
-      if (tensor.is_inference() ||
+      if (tensor.is_inference() || !viewable(tensor) ||
           !tensor.unsafeGetTensorImpl()->version_counter().enabled()) {
         return nullptr;
       }
+      const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
       TensorArg arg;
       arg.index = capture->args.size();
-      arg.weak = TensorWeak(tensor.getIntrusivePtr());
-      arg.version_counter = tensor.unsafeGetTensorImpl()->version_counter();
+      arg.weak = impl->storage().getWeakStorageImpl();
+      arg.sizes.assign(tensor.sizes().begin(), tensor.sizes().end());
+      arg.strides.assign(tensor.strides().begin(), tensor.strides().end());
+      arg.offset = tensor.storage_offset();
+      arg.dtype = tensor.dtype();
+      arg.backend =
+          tensor.is_cuda() ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
+      arg.conj = tensor.is_conj();
+      arg.neg = tensor.is_neg();
+      arg.wrapped_number = impl->is_wrapped_number();
+      arg.version_counter = impl->version_counter();
       arg.version = arg.version_counter.current_version();
       arg.storage = cudaStorageOf(tensor);
       if (arg.storage != nullptr && capture->device < 0) {
