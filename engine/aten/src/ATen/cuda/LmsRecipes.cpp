@@ -245,7 +245,9 @@ at::Tensor viewOf(const TensorArg& arg, StorageStrong storage) {
   impl->set_storage_offset(arg.offset);
   impl->_set_conj(arg.conj);
   impl->_set_neg(arg.neg);
-  impl->set_wrapped_number(arg.wrapped_number);
+  if (arg.wrapped_number) {
+    impl->set_wrapped_number(true); // asserts a zero-dimensional tensor
+  }
   return tensor;
 }
 
