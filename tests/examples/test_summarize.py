@@ -410,3 +410,74 @@ def test_stress_section_is_the_gate_over_every_record(tmp_path: Path) -> None:
     assert "| oom-expected | 1 | passes | 3 |" in text
     (folder / "results.jsonl").write_text("".join(records[2:]))
     assert "gate: **PASS**." in summarize.stress_summary(folder, "stress", "6" * 64)
+
+
+def _hybrid_run(model: str, regime: str, rows: list[tuple[str, float, str, float]]) -> dict:
+    """A compare.py JSON of ``rows`` (method, factor, status, seconds per iteration)."""
+    measurements = []
+    for method, factor, status, seconds in rows:
+        m = {"method": method, "factor": factor, "status": status, "batch": 8}
+        if status == "ok":
+            m["iteration_s"] = seconds
+        if method == "lms_hybrid":
+            m.update(
+                drop_bytes_per_iter=2 * (1 << 30),
+                recompute_bytes_per_iter=1 << 30,
+                recompute_ms_per_iter=12.5,
+                pagein_demand_count_per_iter=30.0,
+            )
+        if method == "lms":
+            m["pagein_demand_count_per_iter"] = 10.0
+        measurements.append(m)
+    env = {**ENV, "engine_commit": "abcdef1", "engine_dirty": False}
+    env["engine_sources_sha256"] = SHA
+    return {
+        "environment": env,
+        "regime": regime,
+        "batch": 8,
+        "config": {"model": model},
+        "measurements": measurements,
+    }
+
+
+def test_hybrid_table_and_goals(tmp_path: Path) -> None:
+    capped = _hybrid_run(
+        "resnet152",
+        "capped",
+        [
+            ("lms", 1.5, "ok", 0.5),
+            ("lms_hybrid", 1.5, "ok", 0.25),
+            ("checkpoint", 1.5, "ok", 0.3),
+            ("lms", 4.0, "ok", 1.0),
+            ("lms_hybrid", 4.0, "ok", 0.8),
+            ("checkpoint", 4.0, "oom", 0.0),
+        ],
+    )
+    nocap = _hybrid_run(
+        "gpt",
+        "nocap",
+        [
+            ("lms", 1.5, "ok", 4.0),
+            ("lms_hybrid", 1.5, "ok", 3.0),
+            ("checkpoint", 1.5, "ok", 2.0),
+            ("offload", 1.5, "skipped", 0.0),
+        ],
+    )
+    (tmp_path / "capped").mkdir()
+    (tmp_path / "capped/compare-resnet152.json").write_text(json.dumps(capped))
+    (tmp_path / "nocap").mkdir()
+    (tmp_path / "nocap/nocap-gpt.json").write_text(json.dumps(nocap))
+    text = summarize.hybrid_summary(tmp_path, "here", SHA)
+    assert text.startswith("Engine abcdef1 (the engine of this checkout)")
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1] == (
+        "| ResNet-152 | cap 1/1.5 of the peak, batch 8 | 500.0 | 250.0 | 300.0 | not measured "
+        "| 0.50 | 0.83 | 2.00 / 1.00 | 12.5 | 10 / 30 |"
+    )
+    assert rows[2].startswith("| ResNet-152 | cap 1/4 of the peak, batch 8 | 1000.0 | 800.0 ")
+    assert "| out of memory |" in rows[2]
+    assert rows[3].startswith("| GPT | no cap, need 1.5x the device, batch 8 | 4000.0 | 3000.0 ")
+    assert "checkpointing under a 1.5x or 2x cap: ResNet-152 1.5x; above it: none." in text
+    # 4x: faster than paging, checkpointing out of memory; no cap: slower than checkpointing.
+    assert "out of memory) at 4x and with no cap: ResNet-152 4x; not: GPT no cap 1.5x." in text
+    assert "No lms_hybrid results" in summarize.hybrid_summary(tmp_path / "x", "here", SHA)
