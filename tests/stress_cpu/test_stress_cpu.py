@@ -444,6 +444,14 @@ def test_triage_verdicts() -> None:
     assert "suspect LMS" in runner.triage_verdict(suspect)
     racy = {"capped_repeat": {"status": "ok", "equals": False}, "no_lms": {"status": "oom"}}
     assert "does not repeat" in runner.triage_verdict(racy)
+    recompute = {
+        "capped_repeat": {"status": "ok", "equals": True},
+        "no_lms": {"status": "oom"},
+        "no_recompute": {"status": "ok", "equals": True},
+    }
+    assert "recompute changes the result" in runner.triage_verdict(recompute)
+    not_recompute = {**recompute, "no_recompute": {"status": "ok", "equals": False}}
+    assert "not recompute" in runner.triage_verdict(not_recompute)
 
 
 # ------------------------------------------------------------- records, summary, merge
@@ -1052,11 +1060,16 @@ def test_fork_launcher_falls_back_to_spawning_when_forked_cuda_fails(tmp_path: P
 
 
 def test_only_the_capped_lms_modes_enable_lms(worker: Any) -> None:
-    assert [m for m in worker.MODES if worker.uses_lms(m)] == ["capped", "capped-no-cudnn"]
+    assert [m for m in worker.MODES if worker.uses_lms(m)] == [
+        "capped",
+        "capped-no-cudnn",
+        "capped-no-recompute",
+    ]
     assert [m for m in worker.MODES if worker.is_capped(m)] == [
         "capped",
         "capped-no-lms",
         "capped-no-cudnn",
+        "capped-no-recompute",
     ]
 
 

@@ -41,8 +41,9 @@ its page-out counter only keeps a case out of the count, never excuses a failure
   running statistics) and losses all equal the references', which equal each other;
 - ``mismatch``: the references agree and the capped LMS run trained with different
   parameters, buffers or losses (the reason says which, and from which iteration the losses
-  differ); triage re-runs it (the capped run repeated, and for models with cuDNN operators
-  the case with cuDNN disabled) and prints a verdict, as information only;
+  differ); triage re-runs it (the capped run repeated, for models with cuDNN operators the
+  case with cuDNN disabled, and where the capped run had LMS's recompute on, the capped run
+  with it off) and prints a verdict, as information only;
 - ``reference-not-repeatable``: the references differ in parameters, buffers or losses;
 - ``cap-not-binding``: the capped LMS run trained without a mismatch, but the cap does not
   bind: reported, not counted among the cases;
@@ -761,6 +762,11 @@ def triage(
         elif settings_device_is_cpu(ref_nc_result):
             capped_nc = launch("triage-capped-no-cudnn", "capped-no-cudnn")
             found["no_cudnn"] = summary(capped_nc, ref_nc_result)
+    if capped_result.get("recompute") is True:
+        # Made with recompute on: the same capped run with it off.
+        found["no_recompute"] = summary(
+            launch("triage-capped-no-recompute", "capped-no-recompute", cap=cap_bytes), ref
+        )
     found["verdict"] = triage_verdict(found)
     return found
 
@@ -775,8 +781,17 @@ def triage_verdict(found: dict[str, Any]) -> str:
     only: every mismatch fails the gate)."""
     no_lms = found.get("no_lms", {})
     no_cudnn = found.get("no_cudnn")
+    no_recompute = found.get("no_recompute")
     repeat = found.get("capped_repeat", {})
     parts = []
+    if no_recompute is not None and no_recompute.get("status") == "ok":
+        if no_recompute.get("equals"):
+            parts.append(
+                "with recompute off the capped LMS run equals its reference: recompute "
+                "changes the result"
+            )
+        else:
+            parts.append("with recompute off the capped LMS run differs too: not recompute")
     if no_lms.get("status") == "ok" and no_lms.get("equals") is False:
         parts.append(
             "the cap alone changes the result (it fits without LMS and differs too): an "

@@ -12,6 +12,9 @@ Modes (``--mode``):
 - ``capped-no-lms``: the same cap, LMS not imported (does the cap bind without LMS?).
 - ``reference-no-cudnn`` / ``capped-no-cudnn``: as ``reference`` / ``capped`` with
   ``torch.backends.cudnn.enabled = False`` (triage: is cuDNN's algorithm choice the cause?).
+- ``capped-no-recompute``: as ``capped`` with LMS's recompute turned off
+  (``torch.cuda.set_recompute_lms(False)``; triage of a run made with recompute on: is
+  recompute the cause?).
 
 A request's ``alloc_conf`` (``--alloc-conf``) is the allocator setting of the run: it goes
 into ``PYTORCH_CUDA_ALLOC_CONF`` and ``PYTORCH_ALLOC_CONF`` before CUDA is initialized (and
@@ -72,7 +75,14 @@ from .allocator import (
 )
 from .generator import Case, generate
 
-MODES = ("reference", "capped", "capped-no-lms", "reference-no-cudnn", "capped-no-cudnn")
+MODES = (
+    "reference",
+    "capped",
+    "capped-no-lms",
+    "reference-no-cudnn",
+    "capped-no-cudnn",
+    "capped-no-recompute",
+)
 # Faults a test can inject to check how the runner classifies what happens to a worker.
 FAULTS = (
     "segv",
@@ -114,7 +124,7 @@ OOM_MARKERS = (
 
 def uses_lms(mode: str) -> bool:
     """Whether a mode enables Large Model Support."""
-    return mode in ("capped", "capped-no-cudnn")
+    return mode in ("capped", "capped-no-cudnn", "capped-no-recompute")
 
 
 def is_capped(mode: str) -> bool:
@@ -617,6 +627,11 @@ def run(request: dict[str, Any]) -> int:
             if uses_lms(mode):
                 lms_backend = ensure_lms_api()
                 torch.cuda.set_enabled_lms(True)
+                if hasattr(torch.cuda, "set_recompute_lms"):
+                    if mode == "capped-no-recompute":
+                        torch.cuda.set_recompute_lms(False)
+                    # Recompute may be on through PYTORCH_LMS_CONF: the triage reads it.
+                    result["recompute"] = bool(torch.cuda.get_recompute_lms())
             if is_capped(mode):
                 if not cap_bytes:
                     raise ValueError(f"mode {mode} needs --cap-bytes")
