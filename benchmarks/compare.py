@@ -2135,9 +2135,10 @@ def record_recompute(
 ) -> None:
     """Fills ``m``'s recompute figures from LMS statistics ``before`` and ``after`` its timed
     ``iterations``, as the page-out figures are: drops and recomputes (count, bytes) and the
-    replays' milliseconds per iteration, and the peak of the ``dropped_bytes`` gauge (reset
-    with the other peaks when the row's LMS was applied). Statistics without ``drop_bytes``
-    (a build without recompute) leave them None."""
+    replays' milliseconds per iteration, the peak of the ``dropped_bytes`` gauge (reset
+    with the other peaks when the row's LMS was applied), the recipe inputs paged in ahead
+    (bytes) and the page-ins on demand (count) per iteration. Statistics without
+    ``drop_bytes`` (a build without recompute) leave them None."""
     if "drop_bytes" not in after:
         return
 
