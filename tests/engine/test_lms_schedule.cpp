@@ -534,6 +534,14 @@ struct Model {
   std::vector<Tensor> weights;
 };
 
+// Called with each forward layer's activation and the tensor it was made
+// from, after the layer's operator and before its outputs are released; and
+// with each activation before the backward pass frees it.
+struct LayerHooks {
+  std::function<void(Tensor& activation, Tensor& input)> made;
+  std::function<void(Tensor& activation)> freed;
+};
+
 // One training iteration (or, with `train` false, an evaluation step: the
 // forward pass alone). With `temporaries`, each forward layer also writes a
 // temporary that nothing reads and that lives for two more operators (a
@@ -543,7 +551,8 @@ void iterate(
     Model& m,
     int iteration,
     bool train = true,
-    bool temporaries = false) {
+    bool temporaries = false,
+    const LayerHooks& hooks = {}) {
   const int layers = static_cast<int>(m.weights.size());
   const uint64_t base = static_cast<uint64_t>(iteration) * 1000;
   Tensor x;
@@ -561,6 +570,9 @@ void iterate(
         temps[i] = run.output(kActivation, base + 400 + i);
       }
     });
+    if (hooks.made) {
+      hooks.made(a, *prev);
+    }
     run.endOutputs();
     if (i >= 2) {
       temps[i - 2] = Tensor{};
@@ -584,6 +596,9 @@ void iterate(
     });
     run.endOutputs();
     grad = next;
+    if (hooks.freed) {
+      hooks.freed(acts[i]);
+    }
     acts[i] = Tensor{}; // freed after its last use, as autograd does
   }
   for (int i = 0; i < layers; ++i) {
@@ -870,53 +885,23 @@ TEST_CASE(
     lms::setPrefetchBudget(12 * kMiB);
     lms::setLookahead(6);
     Model m = makeModel(run);
+    LayerHooks recipes;
+    recipes.made = [&](Tensor& a, Tensor& input) {
+      {
+        std::lock_guard<std::mutex> lock(fake.mutex);
+        fake.seed[a.storage->_mutable_data_ptr_no_checks().get_context()] =
+            a.seed;
+        fake.input_of[a.storage.get()] = input.storage.get();
+      }
+      lms::setRecomputable(*a.storage, true);
+    };
+    recipes.freed = [&](Tensor& a) {
+      std::lock_guard<std::mutex> lock(fake.mutex);
+      fake.input_of.erase(a.storage.get());
+    };
     const auto train = [&](int iteration) {
-      const uint64_t base = static_cast<uint64_t>(iteration) * 1000;
-      Tensor x;
-      run.op("input", {}, [&] { x = run.output(kActivation, base + 999); });
-      run.endOutputs();
-      std::vector<Tensor> acts;
-      acts.reserve(kLayers);
-      Tensor* prev = &x;
-      for (int i = 0; i < kLayers; ++i) {
-        Tensor a;
-        run.op("forward", {&m.weights[i], prev}, [&] {
-          a = run.output(kActivation, base + i);
-        });
-        {
-          std::lock_guard<std::mutex> lock(fake.mutex);
-          fake.seed[a.storage->_mutable_data_ptr_no_checks().get_context()] =
-              a.seed;
-          fake.input_of[a.storage.get()] = prev->storage.get();
-        }
-        lms::setRecomputable(*a.storage, true);
-        run.endOutputs();
-        acts.push_back(a);
-        prev = &acts.back();
-      }
-      Tensor grad;
-      run.op("loss", {&acts.back()}, [&] {
-        grad = run.output(kActivation, base + 100);
-      });
-      run.endOutputs();
-      for (int i = kLayers - 1; i >= 0; --i) {
-        Tensor next;
-        run.op("backward", {&m.weights[i], &acts[i], &grad}, [&] {
-          next = run.output(kActivation, base + 200 + i);
-        });
-        run.endOutputs();
-        grad = next;
-        {
-          std::lock_guard<std::mutex> lock(fake.mutex);
-          fake.input_of.erase(acts[i].storage.get());
-        }
-        acts[i] = Tensor{};
-      }
-      for (int i = 0; i < kLayers; ++i) {
-        run.op("step", {&m.weights[i]}, [&] {
-          run.update(m.weights[i], base + 300 + i);
-        });
-      }
+      iterate(
+          run, m, iteration, /*train=*/true, /*temporaries=*/false, recipes);
     };
     int iteration = 0;
     for (; iteration < 4; ++iteration) {

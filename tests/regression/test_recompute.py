@@ -263,18 +263,23 @@ class DropoutAttention(torch.nn.Module):
         return self.head(x.mean(dim=1))
 
 
-def test_training_with_dropout_under_a_cap_is_bit_identical_with_recompute(
+def _train_tokens_at_half_the_peak(
+    make_model: Callable[[], torch.nn.Module],
+    shape: tuple[int, int, int],
+    seed: int,
     record: Callable[[str, Any], None],
 ) -> None:
+    """check_capped_training with recompute on, on random tokens of ``shape`` (batch,
+    sequence, width) and ten classes, capped at half the peak."""
     deterministic()
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator(device="cuda").manual_seed(700 + step)
-        tokens = torch.randn(16, 1024, 256, device="cuda", generator=g)
-        return tokens, torch.randint(0, 10, (16,), device="cuda", generator=g)
+        g = torch.Generator(device="cuda").manual_seed(seed + step)
+        tokens = torch.randn(*shape, device="cuda", generator=g)
+        return tokens, torch.randint(0, 10, (shape[0],), device="cuda", generator=g)
 
     check_capped_training(
-        lambda: DropoutAttention().cuda(),
+        make_model,
         batch,
         F.cross_entropy,
         steps=4,
@@ -282,6 +287,12 @@ def test_training_with_dropout_under_a_cap_is_bit_identical_with_recompute(
         cap_share=0.5,
         recompute=True,
     )
+
+
+def test_training_with_dropout_under_a_cap_is_bit_identical_with_recompute(
+    record: Callable[[str, Any], None],
+) -> None:
+    _train_tokens_at_half_the_peak(lambda: DropoutAttention().cuda(), (16, 1024, 256), 700, record)
     # The capped run's counts (the run without LMS after it drops nothing).
     ops = torch.cuda.lms_recompute_operators()
     record("recompute_operators", ops)
@@ -292,19 +303,4 @@ def test_training_with_dropout_under_a_cap_is_bit_identical_with_recompute(
 def test_training_under_a_cap_is_bit_identical_with_recompute(
     record: Callable[[str, Any], None],
 ) -> None:
-    deterministic()
-
-    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator(device="cuda").manual_seed(500 + step)
-        tokens = torch.randn(32, 512, 1024, device="cuda", generator=g)
-        return tokens, torch.randint(0, 10, (32,), device="cuda", generator=g)
-
-    check_capped_training(
-        lambda: TokenMLP().cuda(),
-        batch,
-        F.cross_entropy,
-        steps=4,
-        record=record,
-        cap_share=0.5,
-        recompute=True,
-    )
+    _train_tokens_at_half_the_peak(lambda: TokenMLP().cuda(), (32, 512, 1024), 500, record)

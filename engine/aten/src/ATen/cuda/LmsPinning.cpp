@@ -258,13 +258,9 @@ void recomputeBeforeWrites(const at::RecordFunction& fn) {
   }
 }
 
-// An operator inside the outermost one (or replayed for a recompute): no
-// pins, but its arguments may be a recipe, and what it writes is guarded.
-std::unique_ptr<at::ObserverContext> enterNested(const at::RecordFunction& fn) {
-  recomputeBeforeWrites(fn);
-  if (t_depth != t_capture_depth) {
-    return nullptr;
-  }
+// The context of an operator that pins nothing but whose arguments may be a
+// recipe; null when they are not.
+std::unique_ptr<at::ObserverContext> captureOnly(const at::RecordFunction& fn) {
   recipes::CapturePtr capture = recipes::capture(fn);
   if (capture == nullptr) {
     return nullptr;
@@ -272,6 +268,16 @@ std::unique_ptr<at::ObserverContext> enterNested(const at::RecordFunction& fn) {
   auto context = std::make_unique<PinnedStorages>();
   context->capture = std::move(capture);
   return context;
+}
+
+// An operator inside the outermost one (or replayed for a recompute): no
+// pins, but its arguments may be a recipe, and what it writes is guarded.
+std::unique_ptr<at::ObserverContext> enterNested(const at::RecordFunction& fn) {
+  recomputeBeforeWrites(fn);
+  if (t_depth != t_capture_depth) {
+    return nullptr;
+  }
+  return captureOnly(fn);
 }
 
 std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
@@ -301,13 +307,7 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   if (storages.empty()) {
     // Nothing to pin, but its outputs may still have a recipe (a dropout of
     // a broadcast row, an embedding of small indices).
-    recipes::CapturePtr capture = recipes::capture(fn);
-    if (capture == nullptr) {
-      return nullptr;
-    }
-    auto context = std::make_unique<PinnedStorages>();
-    context->capture = std::move(capture);
-    return context;
+    return captureOnly(fn);
   }
   recomputeBeforeWrites(fn);
   if (engine::isRecomputeEnabled()) {
