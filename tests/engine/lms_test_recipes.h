@@ -19,6 +19,12 @@
 #include <mutex>
 #include <vector>
 
+extern "C" {
+// The simulated GPU's copy speed (bytes per second; 0: instant), where the
+// tests run on it.
+__attribute__((weak)) void simgpu_set_copy_bandwidth(double bytes_per_second);
+}
+
 namespace lms_test {
 
 struct FakeRecipes {
@@ -125,5 +131,40 @@ inline const c10::cuda::lms::RecomputeHooks kFakeHooks{
     &fakeRecompute,
     &fakeForget,
     &fakeInputs};
+
+// Installs the fake recipes, reset, with recompute on and (on the simulated
+// GPU) copies that take time, for one test; undoes it all at the end.
+class FakeRecipesInstalled {
+ public:
+  FakeRecipesInstalled() {
+    FakeRecipes& r = recipes();
+    {
+      std::lock_guard<std::mutex> lock(r.mutex);
+      r.seed.clear();
+      r.input_of.clear();
+      r.cost_ms = 0.0;
+      r.valid = true;
+      r.forgotten = 0;
+      r.replays = 0;
+      r.inputs_paged_out = 0;
+      r.fail_next = false;
+    }
+    c10::cuda::lms::setRecomputeHooks(&kFakeHooks);
+    c10::cuda::lms::setRecomputeEnabled(true);
+    // A drop is priced against the measured bus: copies must take time.
+    if (simgpu_set_copy_bandwidth != nullptr) {
+      simgpu_set_copy_bandwidth(2e9);
+    }
+  }
+  FakeRecipesInstalled(const FakeRecipesInstalled&) = delete;
+  FakeRecipesInstalled& operator=(const FakeRecipesInstalled&) = delete;
+  ~FakeRecipesInstalled() {
+    c10::cuda::lms::setRecomputeEnabled(false);
+    c10::cuda::lms::setRecomputeHooks(nullptr);
+    if (simgpu_set_copy_bandwidth != nullptr) {
+      simgpu_set_copy_bandwidth(0);
+    }
+  }
+};
 
 } // namespace lms_test

@@ -1256,37 +1256,14 @@ TEST_CASE(devices_reclaim_independently) {
 // ---------------------------------------------------------------------------
 
 using lms_test::FakeRecipes;
-using lms_test::kFakeHooks;
 using lms_test::recipes;
 
-// Installs the fake recipes and times copies (a drop needs the bandwidth
-// measured) for a test.
-class RecomputeEnv {
+// The fake recipes installed for a test, and the bus measured (a drop is
+// priced against it).
+class RecomputeEnv : public lms_test::FakeRecipesInstalled {
  public:
   RecomputeEnv() {
-    FakeRecipes& r = recipes();
-    std::lock_guard<std::mutex> lock(r.mutex);
-    r.seed.clear();
-    r.input_of.clear();
-    r.cost_ms = 0.0;
-    r.valid = true;
-    r.forgotten = 0;
-    r.replays = 0;
-    r.fail_next = false;
-    lms::setRecomputeHooks(&kFakeHooks);
-    lms::setRecomputeEnabled(true);
-    if (simulated()) {
-      simgpu_set_copy_bandwidth(2e9);
-    }
-  }
-  RecomputeEnv(const RecomputeEnv&) = delete;
-  RecomputeEnv& operator=(const RecomputeEnv&) = delete;
-  ~RecomputeEnv() {
-    lms::setRecomputeEnabled(false);
-    lms::setRecomputeHooks(nullptr);
-    if (simulated()) {
-      simgpu_set_copy_bandwidth(0);
-    }
+    measureBus();
   }
 
   // A storage of `bytes` holding the pattern of `seed`, with a recipe.
@@ -1312,7 +1289,7 @@ class RecomputeEnv {
 
   // Pages one storage without a recipe out and in: the copy bandwidth is
   // then measured.
-  static void measureBus() {
+  void measureBus() {
     auto s = newStorage(4 * kMiB);
     write(*s, 99);
     lms::reclaimInactive(0);
@@ -1327,7 +1304,6 @@ TEST_CASE(cheap_recipes_are_dropped_and_recomputed_bit_identical) {
   Env env(64 * kMiB);
   {
     RecomputeEnv recompute;
-    RecomputeEnv::measureBus();
     lms::resetAccumulatedStats(0);
     std::vector<StoragePtr> s;
     for (int i = 0; i < 4; ++i) {
@@ -1376,7 +1352,6 @@ TEST_CASE(recipes_costlier_than_the_bus_invalid_or_off_are_paged_out) {
   Env env(64 * kMiB);
   {
     RecomputeEnv recompute;
-    RecomputeEnv::measureBus();
     auto check_paged_out = [&](uint64_t seed) {
       lms::resetAccumulatedStats(0);
       auto s = recompute.withRecipe(8 * kMiB, seed);
@@ -1410,7 +1385,6 @@ TEST_CASE(recompute_pins_its_inputs_recomputing_them_first) {
   Env env(64 * kMiB);
   {
     RecomputeEnv recompute;
-    RecomputeEnv::measureBus();
     auto a = recompute.withRecipe(4 * kMiB, 400);
     auto b = recompute.withRecipe(8 * kMiB, 401);
     recipes().input_of[b.get()] = a.get();
@@ -1429,7 +1403,6 @@ TEST_CASE(a_failed_recompute_leaves_the_storage_dropped_and_retries) {
   Env env(64 * kMiB);
   {
     RecomputeEnv recompute;
-    RecomputeEnv::measureBus();
     auto s = recompute.dropped(8 * kMiB, 500);
     recipes().fail_next = true;
     bool threw = false;
@@ -1449,7 +1422,6 @@ TEST_CASE(a_dropped_storage_that_dies_leaves_nothing_behind) {
   Env env(64 * kMiB);
   {
     RecomputeEnv recompute;
-    RecomputeEnv::measureBus();
     { auto s = recompute.dropped(8 * kMiB, 600); }
     CHECK_EQ(recipes().forgotten, 1);
     CHECK(recipes().seed.empty());
@@ -1464,7 +1436,6 @@ TEST_CASE(limit_reclaim_drops_recomputable_victims) {
   Env env(20 * kMiB);
   {
     RecomputeEnv recompute;
-    RecomputeEnv::measureBus();
     lms::resetAccumulatedStats(0);
     std::vector<StoragePtr> s;
     for (int i = 0; i < 6; ++i) {

@@ -41,7 +41,6 @@
 extern "C" {
 __attribute__((weak)) size_t simgpu_device_bytes_in_use(int device);
 __attribute__((weak)) size_t simgpu_host_bytes_in_use(void);
-__attribute__((weak)) void simgpu_set_copy_bandwidth(double bytes_per_second);
 }
 
 namespace {
@@ -866,19 +865,7 @@ TEST_CASE(
     the_inputs_of_dropped_storages_are_paged_in_ahead_of_their_recompute) {
   lms_test::FakeRecipes& fake = lms_test::recipes();
   {
-    std::lock_guard<std::mutex> lock(fake.mutex);
-    fake.seed.clear();
-    fake.input_of.clear();
-    fake.cost_ms = 0.0;
-    fake.valid = true;
-  }
-  // Copies take time (a drop is priced against the measured bus).
-  if (simgpu_set_copy_bandwidth != nullptr) {
-    simgpu_set_copy_bandwidth(2e9);
-  }
-  lms::setRecomputeHooks(&lms_test::kFakeHooks);
-  lms::setRecomputeEnabled(true);
-  {
+    const lms_test::FakeRecipesInstalled installed;
     // Peak demand about 48 MiB: at 42 MiB a few activations are dropped and
     // the inputs paged in for their recompute stay until it.
     Runner run(42 * kMiB);
@@ -943,11 +930,6 @@ TEST_CASE(
         st.recompute_input_prefetch_bytes,
         st.recompute_input_prefetch_count * int64_t(kActivation));
     CHECK_EQ(run.mismatches, 0);
-  }
-  lms::setRecomputeEnabled(false);
-  lms::setRecomputeHooks(nullptr);
-  if (simgpu_set_copy_bandwidth != nullptr) {
-    simgpu_set_copy_bandwidth(0);
   }
   checkBaseline();
 }
