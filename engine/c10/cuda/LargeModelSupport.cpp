@@ -752,13 +752,30 @@ double msPerByte(const DeviceEngine& e, bool to_device) {
   return moved <= 0.0 || ms <= 0.0 ? -1.0 : ms / moved;
 }
 
+// The share of recent copy time that streams spent waiting for copies (at
+// most 1; 1 before any copy was timed): what a copy costs the program per
+// millisecond of copying. A copy the learned schedule hides behind compute
+// costs nothing; a recompute always runs on the compute stream. Timing lock
+// held.
+double stallShareLocked(const DeviceEngine& e) {
+  const double copying = e.bus_out_ms + e.bus_in_ms;
+  return copying > 0.0 ? std::min(1.0, e.bus_stall_ms / copying) : 1.0;
+}
+
+double stallShare(DeviceEngine& e) {
+  std::lock_guard<std::mutex> lock(e.timing_mutex);
+  return stallShareLocked(e);
+}
+
 // Milliseconds a copy of `bytes` takes one way (`to_device`), or both ways
-// (out and back in) when `both_ways`; -1 before any copy was timed.
+// (out and back in) when `both_ways`; -1 before any copy was timed. With
+// `stalled`, times the stall share: what the copy costs the program.
 double copyCost(
     DeviceEngine& e,
     size_t bytes,
     bool to_device,
-    bool both_ways = false) {
+    bool both_ways = false,
+    bool stalled = false) {
   pollTimings(e, /*wait=*/false);
   std::lock_guard<std::mutex> lock(e.timing_mutex);
   double per_byte = msPerByte(e, to_device);
@@ -766,25 +783,18 @@ double copyCost(
     const double back = msPerByte(e, !to_device);
     per_byte = back < 0.0 ? -1.0 : per_byte + back;
   }
-  return per_byte < 0.0 ? -1.0 : per_byte * static_cast<double>(bytes);
-}
-
-// The share of recent copy time that streams spent waiting for copies (at
-// most 1; 1 before any copy was timed): what a copy costs the program per
-// millisecond of copying. A copy the learned schedule hides behind compute
-// costs nothing; a recompute always runs on the compute stream.
-double stallShare(DeviceEngine& e) {
-  std::lock_guard<std::mutex> lock(e.timing_mutex);
-  const double copying = e.bus_out_ms + e.bus_in_ms;
-  return copying > 0.0 ? std::min(1.0, e.bus_stall_ms / copying) : 1.0;
+  if (per_byte < 0.0) {
+    return -1.0;
+  }
+  return per_byte * static_cast<double>(bytes) *
+      (stalled ? stallShareLocked(e) : 1.0);
 }
 
 // What paging `bytes` out and back in costs the program: both copies' time
 // times the stall share.
 double pagingCost(DeviceEngine& e, size_t bytes) {
-  const double both =
-      copyCost(e, bytes, /*to_device=*/false, /*both_ways=*/true);
-  return both < 0.0 ? -1.0 : both * stallShare(e);
+  return copyCost(
+      e, bytes, /*to_device=*/false, /*both_ways=*/true, /*stalled=*/true);
 }
 
 // Gives a record's device memory back to the allocator, to be reused only
@@ -830,19 +840,9 @@ void releaseDeviceMemory(DeviceEngine& e, Record& r, bool in_deleter) {
 // and its DataPtr holds no address until it is recomputed. The victim is busy
 // and on no list; the engine lock is not held. Returns false, nothing changed,
 // when the victim is to be paged out.
-// PYTORCH_LMS_RECOMPUTE_LOG=1 prints every choice between dropping and paging
-// out a victim with a recipe to stderr (a diagnostic, not a setting).
-bool recomputeLog() {
-  static const bool on = [] {
-    const char* log = std::getenv("PYTORCH_LMS_RECOMPUTE_LOG");
-    return log != nullptr && *log != '\0' && std::string_view(log) != "0";
-  }();
-  return on;
-}
-
 bool dropInstead(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
   const RecomputeHooks* hooks = g_recompute_hooks.load();
-  if (recomputeLog() && hooks != nullptr && g_recompute.load()) {
+  if (isRecomputeLogEnabled() && hooks != nullptr && g_recompute.load()) {
     std::fprintf(
         stderr,
         "LMS recompute: victim of %zu bytes: %s\n",
@@ -872,7 +872,7 @@ bool dropInstead(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
   }
   const double cost = hooks->cost_ms(*storage);
   const bool drop = cost >= 0.0 && cost < paging && hooks->retain(*storage);
-  if (recomputeLog()) {
+  if (isRecomputeLogEnabled()) {
     std::fprintf(
         stderr,
         "LMS recompute: %zu bytes: recompute %.3f ms, paging %.3f ms (stall "
@@ -2379,13 +2379,14 @@ void scheduleTick(DeviceEngine& e) {
   pageOutAheadOfPeak(e, allocated, now, period, generation, limit, budget);
 }
 
-// A use of `r` by the running operator, resident or over the bus: the
-// learned schedule measures distances from the last one (see
-// AccessSchedule::Use).
 // Pins made for a recompute's replay on this thread (pinForRecompute): uses
 // the program does not make, which the learned schedule must not see.
 thread_local int t_recompute_pins = 0;
 
+// A use of `r` by the running operator, resident or over the bus: the
+// learned schedule measures distances from the last one (see
+// AccessSchedule::Use). A use for a recompute only ends what the recompute
+// needed it for.
 void noteUse(Record& r) {
   r.needed_by.store(0, std::memory_order_relaxed);
   if (t_recompute_pins > 0) {
@@ -2716,6 +2717,14 @@ void setHostLimit(size_t bytes) {
 
 void setRecomputeEnabled(bool enabled) {
   g_recompute.store(enabled);
+}
+
+bool isRecomputeLogEnabled() {
+  static const bool on = [] {
+    const char* log = std::getenv("PYTORCH_LMS_RECOMPUTE_LOG");
+    return log != nullptr && *log != '\0' && std::string_view(log) != "0";
+  }();
+  return on;
 }
 
 bool isRecomputeEnabled() {

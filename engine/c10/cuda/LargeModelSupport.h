@@ -170,6 +170,11 @@ C10_CUDA_API size_t getHostLimit();
 C10_CUDA_API void setRecomputeEnabled(bool enabled);
 C10_CUDA_API bool isRecomputeEnabled();
 
+// PYTORCH_LMS_RECOMPUTE_LOG=1 (a diagnostic, read once): every choice between
+// dropping and paging out a victim with a recipe, and why a recipe cannot
+// price its recompute, are printed to stderr.
+C10_CUDA_API bool isRecomputeLogEnabled();
+
 // Applies one PYTORCH_CUDA_ALLOC_CONF option. Returns false when `key` is not
 // an LMS option; throws c10::Error for a bad value. Keys:
 //   lms:True|False            enable

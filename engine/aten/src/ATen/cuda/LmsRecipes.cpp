@@ -25,7 +25,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -502,18 +501,10 @@ at::Tensor tensorOf(const TensorArg& arg) {
   return storage ? viewOf(arg, std::move(storage)) : at::Tensor();
 }
 
-// PYTORCH_LMS_RECOMPUTE_LOG=1 (see the engine's dropInstead) also prints why a
-// recipe cannot price a recompute, and recipes an existing one blocks.
-bool recomputeLog() {
-  static const bool on = [] {
-    const char* log = std::getenv("PYTORCH_LMS_RECOMPUTE_LOG");
-    return log != nullptr && *log != '\0' && std::string_view(log) != "0";
-  }();
-  return on;
-}
-
+// With the recompute log on (engine::isRecomputeLogEnabled), why a recipe
+// cannot price a recompute, and recipes an existing one blocks, are printed.
 double noCost(const Recipe& recipe, const char* why) {
-  if (recomputeLog()) {
+  if (engine::isRecomputeLogEnabled()) {
     std::fprintf(
         stderr,
         "LMS recompute: %s cannot be recomputed now: %s\n",
@@ -1016,7 +1007,7 @@ void record(const at::RecordFunction& fn, Capture& capture) {
       auto [it, added] = g_recipes.emplace(context, recipe);
       if (!added) {
         if (outputHolds(*it->second) || it->second->retained) {
-          if (recomputeLog()) {
+          if (engine::isRecomputeLogEnabled()) {
             std::fprintf(
                 stderr,
                 "LMS recompute: %s output kept the recipe of %s\n",
