@@ -2136,9 +2136,9 @@ def record_recompute(
     """Fills ``m``'s recompute figures from LMS statistics ``before`` and ``after`` its timed
     ``iterations``, as the page-out figures are: drops and recomputes (count, bytes) and the
     replays' milliseconds per iteration, the peak of the ``dropped_bytes`` gauge (reset
-    with the other peaks when the row's LMS was applied), the recipe inputs paged in ahead
-    (bytes) and the page-ins on demand (count) per iteration. Statistics without
-    ``drop_bytes`` (a build without recompute) leave them None."""
+    with the other peaks when the row's LMS was applied) and the recipe inputs paged in ahead
+    (bytes) per iteration. Statistics without ``drop_bytes`` (a build without recompute)
+    leave them None."""
     if "drop_bytes" not in after:
         return
 
@@ -2152,8 +2152,6 @@ def record_recompute(
     m.recompute_ms_per_iter = per_iteration("recompute_ms")
     if "recompute_input_prefetch_bytes" in after:
         m.recompute_input_prefetch_bytes_per_iter = per_iteration("recompute_input_prefetch_bytes")
-    if "pagein_demand_count" in after:
-        m.pagein_demand_count_per_iter = per_iteration("pagein_demand_count")
     gauge = after.get("dropped_bytes")
     if isinstance(gauge, dict) and "peak" in gauge:
         m.dropped_peak_bytes = int(gauge["peak"])
@@ -2377,6 +2375,10 @@ def train_measure(
             m.out_bytes_per_iter = (after["pageout_bytes"] - before["pageout_bytes"]) / iterations
             m.in_bytes_per_iter = (after["pagein_bytes"] - before["pagein_bytes"]) / iterations
             m.stall_ms_per_iter = (after["stall_ms"] - before["stall_ms"]) / iterations
+            if "pagein_demand_count" in after:
+                m.pagein_demand_count_per_iter = (
+                    after["pagein_demand_count"] - before["pagein_demand_count"]
+                ) / iterations
             record_recompute(m, before, after, iterations)
             ahead_gib = (
                 (after.get("peak_pageout_bytes", 0) - before.get("peak_pageout_bytes", 0))
@@ -2386,8 +2388,7 @@ def train_measure(
             m.lms_schedule = (
                 f"period {after['schedule_period']}, "
                 f"{after['schedule_fallbacks']} fallbacks, "
-                f"{(after['pagein_demand_count'] - before['pagein_demand_count']) / iterations:g}"
-                " demand page-ins/iter"
+                f"{m.pagein_demand_count_per_iter:g} demand page-ins/iter"
                 + (
                     f", prefetch budget {after['schedule_prefetch_budget_bytes'] / MiB:.0f} MiB"
                     f" of a {after['limit_bytes'] / MiB:.0f} MiB limit"
