@@ -378,6 +378,10 @@ class Measurement:
     # operator (or a replay) needed a storage (count). None where the statistics lack them.
     recompute_input_prefetch_bytes_per_iter: float | None = None
     pagein_demand_count_per_iter: float | None = None
+    # Per timed iteration: operators packed before they pinned their inputs (everything
+    # inactive paged out so that their tensors fit in as few pages as they need). None where
+    # the statistics lack the key.
+    pack_count_per_iter: float | None = None
 
     def finish_timing(self) -> None:
         if self.iteration_times:
@@ -2379,6 +2383,8 @@ def train_measure(
                 m.pagein_demand_count_per_iter = (
                     after["pagein_demand_count"] - before["pagein_demand_count"]
                 ) / iterations
+            if "pack_count" in after:
+                m.pack_count_per_iter = (after["pack_count"] - before["pack_count"]) / iterations
             record_recompute(m, before, after, iterations)
             ahead_gib = (
                 (after.get("peak_pageout_bytes", 0) - before.get("peak_pageout_bytes", 0))
@@ -2564,6 +2570,8 @@ def describe(m: Measurement) -> str:
             )
     if m.pagein_demand_count_per_iter:
         parts.append(f"{m.pagein_demand_count_per_iter:.0f} page-ins on demand per iter")
+    if m.pack_count_per_iter:
+        parts.append(f"{m.pack_count_per_iter:g} operators packed per iter")
     if m.peak_allocated_bytes is not None:
         parts.append(f"peak {m.peak_allocated_bytes / GiB:.2f} GiB")
     if m.oom_retries:

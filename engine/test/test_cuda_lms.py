@@ -32,6 +32,8 @@ COUNTERS = (
     "reclaim_speculative",
     "reclaim_alloc_failure",
     "reclaim_explicit",
+    "pack_count",
+    "pack_bytes",
     "fragment_reclaims",
     "alloc_from_cache",
     "alloc_from_device",

@@ -740,6 +740,79 @@ TEST_CASE(a_small_storage_in_a_large_segment_is_paged_out_to_place_a_request) {
   env.checkBaseline();
 }
 
+// An operator expected to need most of the device is packed before it pins
+// its inputs. Its 4 MiB input C sits in a 30 MiB segment whose other 26 MiB
+// are free, and X (20 MiB, inactive) has a segment of its own. The operator
+// allocates 42 MiB inside itself, as it did the first time it ran: 46 MiB of
+// tensors under a 64 MiB cap. Pinned where it is, C keeps its 30 MiB segment
+// and the 42 MiB cannot be placed beside it even with X paged out; packed,
+// C comes back into a segment of its own size and the operator fits.
+TEST_CASE(an_operator_expected_to_need_most_of_the_device_is_packed_first) {
+  Env env(64 * kMiB);
+  lms::getBackend()->releaseCachedMemory(0);
+  const size_t base = lms::getBackend()->reservedBytes(0);
+  const char* name = "lms_test::needs_most_of_the_device";
+  {
+    const lms_test::AllocatorCap cap(base + 64 * kMiB);
+    { // Its first run, with room: the engine learns what it allocates.
+      auto input = newStorage(4 * kMiB);
+      lms::releaseOutput(*input);
+      c10::StorageImpl* inputs[] = {input.get()};
+      lms::beginWorkingSet(name, inputs);
+      lms::pin(*input);
+      {
+        auto temporary = newStorage(8 * kMiB); // freed inside the operator
+      }
+      auto output = newStorage(42 * kMiB);
+      lms::unpin(*input);
+      lms::endWorkingSet(name);
+      CHECK_EQ(lms::getStats(0).pack_count, 0);
+    }
+    lms::getBackend()->releaseCachedMemory(0);
+    auto fragmented = [&] {
+      auto a = newStorage(30 * kMiB);
+      a.reset(); // its segment stays cached, free
+      auto c = newStorage(4 * kMiB); // carved out of a's segment
+      auto x = newStorage(20 * kMiB);
+      write(*c, 1);
+      write(*x, 2);
+      lms::releaseOutput(*c);
+      lms::releaseOutput(*x);
+      return std::make_pair(c, x);
+    };
+    { // Not packed: pinned in its segment, C leaves no room.
+      auto [c, x] = fragmented();
+      lms::pin(*c);
+      CHECK_THROWS_AS(
+          newStorage(42 * kMiB), c10::OutOfMemoryError, "fit by bytes");
+      lms::unpin(*c);
+      CHECK(matches(*c, 1));
+      CHECK(matches(*x, 2));
+    }
+    lms::getBackend()->releaseCachedMemory(0);
+    { // Packed.
+      auto [c, x] = fragmented();
+      const auto before = lms::getStats(0);
+      c10::StorageImpl* inputs[] = {c.get()};
+      lms::beginWorkingSet(name, inputs);
+      const auto packed = lms::getStats(0);
+      CHECK_EQ(packed.pack_count, before.pack_count + 1);
+      CHECK_EQ(packed.pack_bytes - before.pack_bytes, int64_t(24 * kMiB));
+      CHECK(state(c) == lms::StorageState::PagedOut);
+      CHECK(state(x) == lms::StorageState::PagedOut);
+      lms::pin(*c);
+      auto output = newStorage(42 * kMiB);
+      write(*output, 3);
+      CHECK(matches(*c, 1));
+      lms::unpin(*c);
+      lms::endWorkingSet(name);
+      CHECK(matches(*output, 3));
+      CHECK(matches(*x, 2));
+    }
+  }
+  env.checkBaseline();
+}
+
 // A failed allocation pages out the storage that holds the range the request
 // fits in, not the least recently used one: X (24 MiB, used longest ago) has
 // a segment of its own; Z (4 MiB) sits at the start of a 30 MiB segment whose

@@ -700,33 +700,36 @@ class Replayer {
       touched.push_back(storages_.at(id).storage.get());
     }
     lms::beginOperator(ev.name, touched);
+    // Its working set, as operator-boundary pinning reports it: the engine
+    // may pack the operator here (page out everything inactive, its inputs
+    // included, and return the allocator's cache).
+    std::vector<c10::StorageImpl*> inputs;
+    for (int id : ev.inputs) {
+      inputs.push_back(storages_.at(id).storage.get());
+    }
+    lms::beginWorkingSet(ev.name, inputs);
     // Pin every input, then every output (a storage may appear more than
     // once: pins are counted). On failure, unpin what was pinned, as an
     // operator-boundary guard does, and let the error end the trace.
     std::vector<c10::StorageImpl*> pinned;
+    auto unpinAll = [&] {
+      for (auto it = pinned.rbegin(); it != pinned.rend(); ++it) {
+        lms::unpin(**it);
+      }
+      lms::endWorkingSet(ev.name);
+    };
     try {
       for (int id : all) {
         c10::StorageImpl* s = storages_.at(id).storage.get();
         lms::pin(*s);
         pinned.push_back(s);
       }
-    } catch (...) {
-      for (auto it = pinned.rbegin(); it != pinned.rend(); ++it) {
-        lms::unpin(**it);
-      }
-      throw;
-    }
-    try {
       launchOp(i, ev, all, stream);
     } catch (...) {
-      for (auto it = pinned.rbegin(); it != pinned.rend(); ++it) {
-        lms::unpin(**it);
-      }
+      unpinAll();
       throw;
     }
-    for (auto it = pinned.rbegin(); it != pinned.rend(); ++it) {
-      lms::unpin(**it);
-    }
+    unpinAll();
     for (c10::StorageImpl* s : pinned) {
       if (lms::getState(*s) == lms::StorageState::Active) {
         throw ReplayFailure(

@@ -52,6 +52,15 @@ constexpr double kOthersGrowthFraction = 0.01;
 // Operators between two searches for victims to page out ahead of the
 // iteration's peak after one found none (pageOutAheadOfPeak).
 constexpr uint64_t kPeakRetryOps = 8;
+// Share of the limit that an operator's expected working set, with what
+// cannot be paged out, may take before the operator is packed
+// (beginWorkingSet): past it, the partly used pages that paging out leaves
+// can keep the operator's last allocations from fitting.
+constexpr double kPackShare = 0.75;
+// An operator not seen before is expected to allocate at least this many
+// times the bytes of its inputs (a backward operator's gradients are about
+// as large as its inputs, and it needs room to place them).
+constexpr size_t kUnseenInsidePerInput = 2;
 
 std::atomic<bool> g_enabled{false};
 std::atomic<size_t> g_size_threshold{kDefaultSizeThreshold};
@@ -97,6 +106,19 @@ thread_local bool t_host_refused = false;
 thread_local uint64_t t_oom_raised = 0;
 thread_local size_t t_oom_request = 0;
 
+// The outermost operator running on this thread (beginWorkingSet): what it
+// pinned, and what it allocated through allocate() and has not freed.
+struct WorkingSet {
+  bool active = false;
+  c10::DeviceIndex device = -1;
+  uint64_t serial = 0; // stamps the records it allocates
+  size_t pinned = 0;
+  size_t inside = 0;
+  size_t inside_peak = 0;
+};
+thread_local WorkingSet t_working_set;
+std::atomic<uint64_t> g_working_set_serial{0};
+
 // Keeps the allocator's failure path from reclaiming on this thread for a
 // scope (see t_no_reclaim).
 class NoReclaimScope {
@@ -141,7 +163,7 @@ enum class State : uint8_t {
   Dropped, // no copy: recomputed from its recipe when pinned
 };
 
-enum class Trigger { Limit, Speculative, AllocFailure, Explicit };
+enum class Trigger { Limit, Speculative, AllocFailure, Explicit, Pack };
 
 struct DeviceEngine;
 
@@ -199,6 +221,9 @@ struct Record {
   // Allocated through allocate() and neither pinned nor accessed raw since:
   // when the operator that allocated it ends, it becomes reclaimable.
   bool fresh = false;
+  // The working set (WorkingSet::serial) of the operator that allocated it,
+  // 0 when none was running on the allocating thread.
+  uint64_t working_set = 0;
   // The storage whose DataPtr carries this record, as last seen by pin() or
   // access(). Weak, so it never keeps a dead storage alive; page-out uses it
   // to take the stale address out of the DataPtr.
@@ -1051,6 +1076,8 @@ void countReclaim(DeviceEngine& e, Trigger trigger) {
       break;
     case Trigger::Explicit:
       ++e.stats.reclaim_explicit;
+      break;
+    case Trigger::Pack: // counted as a pack (packWorkingSet)
       break;
   }
 }
@@ -2511,6 +2538,10 @@ void makeResident(
 void deleteRecord(void* ctx) {
   auto* r = static_cast<Record*>(ctx);
   DeviceEngine& e = *r->engine;
+  WorkingSet& ws = t_working_set;
+  if (r->working_set != 0 && ws.active && r->working_set == ws.serial) {
+    ws.inside -= std::min(ws.inside, r->size); // a temporary of the operator
+  }
   if (r->recomputable) {
     if (const RecomputeHooks* hooks = g_recompute_hooks.load()) {
       hooks->forget(ctx);
@@ -2817,6 +2848,105 @@ void beginOperator(
       scheduleTick(*e);
     }
   }
+}
+
+namespace {
+
+// What operators of one name allocated inside themselves: the most per byte
+// of input (at least 1 MiB of input counted, so that an operator with tiny
+// inputs does not scale up without bound), learned from every run.
+struct Footprint {
+  double inside_per_input = 0.0;
+};
+
+std::mutex g_footprint_mutex;
+std::unordered_map<std::string, Footprint> g_footprints;
+// The most any operator allocated inside itself: what an operator not seen
+// yet may need.
+size_t g_largest_inside = 0;
+
+size_t expectedInside(std::string_view name, size_t pinned) {
+  const double input = static_cast<double>(std::max(pinned, kMiB));
+  std::lock_guard<std::mutex> lock(g_footprint_mutex);
+  const auto it = g_footprints.find(std::string(name));
+  if (it == g_footprints.end()) {
+    return std::max(kUnseenInsidePerInput * pinned, g_largest_inside);
+  }
+  return static_cast<size_t>(it->second.inside_per_input * input);
+}
+
+// Packs the operator about to pin `pinned` bytes of inputs when its expected
+// working set leaves too little of the limit for the pages it occupies
+// partly (see beginWorkingSet in the header).
+void packIfTight(DeviceEngine& e, std::string_view name, size_t pinned) {
+  const size_t expected = pinned + expectedInside(name, pinned);
+  const size_t limit = effectiveLimit(e);
+  const size_t allocated = backend().allocatedBytes(e.device);
+  size_t inactive = 0;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    inactive = static_cast<size_t>(
+        std::max<int64_t>(e.stats.inactive_bytes.current, 0));
+  }
+  // What cannot be paged out: unmanaged and small allocations, and storages
+  // pinned or just allocated by running operators.
+  const size_t fixed = allocated > inactive ? allocated - inactive : 0;
+  if (static_cast<double>(fixed + expected) <=
+      kPackShare * static_cast<double>(limit)) {
+    return;
+  }
+  const size_t freed =
+      reclaim(e, std::numeric_limits<size_t>::max(), Trigger::Pack);
+  backend().releaseCachedMemory(e.device);
+  std::lock_guard<std::mutex> lock(e.mutex);
+  ++e.stats.pack_count;
+  e.stats.pack_bytes += static_cast<int64_t>(freed);
+}
+
+} // namespace
+
+void beginWorkingSet(
+    std::string_view name,
+    c10::ArrayRef<c10::StorageImpl*> inputs) {
+  WorkingSet& ws = t_working_set;
+  ws = WorkingSet{};
+  if (!isEnabled() || g_backend.load() == nullptr) {
+    return;
+  }
+  DeviceEngine* e = nullptr;
+  size_t pinned = 0;
+  for (c10::StorageImpl* storage : inputs) {
+    if (Record* r = recordOf(*storage)) {
+      pinned += r->size;
+      e = r->engine;
+    }
+  }
+  if (e == nullptr) {
+    return; // no managed input says which device it runs on
+  }
+  ws.active = true;
+  ws.device = e->device;
+  ws.serial = ++g_working_set_serial;
+  ws.pinned = pinned;
+  DeviceScope guard(e->device);
+  if (isCapturing(currentStream(e->device))) {
+    return; // a captured graph bakes in addresses: nothing may move
+  }
+  packIfTight(*e, name, pinned);
+}
+
+void endWorkingSet(std::string_view name) {
+  WorkingSet& ws = t_working_set;
+  if (!ws.active) {
+    return;
+  }
+  ws.active = false;
+  const double per_input = static_cast<double>(ws.inside_peak) /
+      static_cast<double>(std::max(ws.pinned, kMiB));
+  std::lock_guard<std::mutex> lock(g_footprint_mutex);
+  Footprint& footprint = g_footprints[std::string(name)];
+  footprint.inside_per_input = std::max(footprint.inside_per_input, per_input);
+  g_largest_inside = std::max(g_largest_inside, ws.inside_peak);
 }
 
 namespace {
@@ -3318,6 +3448,12 @@ c10::DataPtr allocate(
   // Born in the running operator: the schedule measures distances from here.
   r->touch.store(g_op_clock.load(std::memory_order_relaxed));
   r->gap.store(AccessSchedule::kBirth + g_births_in_op.fetch_add(1));
+  WorkingSet& ws = t_working_set;
+  if (ws.active && ws.device == device) {
+    r->working_set = ws.serial;
+    ws.inside += size;
+    ws.inside_peak = std::max(ws.inside_peak, ws.inside);
+  }
   {
     std::lock_guard<std::mutex> lock(e.mutex);
     add(e.stats.managed_bytes, sz(*r));

@@ -279,6 +279,31 @@ C10_CUDA_API void beginOperator(
     std::string_view name,
     c10::ArrayRef<c10::StorageImpl*> inputs);
 
+// Operator working sets. Operator-boundary pinning calls beginWorkingSet
+// when an outermost operator starts, with the storages of its inputs, before
+// it pins them, and endWorkingSet when the operator ends (also when it
+// throws). In between, the engine counts what the operator allocates and has
+// not freed, and learns, per operator name, the most it allocated per byte of
+// input.
+//
+// An operator's tensors must fit together, and in the pages the allocator
+// maps, not only by bytes: inputs resident since long ago sit in pages whose
+// other blocks were paged out, and the operator's outputs land in the holes
+// of pages whose neighbours are paged out next. That partly used memory stays
+// mapped, and a request can fail with everything else paged out although its
+// bytes fit. So when what the operator is expected to need (its inputs, what
+// it allocated per byte of input before, or for an operator not seen yet
+// twice its inputs or the most any operator allocated), with what cannot be
+// paged out, passes three quarters of the limit, beginWorkingSet packs: it
+// pages out every inactive storage of the device, the operator's own inputs
+// included, and returns the allocator's cached free memory to the device.
+// The pins that follow page the inputs back in side by side, and the
+// operator allocates from pages that nothing else holds.
+C10_CUDA_API void beginWorkingSet(
+    std::string_view name,
+    c10::ArrayRef<c10::StorageImpl*> inputs);
+C10_CUDA_API void endWorkingSet(std::string_view name);
+
 // Compiled code says which storages it uses next, soonest first: the
 // paged-out ones are paged in ahead of use on the H2D stream, in that order,
 // while the bytes paged in ahead and not yet used stay within the prefetch
@@ -331,6 +356,10 @@ struct LmsStats {
   int64_t reclaim_speculative = 0; // speculative page-out margin crossed
   int64_t reclaim_alloc_failure = 0; // the device allocation failed
   int64_t reclaim_explicit = 0; // reclaimInactive()
+  // Operators packed before they pinned their inputs (beginWorkingSet), and
+  // the bytes paged out for them.
+  int64_t pack_count = 0;
+  int64_t pack_bytes = 0;
   // Failed allocations placed by paging out the storages that held a range
   // the request fits in (reclaimFragments).
   int64_t fragment_reclaims = 0;

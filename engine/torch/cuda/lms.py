@@ -107,6 +107,8 @@ _COUNTER_KEYS = (
     "reclaim_speculative",
     "reclaim_alloc_failure",
     "reclaim_explicit",
+    "pack_count",
+    "pack_bytes",
     "fragment_reclaims",
     "alloc_from_cache",
     "alloc_from_device",
@@ -857,7 +859,12 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       allocation would pass the limit, the speculative margin was crossed, the
       device allocation failed, :func:`reclaim_inactive`); ``fragment_reclaims``:
       failed allocations placed by paging out the storages that held a range of
-      the allocator's memory the request fits in.
+      the allocator's memory the request fits in; ``pack_count`` and
+      ``pack_bytes``: operators expected to need most of the device, for which
+      every inactive storage (their own inputs included) was paged out and the
+      cached free memory returned before they pinned their inputs, so that
+      their tensors occupy as few of the allocator's pages as they need, and
+      the bytes paged out for them.
     - ``alloc_from_cache``, ``alloc_from_device``, ``alloc_after_reclaim``:
       where LMS allocations were satisfied from.
     - ``prefetch_count``, ``prefetch_hits``: storages prefetched, and those an
@@ -1139,6 +1146,10 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
     lines.append(
         f" Failed allocations placed by paging out a range: "
         f"{counters['fragment_reclaims']}".ljust(_WIDTH)
+    )
+    lines.append(
+        f" Operators packed before their inputs: {counters['pack_count']} "
+        f"({_format_size(counters['pack_bytes']).strip()} paged out)".ljust(_WIDTH)
     )
     lines.append(
         f" Allocations: {counters['alloc_from_cache']} from cache, "

@@ -260,6 +260,8 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["reclaim_speculative"] = stats.reclaim_speculative;
   dict["reclaim_alloc_failure"] = stats.reclaim_alloc_failure;
   dict["reclaim_explicit"] = stats.reclaim_explicit;
+  dict["pack_count"] = stats.pack_count;
+  dict["pack_bytes"] = stats.pack_bytes;
   dict["fragment_reclaims"] = stats.fragment_reclaims;
   dict["alloc_from_cache"] = stats.alloc_from_cache;
   dict["alloc_from_device"] = stats.alloc_from_device;

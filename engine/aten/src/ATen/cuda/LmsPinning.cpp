@@ -232,6 +232,23 @@ void noteOperator(const char* name, const StorageList& storages) {
   }
 }
 
+// Starts counting the outermost operator's working set, and packs it when it
+// is expected to need most of the device (engine::beginWorkingSet). Packing
+// only places memory, so a failure here must not fail the operator.
+void beginWorkingSet(const char* name, const StorageList& storages) {
+  try {
+    engine::beginWorkingSet(
+        name,
+        c10::ArrayRef<c10::StorageImpl*>(storages.data(), storages.size()));
+  } catch (const std::exception& e) {
+    TORCH_WARN_ONCE(
+        "Large Model Support: could not make room for the working set of ",
+        name,
+        "; its inputs stay where they are. ",
+        e.what());
+  }
+}
+
 // Pins the storages of every input of the outermost operator on this thread.
 //
 // When they cannot all be made resident, RecordFunction would only log an
@@ -304,6 +321,7 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
   // Every outermost operator is a step of the schedule's clock, also one
   // without managed inputs: the clock must not depend on what is managed.
   noteOperator(fn.name(), storages);
+  beginWorkingSet(fn.name(), storages);
   if (storages.empty()) {
     // Nothing to pin, but its outputs may still have a recipe (a dropout of
     // a broadcast row, an embedding of small indices).
@@ -480,6 +498,7 @@ void unpinInputs(const at::RecordFunction& fn, at::ObserverContext* context) {
   }
   if (isOperator(fn) && t_depth > 0 && --t_depth == 0 &&
       !recipes::replaying()) {
+    engine::endWorkingSet(fn.name());
     if (engine::hasPendingError()) {
       // The operator allocated nothing through LMS after its pin failed, so
       // it ran on the host copies of the inputs left out.
