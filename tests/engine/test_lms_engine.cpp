@@ -170,6 +170,10 @@ TEST_CASE(config_options_parse_and_reject_bad_values) {
   CHECK(lms::parseConfigOption("lms_speculative_mb", "8"));
   CHECK_EQ(lms::getSpeculativeMargin(), 8 * kMiB);
   CHECK(!lms::parseConfigOption("max_split_size_mb", "64"));
+  CHECK(lms::parseConfigOption("lms_pack", "False"));
+  CHECK(!lms::isPackingEnabled());
+  CHECK(lms::parseConfigOption("lms_pack", "True"));
+  CHECK(lms::isPackingEnabled());
   CHECK_THROWS_AS(
       lms::parseConfigOption("lms", "yes"), c10::Error, "True or False");
   CHECK_THROWS_AS(
@@ -745,8 +749,9 @@ TEST_CASE(a_small_storage_in_a_large_segment_is_paged_out_to_place_a_request) {
 // are free, and X (20 MiB, inactive) has a segment of its own. The operator
 // allocates 42 MiB inside itself, as it did the first time it ran: 46 MiB of
 // tensors under a 64 MiB cap. Pinned where it is, C keeps its 30 MiB segment
-// and the 42 MiB cannot be placed beside it even with X paged out; packed,
-// C comes back into a segment of its own size and the operator fits.
+// and the 42 MiB cannot be placed beside it even with X paged out. Packed, C
+// and X are both paged out and their segments returned; C comes back into a
+// segment of its own size, and the 42 MiB fits beside it.
 TEST_CASE(an_operator_expected_to_need_most_of_the_device_is_packed_first) {
   Env env(64 * kMiB);
   lms::getBackend()->releaseCachedMemory(0);
@@ -788,6 +793,18 @@ TEST_CASE(an_operator_expected_to_need_most_of_the_device_is_packed_first) {
       lms::unpin(*c);
       CHECK(matches(*c, 1));
       CHECK(matches(*x, 2));
+    }
+    lms::getBackend()->releaseCachedMemory(0);
+    { // With packing off, the working set is counted but nothing moves.
+      auto [c, x] = fragmented();
+      lms::setPackingEnabled(false);
+      c10::StorageImpl* inputs[] = {c.get()};
+      lms::beginWorkingSet(name, inputs);
+      lms::setPackingEnabled(true);
+      CHECK(state(c) == lms::StorageState::Inactive);
+      CHECK(state(x) == lms::StorageState::Inactive);
+      lms::endWorkingSet(name);
+      CHECK_EQ(lms::getStats(0).pack_count, 0);
     }
     lms::getBackend()->releaseCachedMemory(0);
     { // Packed.

@@ -78,6 +78,7 @@ std::atomic<size_t> g_prefetch_budget{0}; // 0: derived (prefetchBudget())
 // Page-ins planned by compiled graphs (pageInAhead): on by default.
 std::atomic<bool> g_graph_prefetch{true};
 std::atomic<bool> g_recompute{false};
+std::atomic<bool> g_packing{true};
 std::atomic<const RecomputeHooks*> g_recompute_hooks{nullptr};
 // Serializes recomputes: a replay may recompute its own inputs first (the
 // same thread, again), and two threads must not both recompute one storage.
@@ -2762,6 +2763,14 @@ bool isRecomputeEnabled() {
   return g_recompute.load();
 }
 
+void setPackingEnabled(bool enabled) {
+  g_packing.store(enabled);
+}
+
+bool isPackingEnabled() {
+  return g_packing.load();
+}
+
 size_t getHostLimit() {
   return hostPool().getLimit();
 }
@@ -2897,6 +2906,12 @@ void packIfTight(DeviceEngine& e, std::string_view name, size_t pinned) {
   }
   const size_t freed =
       reclaim(e, std::numeric_limits<size_t>::max(), Trigger::Pack);
+  // Returning the cache synchronizes the device, but without it the freed
+  // blocks that other streams used stay out of the allocator's free lists
+  // until their events are polled, and the page-ins fill the holes of the
+  // ranges the operator's inputs kept mapped (the simulated-GPU test
+  // an_operator_expected_to_need_most_of_the_device_is_packed_first shows
+  // it). Emptied, the allocator maps the inputs anew side by side.
   backend().releaseCachedMemory(e.device);
   std::lock_guard<std::mutex> lock(e.mutex);
   ++e.stats.pack_count;
@@ -2929,8 +2944,9 @@ void beginWorkingSet(
   ws.serial = ++g_working_set_serial;
   ws.pinned = pinned;
   DeviceScope guard(e->device);
-  if (isCapturing(currentStream(e->device))) {
-    return; // a captured graph bakes in addresses: nothing may move
+  // A captured graph bakes in addresses: nothing may move during a capture.
+  if (!g_packing.load() || isCapturing(currentStream(e->device))) {
+    return;
   }
   packIfTight(*e, name, pinned);
 }
@@ -3017,6 +3033,8 @@ bool parseConfigOption(std::string_view key, std::string_view value) {
     setHostLimit(mebibytes(key, value));
   } else if (key == "lms_recompute") {
     setRecomputeEnabled(parseBool(key, value));
+  } else if (key == "lms_pack") {
+    setPackingEnabled(parseBool(key, value));
   } else {
     return false;
   }
@@ -3030,7 +3048,7 @@ void parseConfig(const char* conf, bool only_lms_keys, const char* source) {
   constexpr const char* kKeys =
       "lms, lms_limit_mb, lms_size_mb, lms_prefetch, lms_speculative_mb, "
       "lms_schedule, lms_lookahead, lms_prefetch_budget_mb, "
-      "lms_graph_prefetch, lms_host_limit_mb, lms_recompute";
+      "lms_graph_prefetch, lms_host_limit_mb, lms_recompute, lms_pack";
   // Same syntax as the caching allocator: "key:value,key:value".
   std::string_view rest(conf);
   while (!rest.empty()) {

@@ -304,6 +304,11 @@ C10_CUDA_API void beginWorkingSet(
     c10::ArrayRef<c10::StorageImpl*> inputs);
 C10_CUDA_API void endWorkingSet(std::string_view name);
 
+// Packing (beginWorkingSet) is on by default; off, working sets are still
+// counted and learned. PYTORCH_CUDA_ALLOC_CONF key: lms_pack.
+C10_CUDA_API void setPackingEnabled(bool enabled);
+C10_CUDA_API bool isPackingEnabled();
+
 // Compiled code says which storages it uses next, soonest first: the
 // paged-out ones are paged in ahead of use on the H2D stream, in that order,
 // while the bytes paged in ahead and not yet used stay within the prefetch

@@ -10,7 +10,7 @@ Enable LMS before the tensors it should manage are created, with
 :func:`set_enabled_lms` or ``PYTORCH_CUDA_ALLOC_CONF=lms:True`` (further keys:
 ``lms_limit_mb``, ``lms_size_mb``, ``lms_prefetch``, ``lms_speculative_mb``,
 ``lms_schedule``, ``lms_lookahead``, ``lms_prefetch_budget_mb``,
-``lms_graph_prefetch``, ``lms_host_limit_mb``, ``lms_recompute``).
+``lms_graph_prefetch``, ``lms_host_limit_mb``, ``lms_recompute``, ``lms_pack``).
 
 Host memory, where storages are paged out to, has a budget shared by the LMS
 processes of the host (see :func:`set_host_limit_lms`): a page-out that would
