@@ -294,7 +294,8 @@ C10_CUDA_API void beginOperator(
 // bytes fit. So when what the operator is expected to need (its inputs, what
 // it allocated per byte of input before, or for an operator not seen yet
 // twice its inputs or the most any operator allocated), with what cannot be
-// paged out, passes three quarters of the limit, beginWorkingSet packs: it
+// paged out, passes three quarters of the limit and leaves less than 200 MiB
+// of it (ten of the allocator's 20 MiB pages), beginWorkingSet packs: it
 // pages out every inactive storage of the device, the operator's own inputs
 // included, and returns the allocator's cached free memory to the device.
 // The pins that follow page the inputs back in side by side, and the
