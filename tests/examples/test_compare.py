@@ -737,6 +737,19 @@ def test_recompute_stats_in_the_row_the_csv_and_the_tables() -> None:
     assert compare.RECOMPUTE_HEADER in compare.nocap_measurements_markdown([nocap])
 
 
+def test_packed_operators_per_iteration_in_the_row() -> None:
+    m = Measurement("gpt", "lms", 4.0, 3 * GiB, 8, iteration_times=[0.9])
+    m.finish_timing()
+    compare.record_packing(m, {"pack_count": 4}, {"pack_count": 19}, 5)
+    assert m.pack_count_per_iter == 3.0
+    assert "3 operators packed per iter" in compare.describe(m)
+    # An engine without the counter leaves the figure unset and the line without it.
+    old = Measurement("gpt", "lms", 4.0, 3 * GiB, 8, iteration_times=[0.9])
+    old.finish_timing()
+    compare.record_packing(old, {}, {"pageout_bytes": 0}, 5)
+    assert old.pack_count_per_iter is None and "packed" not in compare.describe(old)
+
+
 def test_written_csv_reads_back_with_the_committed_columns(tmp_path: Path) -> None:
     import summarize
 
