@@ -188,6 +188,7 @@ C10_CUDA_API bool isRecomputeLogEnabled();
 //   lms_graph_prefetch:True|False page-ins planned by compiled graphs
 //   lms_host_limit_mb:<MiB>   host budget for pinned memory (0: derived)
 //   lms_recompute:True|False  drop and recompute where cheaper than paging
+//   lms_pack:True|False       pack operators that need most of the device
 C10_CUDA_API bool parseConfigOption(
     std::string_view key,
     std::string_view value);
