@@ -2878,14 +2878,19 @@ std::mutex g_footprint_mutex;
 std::unordered_map<std::string, Footprint> g_footprints;
 // The most any operator allocated inside itself: what an operator not seen
 // yet may need.
-size_t g_largest_inside = 0;
+// Written under g_footprint_mutex, read without it.
+std::atomic<size_t> g_largest_inside{0};
+// The most any operator name allocated per byte of input: with
+// g_largest_inside, a bound on every operator's expectation that
+// packIfTight reads without the lock.
+std::atomic<double> g_largest_inside_per_input{0.0};
 
 size_t expectedInside(std::string_view name, size_t pinned) {
   const double input = static_cast<double>(std::max(pinned, kMiB));
   std::lock_guard<std::mutex> lock(g_footprint_mutex);
   const auto it = g_footprints.find(std::string(name));
   if (it == g_footprints.end()) {
-    return std::max(kUnseenInsidePerInput * pinned, g_largest_inside);
+    return std::max(kUnseenInsidePerInput * pinned, g_largest_inside.load());
   }
   return static_cast<size_t>(it->second.inside_per_input * input);
 }
@@ -2894,7 +2899,6 @@ size_t expectedInside(std::string_view name, size_t pinned) {
 // working set leaves too little of the limit for the pages it occupies
 // partly (see beginWorkingSet in the header).
 void packIfTight(DeviceEngine& e, std::string_view name, size_t pinned) {
-  const size_t expected = pinned + expectedInside(name, pinned);
   const size_t limit = effectiveLimit(e);
   const size_t allocated = backend().allocatedBytes(e.device);
   size_t inactive = 0;
@@ -2906,9 +2910,24 @@ void packIfTight(DeviceEngine& e, std::string_view name, size_t pinned) {
   // What cannot be paged out: unmanaged and small allocations, and storages
   // pinned or just allocated by running operators.
   const size_t fixed = allocated > inactive ? allocated - inactive : 0;
-  const size_t need = fixed + expected;
-  if (static_cast<double>(need) <= kPackShare * static_cast<double>(limit) ||
-      need + kPackMarginBytes <= limit) {
+  auto tight = [&](size_t inside) {
+    const size_t need = fixed + pinned + inside;
+    return static_cast<double>(need) >
+        kPackShare * static_cast<double>(limit) &&
+        need + kPackMarginBytes > limit;
+  };
+  // Most operators are far from tight even at the largest expectation any
+  // operator has: they need neither the lock nor the name's footprint.
+  const auto largest_scaled = static_cast<size_t>(
+      g_largest_inside_per_input.load() *
+      static_cast<double>(std::max(pinned, kMiB)));
+  if (!tight(std::max(
+          {kUnseenInsidePerInput * pinned,
+           g_largest_inside.load(),
+           largest_scaled}))) {
+    return;
+  }
+  if (!tight(expectedInside(name, pinned))) {
     return;
   }
   const size_t freed =
@@ -2969,7 +2988,9 @@ void endWorkingSet(std::string_view name) {
   std::lock_guard<std::mutex> lock(g_footprint_mutex);
   Footprint& footprint = g_footprints[std::string(name)];
   footprint.inside_per_input = std::max(footprint.inside_per_input, per_input);
-  g_largest_inside = std::max(g_largest_inside, ws.inside_peak);
+  g_largest_inside.store(std::max(g_largest_inside.load(), ws.inside_peak));
+  g_largest_inside_per_input.store(
+      std::max(g_largest_inside_per_input.load(), per_input));
 }
 
 namespace {
