@@ -38,6 +38,10 @@ namespace {
 namespace alloc = c10::cuda::CUDACachingAllocator;
 namespace lms = c10::cuda::lms;
 
+// The page in which the stock allocator maps expandable segments of its large
+// pool (kLargeBuffer in CUDACachingAllocator.cpp, not exported).
+constexpr size_t kExpandablePageBytes = 20 * 1024 * 1024;
+
 size_t statCurrent(const c10::CachingDeviceAllocator::StatArray& stat) {
   const int64_t current =
       stat[static_cast<size_t>(
@@ -333,6 +337,10 @@ class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
       }
       lms::SegmentMap map;
       map.base = static_cast<uintptr_t>(segment.address);
+      // The stock allocator maps expandable segments of the large pool in
+      // pages of its kLargeBuffer (20 MiB), from the start of each mapped
+      // range it reports.
+      map.page_bytes = segment.is_expandable ? kExpandablePageBytes : 0;
       map.blocks.reserve(segment.blocks.size());
       for (const auto& block : segment.blocks) {
         map.blocks.emplace_back(

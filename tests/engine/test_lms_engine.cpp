@@ -830,6 +830,59 @@ TEST_CASE(an_operator_expected_to_need_most_of_the_device_is_packed_first) {
   env.checkBaseline();
 }
 
+// Packing reads the allocator's layout first. The operator of this case is
+// as tight as the one above (a 40 MiB input, 60 MiB allocated inside itself
+// as it did the first time it ran: 100 MiB of a 128 MiB limit), but its input
+// has a segment of its own: once X (40 MiB, inactive) is paged out on demand,
+// 40 MiB stay mapped and the 60 MiB fit beside them with a 20 MiB page to
+// spare. Nothing is packed: the operator's input stays where it is, and only
+// X goes out, when the operator's allocation needs its room.
+TEST_CASE(an_operator_whose_inputs_leave_room_is_not_packed) {
+  Env env(128 * kMiB);
+  lms::getBackend()->releaseCachedMemory(0);
+  const size_t base = lms::getBackend()->reservedBytes(0);
+  const char* name = "lms_test::fits_beside_its_inputs";
+  {
+    const lms_test::AllocatorCap cap(base + 128 * kMiB);
+    { // Its first run: the engine learns what it allocates.
+      auto input = newStorage(40 * kMiB);
+      lms::releaseOutput(*input);
+      c10::StorageImpl* inputs[] = {input.get()};
+      lms::beginWorkingSet(name, inputs);
+      lms::pin(*input);
+      auto output = newStorage(60 * kMiB);
+      lms::unpin(*input);
+      lms::endWorkingSet(name);
+    }
+    lms::getBackend()->releaseCachedMemory(0);
+    auto c = newStorage(40 * kMiB);
+    auto x = newStorage(40 * kMiB);
+    write(*c, 1);
+    write(*x, 2);
+    lms::releaseOutput(*x); // used longest ago
+    lms::releaseOutput(*c);
+    const auto before = lms::getStats(0);
+    c10::StorageImpl* inputs[] = {c.get()};
+    lms::beginWorkingSet(name, inputs);
+    CHECK_EQ(lms::getStats(0).pack_count, before.pack_count);
+    CHECK(state(c) == lms::StorageState::Inactive);
+    CHECK(state(x) == lms::StorageState::Inactive);
+    lms::pin(*c);
+    auto output = newStorage(60 * kMiB); // 140 MiB of tensors: X goes out
+    write(*output, 3);
+    CHECK(state(x) == lms::StorageState::PagedOut);
+    CHECK_EQ(
+        lms::getStats(0).pageout_bytes - before.pageout_bytes,
+        int64_t(40 * kMiB));
+    CHECK(matches(*c, 1));
+    lms::unpin(*c);
+    lms::endWorkingSet(name);
+    CHECK(matches(*output, 3));
+    CHECK(matches(*x, 2));
+  }
+  env.checkBaseline();
+}
+
 // A failed allocation pages out the storage that holds the range the request
 // fits in, not the least recently used one: X (24 MiB, used longest ago) has
 // a segment of its own; Z (4 MiB) sits at the start of a 30 MiB segment whose

@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace c10::cuda::lms {
@@ -67,6 +68,10 @@ constexpr size_t kPackMarginBytes = 200 * kMiB;
 // times the bytes of its inputs (a backward operator's gradients are about
 // as large as its inputs, and it needs room to place them).
 constexpr size_t kUnseenInsidePerInput = 2;
+// Room the allocator's layout must leave an operator beyond what it is
+// expected to need before packing is skipped (layoutAdmits): the 20 MiB page
+// that its last allocation leaves partly used.
+constexpr size_t kPackSpareBytes = 20 * kMiB;
 
 std::atomic<bool> g_enabled{false};
 std::atomic<size_t> g_size_threshold{kDefaultSizeThreshold};
@@ -2895,10 +2900,85 @@ size_t expectedInside(std::string_view name, size_t pinned) {
   return static_cast<size_t>(it->second.inside_per_input * input);
 }
 
-// Packs the operator about to pin `pinned` bytes of inputs when its expected
-// working set leaves too little of the limit for the pages it occupies
-// partly (see beginWorkingSet in the header).
-void packIfTight(DeviceEngine& e, std::string_view name, size_t pinned) {
+// Whether an operator about to pin `inputs` and allocate `inside` bytes
+// fits the limit as the allocator's memory lies now, once on-demand paging
+// has put every other reclaimable storage out: what stays mapped (each
+// segment, or page of an expandable segment, in which a block of an input or
+// of anything not reclaimable lies, and whatever the layout does not show:
+// the small pool, other streams, private pools), the inputs still to be
+// paged in, the inside bytes and a page to spare. False when the allocator
+// cannot show its layout: then only packing is sure to make the room.
+bool layoutAdmits(
+    DeviceEngine& e,
+    c10::ArrayRef<Record*> inputs,
+    size_t inside,
+    size_t limit) {
+  const std::vector<SegmentMap> maps =
+      backend().segments(e.device, currentStream(e.device));
+  if (maps.empty()) {
+    return false;
+  }
+  std::unordered_set<uintptr_t> movable;
+  size_t paged_in_later = 0;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
+      if (!r->busy && r->device_ptr != nullptr) {
+        movable.insert(reinterpret_cast<uintptr_t>(r->device_ptr));
+      }
+    }
+    for (Record* r : inputs) {
+      if (r->engine != &e) {
+        continue; // another device's memory
+      }
+      if (r->device_ptr != nullptr) {
+        movable.erase(reinterpret_cast<uintptr_t>(r->device_ptr));
+      } else {
+        paged_in_later += r->size;
+      }
+    }
+  }
+  size_t shown = 0;
+  size_t stays = 0;
+  for (const SegmentMap& map : maps) {
+    size_t total = 0;
+    for (const auto& block : map.blocks) {
+      total += block.first;
+    }
+    shown += total;
+    const size_t page = map.page_bytes > 0 ? map.page_bytes : total;
+    if (page == 0) {
+      continue;
+    }
+    std::vector<bool> mapped((total + page - 1) / page, false);
+    size_t offset = 0;
+    for (const auto& [size, allocated] : map.blocks) {
+      if (allocated && size > 0 && movable.count(map.base + offset) == 0) {
+        for (size_t i = offset / page; i <= (offset + size - 1) / page; ++i) {
+          mapped[i] = true;
+        }
+      }
+      offset += size;
+    }
+    for (size_t i = 0; i < mapped.size(); ++i) {
+      if (mapped[i]) {
+        stays += std::min(page, total - i * page);
+      }
+    }
+  }
+  const size_t reserved = backend().reservedBytes(e.device);
+  const size_t unshown = reserved > shown ? reserved - shown : 0;
+  return stays + unshown + paged_in_later + inside + kPackSpareBytes <= limit;
+}
+
+// Packs the operator about to pin `inputs` (`pinned` bytes) when its
+// expected working set leaves too little of the limit for the pages it
+// occupies partly (see beginWorkingSet in the header).
+void packIfTight(
+    DeviceEngine& e,
+    std::string_view name,
+    c10::ArrayRef<Record*> inputs,
+    size_t pinned) {
   const size_t limit = effectiveLimit(e);
   const size_t allocated = backend().allocatedBytes(e.device);
   size_t inactive = 0;
@@ -2927,7 +3007,8 @@ void packIfTight(DeviceEngine& e, std::string_view name, size_t pinned) {
            largest_scaled}))) {
     return;
   }
-  if (!tight(expectedInside(name, pinned))) {
+  const size_t inside = expectedInside(name, pinned);
+  if (!tight(inside) || layoutAdmits(e, inputs, inside, limit)) {
     return;
   }
   const size_t freed =
@@ -2956,10 +3037,12 @@ void beginWorkingSet(
   }
   DeviceEngine* e = nullptr;
   size_t pinned = 0;
+  c10::SmallVector<Record*, 8> records;
   for (c10::StorageImpl* storage : inputs) {
     if (Record* r = recordOf(*storage)) {
       pinned += r->size;
       e = r->engine;
+      records.push_back(r);
     }
   }
   if (e == nullptr) {
@@ -2974,7 +3057,7 @@ void beginWorkingSet(
   if (!g_packing.load() || isCapturing(currentStream(e->device))) {
     return;
   }
-  packIfTight(*e, name, pinned);
+  packIfTight(*e, name, records, pinned);
 }
 
 void endWorkingSet(std::string_view name) {

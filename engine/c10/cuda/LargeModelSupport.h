@@ -296,11 +296,17 @@ C10_CUDA_API void beginOperator(
 // it allocated per byte of input before, or for an operator not seen yet
 // twice its inputs or the most any operator allocated), with what cannot be
 // paged out, passes three quarters of the limit and leaves less than 200 MiB
-// of it (ten of the allocator's 20 MiB pages), beginWorkingSet packs: it
-// pages out every inactive storage of the device, the operator's own inputs
-// included, and returns the allocator's cached free memory to the device.
-// The pins that follow page the inputs back in side by side, and the
-// operator allocates from pages that nothing else holds.
+// of it (ten of the allocator's 20 MiB pages), beginWorkingSet reads the
+// allocator's layout: the segments and pages that stay mapped once every
+// other storage is out, because blocks of the inputs or of what cannot be
+// paged out lie in them. When those, the inputs still paged out and what the
+// operator allocates inside itself, with one page to spare, fit the limit,
+// paging on demand makes the room and nothing moves ahead. Otherwise it
+// packs: it pages out every inactive storage of the device, the operator's
+// own inputs included, and returns the allocator's cached free memory to the
+// device. The pins that follow page the inputs back in side by side, and the
+// operator allocates from pages that nothing else holds. An allocator that
+// cannot show its layout (DeviceMemoryBackend::segments) gets the pack.
 C10_CUDA_API void beginWorkingSet(
     std::string_view name,
     c10::ArrayRef<c10::StorageImpl*> inputs);
@@ -476,6 +482,11 @@ C10_CUDA_API void resetAccumulatedStats(c10::DeviceIndex device);
 struct SegmentMap {
   uintptr_t base = 0;
   std::vector<std::pair<size_t, bool>> blocks;
+  // 0: the range goes back to the device only whole (a segment of its own).
+  // Otherwise the allocator maps and unmaps it in pages of this size from
+  // `base` (expandable segments), and a page stays mapped while any block in
+  // it is allocated.
+  size_t page_bytes = 0;
 };
 
 // What the engine needs from the allocator that owns device memory.
@@ -530,7 +541,8 @@ class C10_CUDA_API DeviceMemoryBackend {
   }
   // The ranges the allocator has mapped for requests of more than 1 MiB on
   // `stream` in its default pool (private pools left out), or none when it
-  // cannot tell. Read when an allocation has failed, never on the fast path.
+  // cannot tell. Read when an allocation has failed or an operator is about
+  // to need most of the limit (beginWorkingSet), never on the fast path.
   virtual std::vector<SegmentMap> segments(
       c10::DeviceIndex device,
       cudaStream_t stream) {
