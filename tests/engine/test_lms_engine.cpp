@@ -835,8 +835,9 @@ TEST_CASE(an_operator_expected_to_need_most_of_the_device_is_packed_first) {
 // as it did the first time it ran: 100 MiB of a 128 MiB limit), but its input
 // has a segment of its own: once X (40 MiB, inactive) is paged out on demand,
 // 40 MiB stay mapped and the 60 MiB fit beside them with a 20 MiB page to
-// spare. Nothing is packed: the operator's input stays where it is, and only
-// X goes out, when the operator's allocation needs its room.
+// spare under the limit (95% of the 128 MiB cap). Nothing is packed: the
+// operator's input stays where it is, and only X goes out, when the operator's
+// allocation needs its room.
 TEST_CASE(an_operator_whose_inputs_leave_room_is_not_packed) {
   Env env(128 * kMiB);
   lms::getBackend()->releaseCachedMemory(0);
@@ -879,6 +880,44 @@ TEST_CASE(an_operator_whose_inputs_leave_room_is_not_packed) {
     lms::endWorkingSet(name);
     CHECK(matches(*output, 3));
     CHECK(matches(*x, 2));
+  }
+  env.checkBaseline();
+}
+
+// One operator name serves calls of different shapes: a matmul that makes a
+// language model's logits allocates several times its inputs, the model's
+// other matmuls about once. What a call is expected to allocate is what calls
+// of its name with inputs of that size allocated: the 40 MiB call below is
+// expected to allocate 40 MiB, not nine times its inputs as the 4 MiB call
+// did, so it is not tight and nothing is packed.
+TEST_CASE(
+    an_operator_is_expected_to_allocate_what_it_did_with_inputs_of_that_size) {
+  Env env(128 * kMiB);
+  lms::getBackend()->releaseCachedMemory(0);
+  const size_t base = lms::getBackend()->reservedBytes(0);
+  const char* name = "lms_test::matmul_of_many_shapes";
+  {
+    const lms_test::AllocatorCap cap(base + 128 * kMiB);
+    auto run = [&](size_t input_bytes, size_t inside_bytes) {
+      auto input = newStorage(input_bytes);
+      lms::releaseOutput(*input);
+      c10::StorageImpl* inputs[] = {input.get()};
+      lms::beginWorkingSet(name, inputs);
+      lms::pin(*input);
+      auto output = newStorage(inside_bytes);
+      lms::unpin(*input);
+      lms::endWorkingSet(name);
+    };
+    run(4 * kMiB, 36 * kMiB); // nine times its inputs
+    run(40 * kMiB, 40 * kMiB); // once
+    lms::getBackend()->releaseCachedMemory(0);
+    auto x = newStorage(60 * kMiB); // inactive: what a pack would page out
+    lms::releaseOutput(*x);
+    const auto before = lms::getStats(0);
+    run(40 * kMiB, 40 * kMiB); // 140 MiB of tensors: X goes out on demand
+    const auto after = lms::getStats(0);
+    CHECK_EQ(after.pack_count, before.pack_count);
+    CHECK_EQ(after.pageout_bytes - before.pageout_bytes, int64_t(60 * kMiB));
   }
   env.checkBaseline();
 }

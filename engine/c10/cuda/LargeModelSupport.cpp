@@ -69,7 +69,7 @@ constexpr size_t kPackMarginBytes = 200 * kMiB;
 // as large as its inputs, and it needs room to place them).
 constexpr size_t kUnseenInsidePerInput = 2;
 // Room the allocator's layout must leave an operator beyond what it is
-// expected to need before packing is skipped (layoutAdmits): the 20 MiB page
+// expected to need before packing is skipped (packIfTight): the 20 MiB page
 // that its last allocation leaves partly used.
 constexpr size_t kPackSpareBytes = 20 * kMiB;
 
@@ -2872,12 +2872,20 @@ void beginOperator(
 
 namespace {
 
-// What operators of one name allocated inside themselves: the most per byte
-// of input (at least 1 MiB of input counted, so that an operator with tiny
-// inputs does not scale up without bound), learned from every run.
+// What operators of one name allocated inside themselves, learned from every
+// run: the most for each size of inputs seen (an iteration repeats its calls,
+// and one name serves many: the matmul that makes a language model's logits
+// allocates nine times its inputs, the model's other matmuls about one), and
+// for inputs of a size not seen yet the most per byte of input (at least 1 MiB
+// of input counted, so that an operator with tiny inputs does not scale up
+// without bound).
 struct Footprint {
   double inside_per_input = 0.0;
+  std::unordered_map<size_t, size_t> inside_by_input;
 };
+// Input sizes remembered per operator name: models whose shapes change every
+// step (a mixture of experts) fall back to the per-byte share past it.
+constexpr size_t kFootprintSizes = 256;
 
 std::mutex g_footprint_mutex;
 std::unordered_map<std::string, Footprint> g_footprints;
@@ -2897,26 +2905,38 @@ size_t expectedInside(std::string_view name, size_t pinned) {
   if (it == g_footprints.end()) {
     return std::max(kUnseenInsidePerInput * pinned, g_largest_inside.load());
   }
-  return static_cast<size_t>(it->second.inside_per_input * input);
+  const Footprint& footprint = it->second;
+  if (const auto same = footprint.inside_by_input.find(pinned);
+      same != footprint.inside_by_input.end()) {
+    return same->second;
+  }
+  return static_cast<size_t>(footprint.inside_per_input * input);
 }
 
-// Whether an operator about to pin `inputs` and allocate `inside` bytes
-// fits the limit as the allocator's memory lies now, once on-demand paging
-// has put every other reclaimable storage out: what stays mapped (each
-// segment, or page of an expandable segment, in which a block of an input or
-// of anything not reclaimable lies, and whatever the layout does not show:
-// the small pool, other streams, private pools), the inputs still to be
-// paged in, the inside bytes and a page to spare. False when the allocator
-// cannot show its layout: then only packing is sure to make the room.
-bool layoutAdmits(
-    DeviceEngine& e,
-    c10::ArrayRef<Record*> inputs,
-    size_t inside,
-    size_t limit) {
+// PYTORCH_LMS_PACK_LOG=1 prints, for every operator whose expected working
+// set is tight, what packIfTight weighed and decided, to stderr (a
+// diagnostic, not a setting).
+bool isPackLogEnabled() {
+  static const bool on = [] {
+    const char* log = std::getenv("PYTORCH_LMS_PACK_LOG");
+    return log != nullptr && *log != '\0' && std::string_view(log) != "0";
+  }();
+  return on;
+}
+
+// The memory an operator about to pin `inputs` finds mapped beside it as the
+// allocator's memory lies now, once on-demand paging has put every other
+// reclaimable storage out: what stays mapped (each segment, or page of an
+// expandable segment, in which a block of an input or of anything not
+// reclaimable lies, and whatever the layout does not show: the small pool,
+// other streams, private pools) and the inputs still to be paged in.
+// SIZE_MAX when the allocator cannot show its layout: then only packing is
+// sure to make the room.
+size_t mappedBesideInputs(DeviceEngine& e, c10::ArrayRef<Record*> inputs) {
   const std::vector<SegmentMap> maps =
       backend().segments(e.device, currentStream(e.device));
   if (maps.empty()) {
-    return false;
+    return SIZE_MAX;
   }
   std::unordered_set<uintptr_t> movable;
   size_t paged_in_later = 0;
@@ -2968,7 +2988,7 @@ bool layoutAdmits(
   }
   const size_t reserved = backend().reservedBytes(e.device);
   const size_t unshown = reserved > shown ? reserved - shown : 0;
-  return stays + unshown + paged_in_later + inside + kPackSpareBytes <= limit;
+  return stays + unshown + paged_in_later;
 }
 
 // Packs the operator about to pin `inputs` (`pinned` bytes) when its
@@ -3008,7 +3028,33 @@ void packIfTight(
     return;
   }
   const size_t inside = expectedInside(name, pinned);
-  if (!tight(inside) || layoutAdmits(e, inputs, inside, limit)) {
+  if (!tight(inside)) {
+    return;
+  }
+  // The operator fits beside its inputs where they lie, with a page to
+  // spare: on-demand paging makes its room, and nothing moves ahead.
+  const size_t beside = mappedBesideInputs(e, inputs);
+  const bool pack =
+      beside == SIZE_MAX || beside + inside + kPackSpareBytes > limit;
+  if (isPackLogEnabled()) {
+    auto mib = [](size_t bytes) {
+      return static_cast<double>(bytes) / static_cast<double>(kMiB);
+    };
+    std::fprintf(
+        stderr,
+        "LMS pack: %s %.*s: inputs %.1f MiB, expected inside %.1f MiB, "
+        "not reclaimable %.1f MiB, mapped beside the inputs %.1f MiB, "
+        "limit %.1f MiB\n",
+        pack ? "packed" : "not packed",
+        static_cast<int>(name.size()),
+        name.data(),
+        mib(pinned),
+        mib(inside),
+        mib(fixed),
+        beside == SIZE_MAX ? -1.0 : mib(beside),
+        mib(limit));
+  }
+  if (!pack) {
     return;
   }
   const size_t freed =
@@ -3071,6 +3117,12 @@ void endWorkingSet(std::string_view name) {
   std::lock_guard<std::mutex> lock(g_footprint_mutex);
   Footprint& footprint = g_footprints[std::string(name)];
   footprint.inside_per_input = std::max(footprint.inside_per_input, per_input);
+  if (const auto same = footprint.inside_by_input.find(ws.pinned);
+      same != footprint.inside_by_input.end()) {
+    same->second = std::max(same->second, ws.inside_peak);
+  } else if (footprint.inside_by_input.size() < kFootprintSizes) {
+    footprint.inside_by_input.emplace(ws.pinned, ws.inside_peak);
+  }
   g_largest_inside.store(std::max(g_largest_inside.load(), ws.inside_peak));
   g_largest_inside_per_input.store(
       std::max(g_largest_inside_per_input.load(), per_input));

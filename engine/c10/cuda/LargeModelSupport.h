@@ -284,8 +284,8 @@ C10_CUDA_API void beginOperator(
 // when an outermost operator starts, with the storages of its inputs, before
 // it pins them, and endWorkingSet when the operator ends (also when it
 // throws). In between, the engine counts what the operator allocates and has
-// not freed, and learns, per operator name, the most it allocated per byte of
-// input.
+// not freed, and learns, per operator name, the most it allocated for each
+// size of inputs it ran with, and per byte of input.
 //
 // An operator's tensors must fit together, and in the pages the allocator
 // maps, not only by bytes: inputs resident since long ago sit in pages whose
@@ -293,8 +293,9 @@ C10_CUDA_API void beginOperator(
 // of pages whose neighbours are paged out next. That partly used memory stays
 // mapped, and a request can fail with everything else paged out although its
 // bytes fit. So when what the operator is expected to need (its inputs, what
-// it allocated per byte of input before, or for an operator not seen yet
-// twice its inputs or the most any operator allocated), with what cannot be
+// it allocated before with inputs of that size, else per byte of input, or
+// for an operator not seen yet twice its inputs or the most any operator
+// allocated), with what cannot be
 // paged out, passes three quarters of the limit and leaves less than 200 MiB
 // of it (ten of the allocator's 20 MiB pages), beginWorkingSet reads the
 // allocator's layout: the segments and pages that stay mapped once every
@@ -307,6 +308,7 @@ C10_CUDA_API void beginOperator(
 // device. The pins that follow page the inputs back in side by side, and the
 // operator allocates from pages that nothing else holds. An allocator that
 // cannot show its layout (DeviceMemoryBackend::segments) gets the pack.
+// PYTORCH_LMS_PACK_LOG=1 prints each tight operator's figures and decision.
 C10_CUDA_API void beginWorkingSet(
     std::string_view name,
     c10::ArrayRef<c10::StorageImpl*> inputs);
