@@ -922,6 +922,47 @@ TEST_CASE(
   env.checkBaseline();
 }
 
+// Packing makes room for what an operator allocates beside its inputs: an
+// operator that allocates nothing (an optimizer's in-place step) is not
+// packed, however tight its inputs, and they stay where they are. Its 100 MiB
+// input sits in a 110 MiB segment, which with a page to spare passes the
+// limit (95% of the 128 MiB cap): an operator that allocated 1 byte would be
+// packed.
+TEST_CASE(an_operator_that_allocates_nothing_is_not_packed) {
+  Env env(128 * kMiB);
+  lms::getBackend()->releaseCachedMemory(0);
+  const size_t base = lms::getBackend()->reservedBytes(0);
+  const char* name = "lms_test::in_place_step";
+  {
+    const lms_test::AllocatorCap cap(base + 128 * kMiB);
+    { // Its first run: it allocates nothing.
+      auto input = newStorage(100 * kMiB);
+      lms::releaseOutput(*input);
+      c10::StorageImpl* inputs[] = {input.get()};
+      lms::beginWorkingSet(name, inputs);
+      lms::pin(*input);
+      lms::unpin(*input);
+      lms::endWorkingSet(name);
+    }
+    lms::getBackend()->releaseCachedMemory(0);
+    auto a = newStorage(110 * kMiB);
+    a.reset(); // its segment stays cached, free
+    auto c = newStorage(100 * kMiB); // carved out of a's segment
+    write(*c, 1);
+    lms::releaseOutput(*c);
+    const auto before = lms::getStats(0);
+    c10::StorageImpl* inputs[] = {c.get()};
+    lms::beginWorkingSet(name, inputs);
+    CHECK_EQ(lms::getStats(0).pack_count, before.pack_count);
+    CHECK(state(c) == lms::StorageState::Inactive);
+    lms::pin(*c);
+    CHECK(matches(*c, 1));
+    lms::unpin(*c);
+    lms::endWorkingSet(name);
+  }
+  env.checkBaseline();
+}
+
 // A failed allocation pages out the storage that holds the range the request
 // fits in, not the least recently used one: X (24 MiB, used longest ago) has
 // a segment of its own; Z (4 MiB) sits at the start of a 30 MiB segment whose

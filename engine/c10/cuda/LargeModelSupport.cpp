@@ -2898,11 +2898,15 @@ std::atomic<size_t> g_largest_inside{0};
 // packIfTight reads without the lock.
 std::atomic<double> g_largest_inside_per_input{0.0};
 
-size_t expectedInside(std::string_view name, size_t pinned) {
+// What an operator about to pin `pinned` bytes of inputs is expected to
+// allocate inside itself; `learned` says whether operators of its name ran
+// before (otherwise the figure is a guess).
+size_t expectedInside(std::string_view name, size_t pinned, bool& learned) {
   const double input = static_cast<double>(std::max(pinned, kMiB));
   std::lock_guard<std::mutex> lock(g_footprint_mutex);
   const auto it = g_footprints.find(std::string(name));
-  if (it == g_footprints.end()) {
+  learned = it != g_footprints.end();
+  if (!learned) {
     return std::max(kUnseenInsidePerInput * pinned, g_largest_inside.load());
   }
   const Footprint& footprint = it->second;
@@ -3027,15 +3031,27 @@ void packIfTight(
            largest_scaled}))) {
     return;
   }
-  const size_t inside = expectedInside(name, pinned);
+  bool learned = false;
+  const size_t inside = expectedInside(name, pinned, learned);
   if (!tight(inside)) {
     return;
   }
+  // Packing makes room for what an operator allocates beside its inputs. One
+  // that allocates nothing (an optimizer's in-place foreach step) has its
+  // inputs paged in on demand, each where it fits; one whose inputs, inside
+  // bytes and what cannot be paged out pass the allocator's cap fits under
+  // no placement. For either a pack would only cost a round of page-outs
+  // (GPT at 4x an H100's cap: the optimizer's three in-place steps, every
+  // iteration). An operator not seen yet is packed: its figure is a guess.
+  const size_t capacity = backend().capacityBytes(e.device);
+  const size_t wall = capacity == SIZE_MAX ? limit : std::max(capacity, limit);
+  const bool futile =
+      learned && (inside == 0 || fixed + pinned + inside > wall);
   // The operator fits beside its inputs where they lie, with a page to
   // spare: on-demand paging makes its room, and nothing moves ahead.
-  const size_t beside = mappedBesideInputs(e, inputs);
-  const bool pack =
-      beside == SIZE_MAX || beside + inside + kPackSpareBytes > limit;
+  const size_t beside = futile ? SIZE_MAX : mappedBesideInputs(e, inputs);
+  const bool pack = !futile &&
+      (beside == SIZE_MAX || beside + inside + kPackSpareBytes > limit);
   if (isPackLogEnabled()) {
     auto mib = [](size_t bytes) {
       return static_cast<double>(bytes) / static_cast<double>(kMiB);
@@ -3045,7 +3061,7 @@ void packIfTight(
         "LMS pack: %s %.*s: inputs %.1f MiB, expected inside %.1f MiB, "
         "not reclaimable %.1f MiB, mapped beside the inputs %.1f MiB, "
         "limit %.1f MiB\n",
-        pack ? "packed" : "not packed",
+        pack ? "packed" : (futile ? "cannot help" : "not packed"),
         static_cast<int>(name.size()),
         name.data(),
         mib(pinned),
