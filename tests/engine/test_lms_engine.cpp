@@ -690,6 +690,20 @@ TEST_CASE(cached_blocks_stay_under_a_limit_below_the_share) {
   env.checkBaseline();
 }
 
+// The allocator's cap, `bytes` above what it keeps once its cache is emptied
+// (library memory of earlier cases), for the scope of a case.
+class CapAboveBaseline {
+ public:
+  explicit CapAboveBaseline(size_t bytes) : cap_(emptiedBaseline() + bytes) {}
+
+ private:
+  static size_t emptiedBaseline() {
+    lms::getBackend()->releaseCachedMemory(0);
+    return lms::getBackend()->reservedBytes(0);
+  }
+  lms_test::AllocatorCap cap_;
+};
+
 // A request that fits under the cap by bytes but not beside the segments the
 // allocator keeps for the tensors left: a small storage carved out of a large
 // cached segment holds it. While that storage is inactive LMS pages it out and
@@ -699,11 +713,7 @@ TEST_CASE(cached_blocks_stay_under_a_limit_below_the_share) {
 TEST_CASE(a_small_storage_in_a_large_segment_is_paged_out_to_place_a_request) {
   Env env(64 * kMiB);
   for (const bool pinned : {false, true}) {
-    // Whatever the allocator keeps already (library memory of earlier
-    // cases) stays below the 64 MiB of this case.
-    lms::getBackend()->releaseCachedMemory(0);
-    const size_t base = lms::getBackend()->reservedBytes(0);
-    const lms_test::AllocatorCap cap(base + 64 * kMiB);
+    const CapAboveBaseline cap(64 * kMiB);
     auto a = newStorage(30 * kMiB);
     auto b = newStorage(30 * kMiB);
     a.reset(); // a's segment stays cached, free
@@ -744,6 +754,31 @@ TEST_CASE(a_small_storage_in_a_large_segment_is_paged_out_to_place_a_request) {
   env.checkBaseline();
 }
 
+// Runs operator `name` once as operator-boundary pinning does: a fresh input
+// of `input_bytes`, a temporary of `temporary_bytes` allocated and freed inside
+// it (none when 0), then `inside_bytes` kept until it ends (none when 0). The
+// engine learns what operators of that name allocate.
+void runOperator(
+    const char* name,
+    size_t input_bytes,
+    size_t inside_bytes,
+    size_t temporary_bytes = 0) {
+  auto input = newStorage(input_bytes);
+  lms::releaseOutput(*input);
+  c10::StorageImpl* inputs[] = {input.get()};
+  lms::beginWorkingSet(name, inputs);
+  lms::pin(*input);
+  if (temporary_bytes > 0) {
+    auto temporary = newStorage(temporary_bytes);
+  }
+  StoragePtr output;
+  if (inside_bytes > 0) {
+    output = newStorage(inside_bytes);
+  }
+  lms::unpin(*input);
+  lms::endWorkingSet(name);
+}
+
 // An operator expected to need most of the device is packed before it pins
 // its inputs. Its 4 MiB input C sits in a 30 MiB segment whose other 26 MiB
 // are free, and X (20 MiB, inactive) has a segment of its own. The operator
@@ -754,25 +789,12 @@ TEST_CASE(a_small_storage_in_a_large_segment_is_paged_out_to_place_a_request) {
 // segment of its own size, and the 42 MiB fits beside it.
 TEST_CASE(an_operator_expected_to_need_most_of_the_device_is_packed_first) {
   Env env(64 * kMiB);
-  lms::getBackend()->releaseCachedMemory(0);
-  const size_t base = lms::getBackend()->reservedBytes(0);
   const char* name = "lms_test::needs_most_of_the_device";
   {
-    const lms_test::AllocatorCap cap(base + 64 * kMiB);
-    { // Its first run, with room: the engine learns what it allocates.
-      auto input = newStorage(4 * kMiB);
-      lms::releaseOutput(*input);
-      c10::StorageImpl* inputs[] = {input.get()};
-      lms::beginWorkingSet(name, inputs);
-      lms::pin(*input);
-      {
-        auto temporary = newStorage(8 * kMiB); // freed inside the operator
-      }
-      auto output = newStorage(42 * kMiB);
-      lms::unpin(*input);
-      lms::endWorkingSet(name);
-      CHECK_EQ(lms::getStats(0).pack_count, 0);
-    }
+    const CapAboveBaseline cap(64 * kMiB);
+    // Its first run, with room: the engine learns what it allocates.
+    runOperator(name, 4 * kMiB, 42 * kMiB, /*temporary_bytes=*/8 * kMiB);
+    CHECK_EQ(lms::getStats(0).pack_count, 0);
     lms::getBackend()->releaseCachedMemory(0);
     auto fragmented = [&] {
       auto a = newStorage(30 * kMiB);
@@ -840,21 +862,10 @@ TEST_CASE(an_operator_expected_to_need_most_of_the_device_is_packed_first) {
 // allocation needs its room.
 TEST_CASE(an_operator_whose_inputs_leave_room_is_not_packed) {
   Env env(128 * kMiB);
-  lms::getBackend()->releaseCachedMemory(0);
-  const size_t base = lms::getBackend()->reservedBytes(0);
   const char* name = "lms_test::fits_beside_its_inputs";
   {
-    const lms_test::AllocatorCap cap(base + 128 * kMiB);
-    { // Its first run: the engine learns what it allocates.
-      auto input = newStorage(40 * kMiB);
-      lms::releaseOutput(*input);
-      c10::StorageImpl* inputs[] = {input.get()};
-      lms::beginWorkingSet(name, inputs);
-      lms::pin(*input);
-      auto output = newStorage(60 * kMiB);
-      lms::unpin(*input);
-      lms::endWorkingSet(name);
-    }
+    const CapAboveBaseline cap(128 * kMiB);
+    runOperator(name, 40 * kMiB, 60 * kMiB); // the engine learns it
     lms::getBackend()->releaseCachedMemory(0);
     auto c = newStorage(40 * kMiB);
     auto x = newStorage(40 * kMiB);
@@ -893,28 +904,16 @@ TEST_CASE(an_operator_whose_inputs_leave_room_is_not_packed) {
 TEST_CASE(
     an_operator_is_expected_to_allocate_what_it_did_with_inputs_of_that_size) {
   Env env(128 * kMiB);
-  lms::getBackend()->releaseCachedMemory(0);
-  const size_t base = lms::getBackend()->reservedBytes(0);
   const char* name = "lms_test::matmul_of_many_shapes";
   {
-    const lms_test::AllocatorCap cap(base + 128 * kMiB);
-    auto run = [&](size_t input_bytes, size_t inside_bytes) {
-      auto input = newStorage(input_bytes);
-      lms::releaseOutput(*input);
-      c10::StorageImpl* inputs[] = {input.get()};
-      lms::beginWorkingSet(name, inputs);
-      lms::pin(*input);
-      auto output = newStorage(inside_bytes);
-      lms::unpin(*input);
-      lms::endWorkingSet(name);
-    };
-    run(4 * kMiB, 36 * kMiB); // nine times its inputs
-    run(40 * kMiB, 40 * kMiB); // once
+    const CapAboveBaseline cap(128 * kMiB);
+    runOperator(name, 4 * kMiB, 36 * kMiB); // nine times its inputs
+    runOperator(name, 40 * kMiB, 40 * kMiB); // once
     lms::getBackend()->releaseCachedMemory(0);
     auto x = newStorage(60 * kMiB); // inactive: what a pack would page out
     lms::releaseOutput(*x);
     const auto before = lms::getStats(0);
-    run(40 * kMiB, 40 * kMiB); // 140 MiB of tensors: X goes out on demand
+    runOperator(name, 40 * kMiB, 40 * kMiB); // 140 MiB: X goes out on demand
     const auto after = lms::getStats(0);
     CHECK_EQ(after.pack_count, before.pack_count);
     CHECK_EQ(after.pageout_bytes - before.pageout_bytes, int64_t(60 * kMiB));
@@ -930,20 +929,10 @@ TEST_CASE(
 // packed.
 TEST_CASE(an_operator_that_allocates_nothing_is_not_packed) {
   Env env(128 * kMiB);
-  lms::getBackend()->releaseCachedMemory(0);
-  const size_t base = lms::getBackend()->reservedBytes(0);
   const char* name = "lms_test::in_place_step";
   {
-    const lms_test::AllocatorCap cap(base + 128 * kMiB);
-    { // Its first run: it allocates nothing.
-      auto input = newStorage(100 * kMiB);
-      lms::releaseOutput(*input);
-      c10::StorageImpl* inputs[] = {input.get()};
-      lms::beginWorkingSet(name, inputs);
-      lms::pin(*input);
-      lms::unpin(*input);
-      lms::endWorkingSet(name);
-    }
+    const CapAboveBaseline cap(128 * kMiB);
+    runOperator(name, 100 * kMiB, 0); // its first run allocates nothing
     lms::getBackend()->releaseCachedMemory(0);
     auto a = newStorage(110 * kMiB);
     a.reset(); // its segment stays cached, free
@@ -969,10 +958,8 @@ TEST_CASE(an_operator_that_allocates_nothing_is_not_packed) {
 // other 26 MiB are free. A 28 MiB request fits in Z's segment once Z is out.
 TEST_CASE(a_failed_allocation_pages_out_the_storage_in_its_way) {
   Env env(64 * kMiB);
-  lms::getBackend()->releaseCachedMemory(0);
-  const size_t base = lms::getBackend()->reservedBytes(0);
   {
-    const lms_test::AllocatorCap cap(base + 64 * kMiB);
+    const CapAboveBaseline cap(64 * kMiB);
     auto x = newStorage(24 * kMiB);
     auto y = newStorage(30 * kMiB);
     y.reset(); // its segment stays cached, free
