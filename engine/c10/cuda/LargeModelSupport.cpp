@@ -2875,7 +2875,8 @@ namespace {
 // What operators of one name allocated inside themselves, learned from every
 // run: the most for each size of inputs seen (an iteration repeats its calls,
 // and one name serves many: the matmul that makes a language model's logits
-// allocates nine times its inputs, the model's other matmuls about one), and
+// allocates several times its inputs, the model's other matmuls about as
+// much as theirs), and
 // for inputs of a size not seen yet the most per byte of input (at least 1 MiB
 // of input counted, so that an operator with tiny inputs does not scale up
 // without bound).
@@ -2899,19 +2900,20 @@ std::atomic<size_t> g_largest_inside{0};
 std::atomic<double> g_largest_inside_per_input{0.0};
 
 // What an operator about to pin `pinned` bytes of inputs is expected to
-// allocate inside itself; `learned` says whether operators of its name ran
-// before (otherwise the figure is a guess).
-size_t expectedInside(std::string_view name, size_t pinned, bool& learned) {
+// allocate inside itself. `measured` says whether an operator of its name
+// ran with inputs of that size before; otherwise the figure is a bound.
+size_t expectedInside(std::string_view name, size_t pinned, bool& measured) {
   const double input = static_cast<double>(std::max(pinned, kMiB));
   std::lock_guard<std::mutex> lock(g_footprint_mutex);
+  measured = false;
   const auto it = g_footprints.find(std::string(name));
-  learned = it != g_footprints.end();
-  if (!learned) {
+  if (it == g_footprints.end()) {
     return std::max(kUnseenInsidePerInput * pinned, g_largest_inside.load());
   }
   const Footprint& footprint = it->second;
   if (const auto same = footprint.inside_by_input.find(pinned);
       same != footprint.inside_by_input.end()) {
+    measured = true;
     return same->second;
   }
   return static_cast<size_t>(footprint.inside_per_input * input);
@@ -3031,8 +3033,8 @@ void packIfTight(
            largest_scaled}))) {
     return;
   }
-  bool learned = false;
-  const size_t inside = expectedInside(name, pinned, learned);
+  bool measured = false;
+  const size_t inside = expectedInside(name, pinned, measured);
   if (!tight(inside)) {
     return;
   }
@@ -3042,11 +3044,12 @@ void packIfTight(
   // bytes and what cannot be paged out pass the allocator's cap fits under
   // no placement. For either a pack would only cost a round of page-outs
   // (GPT at 4x an H100's cap: the optimizer's three in-place steps, every
-  // iteration). An operator not seen yet is packed: its figure is a guess.
+  // iteration). Only a figure measured at this size of inputs says so; a
+  // bound does not.
   const size_t capacity = backend().capacityBytes(e.device);
   const size_t wall = capacity == SIZE_MAX ? limit : std::max(capacity, limit);
   const bool futile =
-      learned && (inside == 0 || fixed + pinned + inside > wall);
+      measured && (inside == 0 || fixed + pinned + inside > wall);
   // The operator fits beside its inputs where they lie, with a page to
   // spare: on-demand paging makes its room, and nothing moves ahead.
   const size_t beside = futile ? SIZE_MAX : mappedBesideInputs(e, inputs);

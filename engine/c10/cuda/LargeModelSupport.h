@@ -307,7 +307,10 @@ C10_CUDA_API void beginOperator(
 // own inputs included, and returns the allocator's cached free memory to the
 // device. The pins that follow page the inputs back in side by side, and the
 // operator allocates from pages that nothing else holds. An allocator that
-// cannot show its layout (DeviceMemoryBackend::segments) gets the pack.
+// cannot show its layout (DeviceMemoryBackend::segments) gets the pack. An
+// operator measured before with inputs of this size is not packed when that
+// cannot help: it allocated nothing inside itself, or its working set passes
+// the allocator's cap by bytes.
 // PYTORCH_LMS_PACK_LOG=1 prints each tight operator's figures and decision.
 C10_CUDA_API void beginWorkingSet(
     std::string_view name,
