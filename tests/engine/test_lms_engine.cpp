@@ -754,6 +754,53 @@ TEST_CASE(a_small_storage_in_a_large_segment_is_paged_out_to_place_a_request) {
   env.checkBaseline();
 }
 
+// What stays mapped while some blocks of a range stay allocated: a segment
+// of its own stays whole; an expandable segment keeps every 20 MiB page one of
+// them lies in, and a last page shorter than that counts at its size. The
+// second layout is the one a cuDNN LSTM backward ran out of memory in
+// (stress seed 14): a 16 MiB input, then a 1 MiB block the operator keeps in
+// the second page, and an 80 MiB input across five pages.
+TEST_CASE(the_pages_that_blocks_still_in_use_keep_mapped) {
+  lms::SegmentMap segment;
+  segment.blocks = {{4 * kMiB, true}, {26 * kMiB, false}};
+  CHECK_EQ(lms::mappedBytesHeld(segment, {true, false}), 30 * kMiB);
+  CHECK_EQ(lms::mappedBytesHeld(segment, {false, false}), size_t(0));
+
+  lms::SegmentMap pages;
+  pages.page_bytes = 20 * kMiB;
+  const size_t tail = 280 * kMiB - (260 * kMiB + 32 * 1024);
+  pages.blocks = {
+      {16 * kMiB, true}, // input
+      {4 * kMiB, false},
+      {kMiB + 4096, true}, // kept by the operator
+      {15 * kMiB + 28 * 1024, false},
+      {32 * kMiB, true},
+      {32 * kMiB, true},
+      {80 * kMiB, true}, // input
+      {16 * kMiB, true},
+      {16 * kMiB, true},
+      {16 * kMiB, true},
+      {16 * kMiB, true},
+      {16 * kMiB, true},
+      {tail, false}};
+  std::vector<bool> held(pages.blocks.size(), false);
+  held[0] = held[2] = held[6] = true;
+  // Pages 0 and 1, and 5 to 9 (the 80 MiB input runs from 100.03 MiB).
+  CHECK_EQ(lms::mappedBytesHeld(pages, held), 7 * 20 * kMiB);
+
+  lms::SegmentMap short_tail;
+  short_tail.page_bytes = 20 * kMiB;
+  short_tail.blocks = {{20 * kMiB, true}, {25 * kMiB, false}, {5 * kMiB, true}};
+  // A block that ends on a page boundary keeps no more; the 10 MiB last page
+  // counts 10 MiB.
+  CHECK_EQ(lms::mappedBytesHeld(short_tail, {true, false, true}), 30 * kMiB);
+  CHECK_EQ(lms::mappedBytesHeld(short_tail, {true, false, false}), 20 * kMiB);
+  CHECK_THROWS_AS(
+      lms::mappedBytesHeld(short_tail, {true}),
+      c10::Error,
+      "one flag per block");
+}
+
 // Runs operator `name` once as operator-boundary pinning does: a fresh input
 // of `input_bytes`, a temporary of `temporary_bytes` allocated and freed inside
 // it (none when 0), then `inside_bytes` kept until it ends (none when 0). The

@@ -2930,6 +2930,46 @@ bool isPackLogEnabled() {
   return on;
 }
 
+} // namespace
+
+size_t mappedBytesHeld(const SegmentMap& map, const std::vector<bool>& held) {
+  TORCH_CHECK(
+      held.size() == map.blocks.size(),
+      "Large Model Support: mappedBytesHeld got ",
+      held.size(),
+      " flags for ",
+      map.blocks.size(),
+      " blocks; pass one flag per block");
+  size_t total = 0;
+  for (const auto& block : map.blocks) {
+    total += block.first;
+  }
+  const size_t page = map.page_bytes > 0 ? map.page_bytes : total;
+  if (page == 0) {
+    return 0;
+  }
+  std::vector<bool> mapped((total + page - 1) / page, false);
+  size_t offset = 0;
+  for (size_t b = 0; b < map.blocks.size(); ++b) {
+    const size_t size = map.blocks[b].first;
+    if (held[b] && size > 0) {
+      for (size_t i = offset / page; i <= (offset + size - 1) / page; ++i) {
+        mapped[i] = true;
+      }
+    }
+    offset += size;
+  }
+  size_t bytes = 0;
+  for (size_t i = 0; i < mapped.size(); ++i) {
+    if (mapped[i]) {
+      bytes += std::min(page, total - i * page);
+    }
+  }
+  return bytes;
+}
+
+namespace {
+
 // The memory an operator about to pin `inputs` finds mapped beside it as the
 // allocator's memory lies now, once on-demand paging has put every other
 // reclaimable storage out: what stays mapped (each segment, or page of an
@@ -2967,30 +3007,15 @@ size_t mappedBesideInputs(DeviceEngine& e, c10::ArrayRef<Record*> inputs) {
   size_t shown = 0;
   size_t stays = 0;
   for (const SegmentMap& map : maps) {
-    size_t total = 0;
-    for (const auto& block : map.blocks) {
-      total += block.first;
+    std::vector<bool> held(map.blocks.size(), false);
+    uintptr_t address = map.base;
+    for (size_t i = 0; i < map.blocks.size(); ++i) {
+      const auto [size, allocated] = map.blocks[i];
+      held[i] = allocated && movable.count(address) == 0;
+      address += size;
+      shown += size;
     }
-    shown += total;
-    const size_t page = map.page_bytes > 0 ? map.page_bytes : total;
-    if (page == 0) {
-      continue;
-    }
-    std::vector<bool> mapped((total + page - 1) / page, false);
-    size_t offset = 0;
-    for (const auto& [size, allocated] : map.blocks) {
-      if (allocated && size > 0 && movable.count(map.base + offset) == 0) {
-        for (size_t i = offset / page; i <= (offset + size - 1) / page; ++i) {
-          mapped[i] = true;
-        }
-      }
-      offset += size;
-    }
-    for (size_t i = 0; i < mapped.size(); ++i) {
-      if (mapped[i]) {
-        stays += std::min(page, total - i * page);
-      }
-    }
+    stays += mappedBytesHeld(map, held);
   }
   const size_t reserved = backend().reservedBytes(e.device);
   const size_t unshown = reserved > shown ? reserved - shown : 0;

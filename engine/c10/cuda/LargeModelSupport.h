@@ -494,6 +494,12 @@ struct SegmentMap {
   size_t page_bytes = 0;
 };
 
+// Bytes of `map` that stay mapped while the blocks flagged in `held` (one
+// flag per block of map.blocks) stay allocated: the whole range when it goes
+// back to the device only whole, else every page one of them lies in.
+C10_CUDA_API size_t
+mappedBytesHeld(const SegmentMap& map, const std::vector<bool>& held);
+
 // What the engine needs from the allocator that owns device memory.
 class C10_CUDA_API DeviceMemoryBackend {
  public:
