@@ -178,6 +178,18 @@ class TestCudaLms(TestCase):
         self.assertIs(torch.cuda.get_recompute_lms(), False)
         self.assertFalse(torch._C._cuda_lms_getRecompute())
 
+    def test_packing_round_trip(self):
+        previous = torch.cuda.get_packing_lms()
+        try:
+            torch.cuda.set_packing_lms(False)
+            self.assertIs(torch.cuda.get_packing_lms(), False)
+            self.assertFalse(torch._C._cuda_lms_getPacking())
+            torch.cuda.set_packing_lms(True)
+            self.assertIs(torch.cuda.get_packing_lms(), True)
+            self.assertTrue(torch._C._cuda_lms_getPacking())
+        finally:
+            torch.cuda.set_packing_lms(previous)
+
     def test_invalid_arguments(self):
         with self.assertRaisesRegex(TypeError, "enable must be a bool"):
             torch.cuda.set_enabled_lms(1)
@@ -199,6 +211,8 @@ class TestCudaLms(TestCase):
             torch.cuda.set_host_limit_lms(-1)
         with self.assertRaisesRegex(TypeError, "enable must be a bool"):
             torch.cuda.set_recompute_lms(1)
+        with self.assertRaisesRegex(TypeError, "enable must be a bool"):
+            torch.cuda.set_packing_lms("no")
         with self.assertRaisesRegex(ValueError, "invalid CUDA device index"):
             torch.cuda.set_limit_lms(MiB, device=torch.cuda.device_count())
         with self.assertRaisesRegex(TypeError, "tensor must be a torch.Tensor"):

@@ -46,6 +46,8 @@ API_NAMES: tuple[str, ...] = (
     "get_schedule_lms",
     "set_lookahead_lms",
     "get_lookahead_lms",
+    "set_packing_lms",
+    "get_packing_lms",
     "set_prefetch_budget_lms",
     "get_prefetch_budget_lms",
     "set_graph_prefetch_lms",

@@ -102,6 +102,7 @@ class FakeBindings:
             "prefetch": 0,
             "speculative": 0,
             "schedule": 1,
+            "packing": 1,
             "graph_prefetch": 1,
             "lookahead": 0,
             "budget": 0,
@@ -151,6 +152,12 @@ class FakeBindings:
 
     def _cuda_lms_getSchedule(self) -> bool:
         return bool(self.values["schedule"])
+
+    def _cuda_lms_setPacking(self, enabled: bool) -> None:
+        self.values["packing"] = int(enabled)
+
+    def _cuda_lms_getPacking(self) -> bool:
+        return bool(self.values["packing"])
 
     def _cuda_lms_setLookahead(self, operators: int) -> None:
         self.values["lookahead"] = operators
@@ -261,6 +268,9 @@ def test_settings_reach_the_bindings(lms: ModuleType) -> None:
     assert lms.get_schedule_lms() is True
     lms.set_schedule_lms(False)
     assert lms.get_schedule_lms() is False
+    assert lms.get_packing_lms() is True
+    lms.set_packing_lms(False)
+    assert lms.get_packing_lms() is False
     lms.set_lookahead_lms(32)
     assert lms.get_lookahead_lms() == 32
     lms.set_prefetch_budget_lms(256 * MiB)
@@ -339,6 +349,7 @@ def test_numpy_integers_are_sizes(lms: ModuleType) -> None:
         (lambda m: m.set_speculative_lms(None), TypeError, "margin_bytes must be an int"),
         (lambda m: m.set_speculative_lms(-5), ValueError, "margin_bytes must be >= 0"),
         (lambda m: m.set_schedule_lms(1), TypeError, "enable must be a bool, got int"),
+        (lambda m: m.set_packing_lms("no"), TypeError, "enable must be a bool, got str"),
         (lambda m: m.set_lookahead_lms(-1), ValueError, "operators must be >= 0"),
         (lambda m: m.set_lookahead_lms(2**31), ValueError, "operators must be <= 2147483647"),
         (lambda m: m.set_prefetch_budget_lms(-1), ValueError, "budget_bytes must be >= 0"),
@@ -738,6 +749,21 @@ def test_extension_exports_every_setting() -> None:
     settings = {name for name in load_lms().__all__ if name.startswith(("set_", "get_"))}
     assert settings <= set(integration.API_NAMES), settings - set(integration.API_NAMES)
     assert {"set_recompute_lms", "get_recompute_lms"} <= set(integration.API_NAMES)
+
+
+def test_every_series_exports_every_setting() -> None:
+    """Each tag's series lists every setter and getter of lms.py in torch.cuda's __all__."""
+    import re
+
+    settings = {name for name in load_lms().__all__ if name.startswith(("set_", "get_"))}
+    patches = sorted(
+        (LMS_PY.parents[3] / "patches").glob("*/*expose-the-Large-Model-Support-API.patch")
+    )
+    assert len(patches) >= 2, patches
+    for patch in patches:
+        added = "\n".join(line for line in patch.read_text().splitlines() if line.startswith("+"))
+        listed = set(re.findall(r"[\"']((?:set|get)_\w+_lms)[\"']", added))
+        assert settings <= listed, (patch.parent.name, sorted(settings - listed))
 
 
 def test_every_conf_key_the_header_documents_is_named_in_the_docstring() -> None:

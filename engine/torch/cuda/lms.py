@@ -68,6 +68,7 @@ __all__ = [
     "get_host_limit_lms",
     "get_limit_lms",
     "get_lookahead_lms",
+    "get_packing_lms",
     "get_prefetch_budget_lms",
     "get_prefetch_lms",
     "get_recompute_lms",
@@ -86,6 +87,7 @@ __all__ = [
     "set_host_limit_lms",
     "set_limit_lms",
     "set_lookahead_lms",
+    "set_packing_lms",
     "set_prefetch_budget_lms",
     "set_prefetch_lms",
     "set_recompute_lms",
@@ -637,6 +639,37 @@ def get_schedule_lms() -> bool:
         bool: ``True`` if LMS learns and uses a swap schedule.
     """
     return bool(_lms_bindings()._cuda_lms_getSchedule())
+
+
+def set_packing_lms(enable: bool) -> None:
+    r"""Enable or disable packing operators before they pin their inputs (enabled by default).
+
+    When an operator is expected to need most of the limit (its inputs, what
+    operators of its name allocated inside themselves before, and what cannot
+    be paged out) and the allocator's segments or pages around its inputs would
+    leave it too little room, LMS pages out every inactive storage, the
+    operator's inputs included, and returns the allocator's cache first, so
+    that the inputs come back side by side and the operator allocates from
+    pages nothing else holds. A pack costs a round of page-outs
+    (``pack_count`` and ``pack_bytes`` in :func:`lms_stats`). Off, operators'
+    working sets are still learned and nothing is packed. The same setting as
+    ``lms_pack`` in ``PYTORCH_CUDA_ALLOC_CONF``.
+
+    Args:
+        enable (bool): ``True`` to pack operators that need it, ``False`` never to.
+    """
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
+    _lms_bindings()._cuda_lms_setPacking(enable)
+
+
+def get_packing_lms() -> bool:
+    r"""Return whether LMS packs operators (see :func:`set_packing_lms`).
+
+    Returns:
+        bool: ``True`` if packing is on.
+    """
+    return bool(_lms_bindings()._cuda_lms_getPacking())
 
 
 def set_lookahead_lms(operators: int) -> None:

@@ -120,6 +120,14 @@ bool getSchedule() {
   return engine::isScheduleEnabled();
 }
 
+void setPacking(bool enabled) {
+  engine::setPackingEnabled(enabled);
+}
+
+bool getPacking() {
+  return engine::isPackingEnabled();
+}
+
 void setLookahead(int64_t operators) {
   TORCH_CHECK_VALUE(
       operators >= 0 && operators <= std::numeric_limits<int>::max(),
@@ -335,6 +343,8 @@ void initLmsBindings(PyObject* module) {
       "_cuda_lms_getSpeculative", torch::wrap_pybind_function(&getSpeculative));
   m.def("_cuda_lms_setSchedule", torch::wrap_pybind_function(&setSchedule));
   m.def("_cuda_lms_getSchedule", torch::wrap_pybind_function(&getSchedule));
+  m.def("_cuda_lms_setPacking", torch::wrap_pybind_function(&setPacking));
+  m.def("_cuda_lms_getPacking", torch::wrap_pybind_function(&getPacking));
   m.def("_cuda_lms_setLookahead", torch::wrap_pybind_function(&setLookahead));
   m.def("_cuda_lms_getLookahead", torch::wrap_pybind_function(&getLookahead));
   m.def(
