@@ -22,7 +22,6 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 namespace c10::cuda::lms {
@@ -480,6 +479,13 @@ bool isCapturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
   return status != cudaStreamCaptureStatusNone;
+}
+
+// Whether the diagnostic environment variable `name` is set to anything but
+// empty or "0".
+bool isFlagSet(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' && std::string_view(value) != "0";
 }
 
 cudaStream_t currentStream(c10::DeviceIndex device) {
@@ -1130,6 +1136,18 @@ size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
   return freed;
 }
 
+// The reclaimable storages that are resident and not being moved, by device
+// address. Call with e.mutex held.
+std::unordered_map<uintptr_t, Record*> residentReclaimable(DeviceEngine& e) {
+  std::unordered_map<uintptr_t, Record*> held;
+  for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
+    if (!r->busy && r->device_ptr != nullptr) {
+      held.emplace(reinterpret_cast<uintptr_t>(r->device_ptr), r);
+    }
+  }
+  return held;
+}
+
 // After an allocation of `size` bytes on `stream` failed: pages out the
 // storages that hold the cheapest contiguous run of blocks, in one range the
 // allocator has mapped, whose blocks are free or held by reclaimable storages
@@ -1150,12 +1168,7 @@ size_t reclaimFragments(DeviceEngine& e, size_t size, cudaStream_t stream) {
   std::vector<Record*> victims;
   {
     std::lock_guard<std::mutex> lock(e.mutex);
-    std::unordered_map<uintptr_t, Record*> held;
-    for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
-      if (!r->busy && r->device_ptr != nullptr) {
-        held.emplace(reinterpret_cast<uintptr_t>(r->device_ptr), r);
-      }
-    }
+    const std::unordered_map<uintptr_t, Record*> held = residentReclaimable(e);
     if (held.empty()) {
       return 0;
     }
@@ -2763,10 +2776,7 @@ void setRecomputeEnabled(bool enabled) {
 }
 
 bool isRecomputeLogEnabled() {
-  static const bool on = [] {
-    const char* log = std::getenv("PYTORCH_LMS_RECOMPUTE_LOG");
-    return log != nullptr && *log != '\0' && std::string_view(log) != "0";
-  }();
+  static const bool on = isFlagSet("PYTORCH_LMS_RECOMPUTE_LOG");
   return on;
 }
 
@@ -2923,10 +2933,7 @@ size_t expectedInside(std::string_view name, size_t pinned, bool& measured) {
 // set is tight, what packIfTight weighed and decided, to stderr (a
 // diagnostic, not a setting).
 bool isPackLogEnabled() {
-  static const bool on = [] {
-    const char* log = std::getenv("PYTORCH_LMS_PACK_LOG");
-    return log != nullptr && *log != '\0' && std::string_view(log) != "0";
-  }();
+  static const bool on = isFlagSet("PYTORCH_LMS_PACK_LOG");
   return on;
 }
 
@@ -2978,24 +2985,23 @@ namespace {
 // other streams, private pools) and the inputs still to be paged in.
 // SIZE_MAX when the allocator cannot show its layout: then only packing is
 // sure to make the room.
-size_t mappedBesideInputs(DeviceEngine& e, c10::ArrayRef<Record*> inputs) {
+size_t mappedBesideInputs(
+    DeviceEngine& e,
+    c10::ArrayRef<c10::StorageImpl*> inputs) {
   const std::vector<SegmentMap> maps =
       backend().segments(e.device, currentStream(e.device));
   if (maps.empty()) {
     return SIZE_MAX;
   }
-  std::unordered_set<uintptr_t> movable;
+  std::unordered_map<uintptr_t, Record*> movable;
   size_t paged_in_later = 0;
   {
     std::lock_guard<std::mutex> lock(e.mutex);
-    for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
-      if (!r->busy && r->device_ptr != nullptr) {
-        movable.insert(reinterpret_cast<uintptr_t>(r->device_ptr));
-      }
-    }
-    for (Record* r : inputs) {
-      if (r->engine != &e) {
-        continue; // another device's memory
+    movable = residentReclaimable(e);
+    for (c10::StorageImpl* storage : inputs) {
+      Record* r = recordOf(*storage);
+      if (r == nullptr || r->engine != &e) {
+        continue; // unmanaged, or another device's memory
       }
       if (r->device_ptr != nullptr) {
         movable.erase(reinterpret_cast<uintptr_t>(r->device_ptr));
@@ -3028,7 +3034,7 @@ size_t mappedBesideInputs(DeviceEngine& e, c10::ArrayRef<Record*> inputs) {
 void packIfTight(
     DeviceEngine& e,
     std::string_view name,
-    c10::ArrayRef<Record*> inputs,
+    c10::ArrayRef<c10::StorageImpl*> inputs,
     size_t pinned) {
   const size_t limit = effectiveLimit(e);
   const size_t allocated = backend().allocatedBytes(e.device);
@@ -3127,12 +3133,10 @@ void beginWorkingSet(
   }
   DeviceEngine* e = nullptr;
   size_t pinned = 0;
-  c10::SmallVector<Record*, 8> records;
   for (c10::StorageImpl* storage : inputs) {
     if (Record* r = recordOf(*storage)) {
       pinned += r->size;
       e = r->engine;
-      records.push_back(r);
     }
   }
   if (e == nullptr) {
@@ -3147,7 +3151,7 @@ void beginWorkingSet(
   if (!g_packing.load() || isCapturing(currentStream(e->device))) {
     return;
   }
-  packIfTight(*e, name, records, pinned);
+  packIfTight(*e, name, inputs, pinned);
 }
 
 void endWorkingSet(std::string_view name) {
