@@ -3,6 +3,7 @@ report (scripts/gpu/environment.sh) prints what a run depends on."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,24 @@ def test_environment_report_names_versions_and_what_is_missing() -> None:
     assert any(line.startswith("torch ") and " gpus " in line for line in lines)
     assert f"pytest {pytest.__version__}" in lines
     assert "lms_no_such_module missing: the run goes on without it" in lines
+
+
+def test_environment_report_names_the_engine_the_sender_gives() -> None:
+    """A copy of the checkout sent to a GPU host names its engine in every log's header, so a
+    run stopped before it writes results still says which engine it ran."""
+    env = {**os.environ, "LMS_ENGINE_COMMIT": "1234abc", "LMS_ENGINE_DIRTY": "1"}
+    proc = subprocess.run(
+        ["bash", str(REPO_ROOT / "scripts" / "gpu" / "environment.sh"), sys.executable],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    engine = [line for line in proc.stdout.splitlines() if line.startswith("engine ")]
+    assert len(engine) == 1, proc.stdout + proc.stderr
+    words = engine[0].split()
+    assert words[1:4] == ["1234abc", "dirty", "True"]
+    assert words[4] == "sources" and len(words[5]) == 64
 
 
 def test_every_runner_uses_the_shared_environment_report() -> None:
