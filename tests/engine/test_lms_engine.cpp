@@ -741,6 +741,11 @@ TEST_CASE(a_small_storage_in_a_large_segment_is_paged_out_to_place_a_request) {
       CHECK(
           msg.find("the allocator's cap would admit it from ") !=
           std::string::npos);
+      // The verdict alone, for an operator that catches the error.
+      const std::string verdict = lms::lastOutOfMemoryVerdict();
+      CHECK(verdict.rfind("The tensors fit by bytes", 0) == 0);
+      CHECK(verdict.find(" more).") == verdict.size() - 7);
+      CHECK(msg.find(verdict) != std::string::npos);
     }
     CHECK_EQ(threw, pinned);
     if (pinned) {
@@ -1058,6 +1063,12 @@ TEST_CASE(oom_names_the_running_operators_working_set) {
     }
     CHECK(threw);
     CHECK_EQ(lms::lastOutOfMemoryRequest(), 8 * kMiB);
+    CHECK_EQ(
+        lms::lastOutOfMemoryVerdict(),
+        std::string("The running operator's working set does not fit: "
+                    "12.00 MiB pinned + 4.00 MiB allocated by it so far + "
+                    "8.00 MiB requested = 24.00 MiB > the allocator's cap "
+                    "(20.00 MiB)."));
     lms::releaseOutput(*output); // the operator ends
     CHECK_EQ(lms::getStats(0).operator_output_bytes.current, int64_t(0));
     for (auto& s : inputs) {
@@ -1162,6 +1173,7 @@ TEST_CASE(pending_error_is_raised_by_the_next_allocation) {
     // it is told apart from one that never saw it.
     CHECK_EQ(lms::outOfMemoryErrorsRaised(), raised + 1);
     CHECK_EQ(lms::lastOutOfMemoryRequest(), 2 * kMiB);
+    CHECK(lms::lastOutOfMemoryVerdict().empty()); // pinning's own error
     CHECK(!lms::hasPendingError());
     auto s = newStorage(2 * kMiB); // raised once only
     write(*s, 1);

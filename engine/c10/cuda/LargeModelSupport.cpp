@@ -116,6 +116,7 @@ thread_local bool t_host_refused = false;
 // Out-of-memory errors raised on this thread (outOfMemoryErrorsRaised()).
 thread_local uint64_t t_oom_raised = 0;
 thread_local size_t t_oom_request = 0;
+thread_local std::string t_oom_verdict;
 
 // The outermost operator running on this thread (beginWorkingSet): what it
 // pinned, and what it allocated through allocate() and has not freed.
@@ -748,6 +749,7 @@ void raisePendingError(size_t size) {
     t_pending_error = nullptr;
     ++t_oom_raised;
     t_oom_request = size;
+    t_oom_verdict.clear();
     std::rethrow_exception(error);
   }
 }
@@ -1321,15 +1323,24 @@ size_t enforceLimit(DeviceEngine& e, size_t size) {
   return 0;
 }
 
+// An out-of-memory error's message, and its verdict: why no room could be
+// made (describeOutOfMemory, lastOutOfMemoryVerdict).
+struct OutOfMemoryText {
+  std::string verdict;
+  std::string message;
+};
+OutOfMemoryText explainOutOfMemory(c10::DeviceIndex device, size_t size);
+
 [[noreturn]] void throwOutOfMemory(DeviceEngine& e, size_t size) {
   {
     std::lock_guard<std::mutex> lock(e.mutex);
     ++e.stats.oom_count;
   }
+  const OutOfMemoryText text = explainOutOfMemory(e.device, size);
   ++t_oom_raised;
   t_oom_request = size;
-  TORCH_CHECK_WITH(
-      OutOfMemoryError, false, describeOutOfMemory(e.device, size));
+  t_oom_verdict = text.verdict;
+  TORCH_CHECK_WITH(OutOfMemoryError, false, text.message);
 }
 
 // Device memory for `size` bytes on `stream`, reclaiming as needed.
@@ -3725,6 +3736,10 @@ size_t lastOutOfMemoryRequest() {
   return t_oom_request;
 }
 
+std::string lastOutOfMemoryVerdict() {
+  return t_oom_verdict;
+}
+
 void beginHostUse(c10::StorageImpl& storage) {
   Record* r = recordOf(storage);
   if (r == nullptr) {
@@ -3898,7 +3913,9 @@ size_t segmentBytes(size_t size) {
 
 } // namespace
 
-std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
+namespace {
+
+OutOfMemoryText explainOutOfMemory(c10::DeviceIndex device, size_t size) {
   DeviceEngine& e = engineFor(device);
   const size_t limit = effectiveLimit(e);
   const size_t allocated = backend().allocatedBytes(device);
@@ -3925,17 +3942,19 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
     // The device is full and the storages that could make room cannot be
     // paged out: the host tier below it has none. Say so, rather than give
     // the device-side advice.
-    return "CUDA out of memory with Large Model Support: host memory ran "
-           "out. Tried to allocate " +
-        mib(static_cast<int64_t>(size)) + " on device " +
-        std::to_string(int(device)) +
-        ", which needs inactive storages paged out to pinned host memory. " +
-        describeHostRefusal(HostPool::lastRefusal()) + " Device " +
-        std::to_string(int(device)) + ": " +
-        mib(static_cast<int64_t>(allocated)) + " allocated to tensors (" +
-        mib(s.inactive_bytes.current) + " inactive), " +
-        mib(s.pagedout_bytes.current) + " paged out to host, LMS limit " +
-        mib(static_cast<int64_t>(limit)) + ".";
+    return {
+        std::string(),
+        "CUDA out of memory with Large Model Support: host memory ran "
+        "out. Tried to allocate " +
+            mib(static_cast<int64_t>(size)) + " on device " +
+            std::to_string(int(device)) +
+            ", which needs inactive storages paged out to pinned host memory. " +
+            describeHostRefusal(HostPool::lastRefusal()) + " Device " +
+            std::to_string(int(device)) + ": " +
+            mib(static_cast<int64_t>(allocated)) + " allocated to tensors (" +
+            mib(s.inactive_bytes.current) + " inactive), " +
+            mib(s.pagedout_bytes.current) + " paged out to host, LMS limit " +
+            mib(static_cast<int64_t>(limit)) + "."};
   }
   const size_t pools = backend().privatePoolBytes(device);
   const std::string pool_note = pools == 0
@@ -3986,7 +4005,8 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
         mib(static_cast<int64_t>(reserved + segmentBytes(size) - room)) +
         " more). ";
   }
-  return "CUDA out of memory with Large Model Support. Tried to allocate " +
+  std::string message =
+      "CUDA out of memory with Large Model Support. Tried to allocate " +
       mib(static_cast<int64_t>(size)) + " on device " +
       std::to_string(int(device)) +
       " after paging out every reclaimable storage. " + verdict +
@@ -4007,6 +4027,18 @@ std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
       "device: reduce the batch size or the operator's size, or lower the "
       "size threshold with torch.cuda.set_size_lms()." +
       pool_note;
+  // The verdict alone, for the warning about an operator that caught the
+  // error: its sentence without the space that joins it to the rest.
+  while (!verdict.empty() && verdict.back() == ' ') {
+    verdict.pop_back();
+  }
+  return {std::move(verdict), std::move(message)};
+}
+
+} // namespace
+
+std::string describeOutOfMemory(c10::DeviceIndex device, size_t size) {
+  return explainOutOfMemory(device, size).message;
 }
 
 } // namespace c10::cuda::lms

@@ -255,13 +255,18 @@ C10_CUDA_API void setPendingError(
 C10_CUDA_API void clearPendingError();
 C10_CUDA_API bool hasPendingError();
 
-// Out-of-memory errors LMS has raised on this thread, and the request of the
-// last one. An operator may catch them and go on another way (cuDNN tries an
-// algorithm with a smaller workspace when its workspace does not fit), which
-// can change its results: operator-boundary pinning compares the count at an
-// operator's start and end to warn when that happened.
+// Out-of-memory errors LMS has raised on this thread, the request of the
+// last one, and why it had no room (its message's verdict: the running
+// operator's working set passes the cap, or the tensors fit by bytes but the
+// allocator's mapped memory leaves no room beside them; empty when the error
+// was handed over by pinning or neither applies). An operator may catch them
+// and go on another way (cuDNN tries an algorithm with a smaller workspace
+// when its workspace does not fit), which can change its results:
+// operator-boundary pinning compares the count at an operator's start and end
+// to warn when that happened, and says which of the two it was.
 C10_CUDA_API uint64_t outOfMemoryErrorsRaised();
 C10_CUDA_API size_t lastOutOfMemoryRequest();
+C10_CUDA_API std::string lastOutOfMemoryVerdict();
 
 // An operator whose input stays paged out reads and writes the pinned host
 // copy in place (see the top of this file). beginHostUse() orders the

@@ -441,7 +441,10 @@ void releaseOutputs(const at::RecordFunction& fn, bool outermost) {
 // An operator that ends normally although LMS raised an out-of-memory error
 // inside it caught the error and went on another way: cuDNN, for one, then
 // runs an algorithm with a smaller workspace, whose results can differ in the
-// last bits from those of a run with more memory. Said once per operator.
+// last bits from those of a run with more memory. Said once per operator,
+// with the error's verdict: whether the operator's working set passes the cap
+// (no placement fits it) or the allocator's mapped memory had no room beside
+// the tensors (by how much the cap would have to grow).
 void warnIfOutOfMemoryWasCaught(const at::RecordFunction& fn) {
   if (engine::outOfMemoryErrorsRaised() == t_oom_at_start ||
       std::uncaught_exceptions() > 0) {
@@ -462,13 +465,16 @@ void warnIfOutOfMemoryWasCaught(const at::RecordFunction& fn) {
       sizeof(request),
       "%.2f MiB",
       static_cast<double>(engine::lastOutOfMemoryRequest()) / (1024 * 1024));
+  const std::string verdict = engine::lastOutOfMemoryVerdict();
   TORCH_WARN(
       "Large Model Support: ",
       name,
       " caught an out-of-memory error raised inside it (no room could be "
       "made for ",
       request,
-      ") and went on another way. Libraries such as cuDNN then run an "
+      ") and went on another way. ",
+      verdict.empty() ? std::string() : verdict + " ",
+      "Libraries such as cuDNN then run an "
       "algorithm that needs less memory, whose results can differ in the "
       "last bits from a run with more memory. Give the operator more room (a "
       "higher memory cap or LMS limit, a smaller batch) for the same "
