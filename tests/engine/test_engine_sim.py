@@ -67,6 +67,42 @@ def test_engine_suite_on_two_simulated_devices(sim_build: Path) -> None:
     assert passed == 2, out
 
 
+def test_pack_log_says_what_was_decided_and_what_was_measured(sim_build: Path) -> None:
+    """PYTORCH_LMS_PACK_LOG=1: a line for every tight operator's decision with its figures,
+    and one whenever an operator measures its inside bytes at an input size for the first
+    time (or a page more than before), so that an expectation can be checked against what
+    came. Two packing cases of tests/engine/test_lms_engine.cpp, one packed after its first
+    run, one whose third call at a size already measured is neither tight nor new."""
+    out, passed, failed, _ = run_suite(
+        executable(sim_build, "test_lms_engine"),
+        {"SIMGPU_DEVICE_COUNT": "1", "SIMGPU_CAPACITY_MB": "256", "PYTORCH_LMS_PACK_LOG": "1"},
+        "--filter",
+        "an_operator_expected_to_need_most_of_the_device_is_packed_first",
+        "--filter",
+        "an_operator_is_expected_to_allocate_what_it_did_with_inputs_of_that_size",
+    )
+    assert (passed, failed) == (2, 0), out[-8000:]
+    lines = [line for line in out.splitlines() if line.startswith("LMS pack: ")]
+    most = "lms_test::needs_most_of_the_device"
+    many = "lms_test::matmul_of_many_shapes"
+    assert lines[0] == (
+        f"LMS pack: measured {most}: inputs 4.0 MiB, inside 42.0 MiB (first at this size)"
+    ), lines
+    assert lines[1].startswith(
+        f"LMS pack: packed {most}: inputs 4.0 MiB, expected inside 42.0 MiB, "
+    ), lines
+    measured = [line for line in lines if line.startswith(f"LMS pack: measured {many}:")]
+    assert measured == [
+        f"LMS pack: measured {many}: inputs 4.0 MiB, inside 36.0 MiB (first at this size)",
+        f"LMS pack: measured {many}: inputs 40.0 MiB, inside 40.0 MiB (first at this size)",
+    ], lines
+    # Its 40 MiB call, not measured yet at that size, is judged per byte of input and packed.
+    assert any(
+        line.startswith(f"LMS pack: packed {many}: inputs 40.0 MiB, expected inside 360.0 MiB")
+        for line in lines
+    ), lines
+
+
 def test_learned_swap_schedule_on_a_simulated_device(sim_build: Path) -> None:
     """Period detection, next-use victims, early page-out and page-in ahead of use
     (tests/engine/test_lms_schedule.cpp)."""

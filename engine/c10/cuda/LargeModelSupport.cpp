@@ -71,6 +71,9 @@ constexpr size_t kUnseenInsidePerInput = 2;
 // expected to need before packing is skipped (packIfTight): the 20 MiB page
 // that its last allocation leaves partly used.
 constexpr size_t kPackSpareBytes = 20 * kMiB;
+// PYTORCH_LMS_PACK_LOG leaves out what operators with fewer input and inside
+// bytes than this measured: too small to make a working set tight.
+constexpr size_t kPackLogBytes = 8 * kMiB;
 
 std::atomic<bool> g_enabled{false};
 std::atomic<size_t> g_size_threshold{kDefaultSizeThreshold};
@@ -3173,18 +3176,47 @@ void endWorkingSet(std::string_view name) {
   ws.active = false;
   const double per_input = static_cast<double>(ws.inside_peak) /
       static_cast<double>(std::max(ws.pinned, kMiB));
-  std::lock_guard<std::mutex> lock(g_footprint_mutex);
-  Footprint& footprint = g_footprints[std::string(name)];
-  footprint.inside_per_input = std::max(footprint.inside_per_input, per_input);
-  if (const auto same = footprint.inside_by_input.find(ws.pinned);
-      same != footprint.inside_by_input.end()) {
-    same->second = std::max(same->second, ws.inside_peak);
-  } else if (footprint.inside_by_input.size() < kFootprintSizes) {
-    footprint.inside_by_input.emplace(ws.pinned, ws.inside_peak);
+  // What the figure of this size was before (SIZE_MAX: none), for the log.
+  size_t before = SIZE_MAX;
+  {
+    std::lock_guard<std::mutex> lock(g_footprint_mutex);
+    Footprint& footprint = g_footprints[std::string(name)];
+    footprint.inside_per_input =
+        std::max(footprint.inside_per_input, per_input);
+    if (const auto same = footprint.inside_by_input.find(ws.pinned);
+        same != footprint.inside_by_input.end()) {
+      before = same->second;
+      same->second = std::max(same->second, ws.inside_peak);
+    } else if (footprint.inside_by_input.size() < kFootprintSizes) {
+      footprint.inside_by_input.emplace(ws.pinned, ws.inside_peak);
+    }
+    g_largest_inside.store(std::max(g_largest_inside.load(), ws.inside_peak));
+    g_largest_inside_per_input.store(
+        std::max(g_largest_inside_per_input.load(), per_input));
   }
-  g_largest_inside.store(std::max(g_largest_inside.load(), ws.inside_peak));
-  g_largest_inside_per_input.store(
-      std::max(g_largest_inside_per_input.load(), per_input));
+  // The log's other half: what operators measured, the first time at a size
+  // and whenever they allocate a page more than the figure packIfTight read,
+  // so that an expectation can be checked against what came. Operators under
+  // kPackLogBytes in all are left out.
+  const bool first = before == SIZE_MAX;
+  if (isPackLogEnabled() && ws.pinned + ws.inside_peak >= kPackLogBytes &&
+      (first || ws.inside_peak > before + kPackSpareBytes)) {
+    auto mib = [](size_t bytes) {
+      return static_cast<double>(bytes) / static_cast<double>(kMiB);
+    };
+    char was[48] = "first at this size";
+    if (!first) {
+      std::snprintf(was, sizeof(was), "was %.1f MiB", mib(before));
+    }
+    std::fprintf(
+        stderr,
+        "LMS pack: measured %.*s: inputs %.1f MiB, inside %.1f MiB (%s)\n",
+        static_cast<int>(name.size()),
+        name.data(),
+        mib(ws.pinned),
+        mib(ws.inside_peak),
+        was);
+  }
 }
 
 namespace {

@@ -316,7 +316,9 @@ C10_CUDA_API void beginOperator(
 // operator measured before with inputs of this size is not packed when that
 // cannot help: it allocated nothing inside itself, or its working set passes
 // the allocator's cap by bytes.
-// PYTORCH_LMS_PACK_LOG=1 prints each tight operator's figures and decision.
+// PYTORCH_LMS_PACK_LOG=1 prints each tight operator's figures and decision,
+// and what an operator of 8 MiB or more (inputs and inside bytes) measured
+// the first time at an input size and whenever it allocated a page more.
 C10_CUDA_API void beginWorkingSet(
     std::string_view name,
     c10::ArrayRef<c10::StorageImpl*> inputs);
