@@ -13,7 +13,8 @@ For one model group (``--model resnet152|vit_l|gpt``) it measures, in this order
    (``torch.cuda.set_per_process_memory_fraction``), at batch B, the methods of ``--methods``:
    ``lms``, ``lms_hybrid`` (``lms`` with ``torch.cuda.set_recompute_lms(True)``: a victim is
    dropped and recomputed instead of paged out where replaying its operator is cheaper than
-   copying it out and back), ``lms_reactive`` (the learned schedule off), ``offload``,
+   copying it out and back), ``lms_reactive`` (the learned schedule off), ``lms_nopack``
+   (packing tight operators off: ``torch.cuda.set_packing_lms(False)``), ``offload``,
    ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``) and
    ``checkpoint`` (``torch.utils.checkpoint`` around every block);
 5. for each factor, while the search budget lasts: the largest batch that trains without
@@ -118,15 +119,28 @@ CAPPED_METHODS = (
     "lms",
     "lms_hybrid",
     "lms_reactive",
+    "lms_nopack",
     "offload",
     "save_on_cpu",
     "checkpoint",
     "no_lms",
 )
-# Methods measured at batch B under every cap (no_lms is measured at its own largest batch).
-PEER_METHODS = ("lms", "lms_hybrid", "lms_reactive", "offload", "save_on_cpu", "checkpoint")
+# Methods measured at batch B under every cap (no_lms is measured at its own largest batch),
+# or at each batch of the no-cap regime: what --methods may name.
+PEER_METHODS = (
+    "lms",
+    "lms_hybrid",
+    "lms_reactive",
+    "lms_nopack",
+    "offload",
+    "save_on_cpu",
+    "checkpoint",
+)
+# The capped regime's default --methods: every peer but lms_nopack, which measures what
+# packing costs or saves and is run by naming it.
+CAPPED_DEFAULT_METHODS = tuple(m for m in PEER_METHODS if m != "lms_nopack")
 # Rows --profile-iterations profiles: the ones that move memory.
-PROFILED_METHODS = ("lms", "lms_hybrid", "lms_reactive", "offload", "save_on_cpu")
+PROFILED_METHODS = ("lms", "lms_hybrid", "lms_reactive", "lms_nopack", "offload", "save_on_cpu")
 # The goals. Each target is set here only: the goal rows, the chart's goal line and the
 # --help text (goals_help) all read it.
 # LMS time against the deficit roofline (Measurement.deficit_efficiency), at every factor.
@@ -166,19 +180,21 @@ NOCAP_VS_CAPPED_TARGET = f">= {NOCAP_VS_CAPPED_GOAL:.2f}x capped"
 # Per-regime defaults of the options whose parser default is None.
 NOCAP_METHODS = ("lms", "lms_hybrid", "offload", "save_on_cpu", "checkpoint")
 # The methods that train with LMS on: lms (the defaults, learned schedule), lms_hybrid (the same
-# with recompute instead of paging where that is cheaper: torch.cuda.set_recompute_lms) and
-# lms_reactive (the learned schedule off).
-LMS_METHODS = ("lms", "lms_hybrid", "lms_reactive")
+# with recompute instead of paging where that is cheaper: torch.cuda.set_recompute_lms),
+# lms_reactive (the learned schedule off) and lms_nopack (packing off).
+LMS_METHODS = ("lms", "lms_hybrid", "lms_reactive", "lms_nopack")
 # LMS methods with recompute on (every other LMS row runs with it off).
 RECOMPUTE_METHODS = ("lms_hybrid",)
 # LMS methods with the learned swap schedule off.
 REACTIVE_METHODS = ("lms_reactive",)
+# LMS methods with packing off (torch.cuda.set_packing_lms(False)); every other LMS row packs.
+NOPACK_METHODS = ("lms_nopack",)
 REGIME_DEFAULTS: dict[str, dict[str, Any]] = {
     "capped": {
         "factors": [1.5, 2.0, 4.0, 8.0],
         "warmup": 6,
         "iterations": 5,
-        "methods": PEER_METHODS,
+        "methods": CAPPED_DEFAULT_METHODS,
         "search": True,
         "overhead": True,
         "linearity_check": False,
@@ -1836,7 +1852,9 @@ def build_parser() -> argparse.ArgumentParser:
         "instead of paged out where replaying its operator is cheaper than copying it out and "
         "back; the other LMS rows run with recompute off. An LMS without set_recompute_lms "
         "ends the run with an error where lms_hybrid is named here, and leaves it out of the "
-        "default methods " + _regime_default("methods"),
+        "default methods. lms_nopack is lms with packing off (torch.cuda.set_packing_lms("
+        "False)), for what packing tight operators costs or saves, in no default "
+        + _regime_default("methods"),
     )
     parser.add_argument(
         "--overhead",
@@ -2054,7 +2072,9 @@ def make_workload(args: argparse.Namespace) -> Any:
     return models.gpt_workload(cfg)
 
 
-def lms_settings(args: argparse.Namespace, cap: int | None, schedule: bool = True) -> LmsSettings:
+def lms_settings(
+    args: argparse.Namespace, cap: int | None, schedule: bool = True, packing: bool = True
+) -> LmsSettings:
     limit = None
     if cap is not None and args.lms_limit_frac is not None:
         limit = max(1, int(cap * args.lms_limit_frac / MiB))
@@ -2065,6 +2085,7 @@ def lms_settings(args: argparse.Namespace, cap: int | None, schedule: bool = Tru
         prefetch=args.prefetch,
         speculative_mb=args.speculative_mb,
         schedule=schedule,
+        packing=packing,
     )
 
 
@@ -2073,10 +2094,16 @@ def method_lms_settings(
 ) -> LmsSettings | None:
     """The LMS settings of a row of ``method`` under ``cap`` (None: uncapped), or None where
     the method trains without LMS. Every LMS method has lms's settings, the learned schedule
-    off for REACTIVE_METHODS; recompute is set apart (set_recompute, in train_measure)."""
+    off for REACTIVE_METHODS, packing off for NOPACK_METHODS; recompute is set apart
+    (set_recompute, in train_measure)."""
     if method not in LMS_METHODS:
         return None
-    return lms_settings(args, cap, schedule=method not in REACTIVE_METHODS)
+    return lms_settings(
+        args,
+        cap,
+        schedule=method not in REACTIVE_METHODS,
+        packing=method not in NOPACK_METHODS,
+    )
 
 
 class RecomputeUnavailable(RuntimeError):

@@ -47,6 +47,7 @@ class LmsSettings:
     prefetch: int = 0
     speculative_mb: int = 0
     schedule: bool = True  # the learned swap schedule (builds that have it)
+    packing: bool = True  # packing tight operators (builds that have it: set_packing_lms)
 
     def validate(self) -> None:
         if self.limit_mb is not None and self.limit_mb <= 0:
@@ -112,6 +113,14 @@ def apply_lms(settings: LmsSettings) -> None:
     if hasattr(torch.cuda, "set_schedule_lms"):
         torch.cuda.set_schedule_lms(settings.schedule)
         torch.cuda.reset_lms_schedule()  # each run learns its own iteration
+    if hasattr(torch.cuda, "set_packing_lms"):
+        torch.cuda.set_packing_lms(settings.packing)
+    elif not settings.packing:
+        raise LmsUnavailable(
+            "packing cannot be turned off: this LMS (torch_lms extension or patched build) has "
+            "no torch.cuda.set_packing_lms, and builds without it do not pack; leave the "
+            "setting on (or lms_nopack out of compare.py's --methods)"
+        )
     torch.cuda.set_enabled_lms(settings.enabled)
     torch.cuda.reset_accumulated_lms_stats()
     torch.cuda.reset_peak_lms_stats()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -517,7 +517,7 @@ def test_methods_option_and_deficit_columns() -> None:
     parser = compare.build_parser()
     args = parser.parse_args(["--model", "gpt"])
     compare.check_args(args)
-    assert args.methods == compare.PEER_METHODS
+    assert args.methods == compare.CAPPED_DEFAULT_METHODS
     assert args.factors == [1.5, 2.0, 4.0, 8.0]
     args = parser.parse_args(["--model", "gpt", "--methods", "lms,offload"])
     assert args.methods == ("lms", "offload")
@@ -585,7 +585,7 @@ def test_lms_hybrid_is_planned_like_lms() -> None:
     args = parser.parse_args(["--model", "resnet152", "--methods", "lms,lms_hybrid,checkpoint"])
     assert args.methods == ("lms", "lms_hybrid", "checkpoint")
     text = " ".join(parser.format_help().split())
-    assert "lms, lms_hybrid, lms_reactive, offload, save_on_cpu, checkpoint" in text
+    assert "lms, lms_hybrid, lms_reactive, lms_nopack, offload, save_on_cpu, checkpoint" in text
     assert "set_recompute_lms(True)" in text
     # The same LMS settings as lms (learned schedule on); lms_reactive turns the schedule off.
     args.lms_limit_frac, args.prefetch = 0.7, 2
@@ -596,6 +596,81 @@ def test_lms_hybrid_is_planned_like_lms() -> None:
     reactive = compare.method_lms_settings(args, "lms_reactive", cap)
     assert reactive is not None and not reactive.schedule
     assert compare.method_lms_settings(args, "checkpoint", cap) is None
+
+
+# ---------------------------------------------------------------------------------------
+# lms_nopack: LMS with packing off, for what packing costs or saves in one run
+# ---------------------------------------------------------------------------------------
+
+
+def test_lms_nopack_is_lms_with_packing_off_and_is_run_by_naming_it() -> None:
+    assert compare.NOPACK_METHODS == ("lms_nopack",)
+    for methods in (
+        compare.CAPPED_METHODS,
+        compare.PEER_METHODS,
+        compare.PROFILED_METHODS,
+        compare.LMS_METHODS,
+    ):
+        assert "lms_nopack" in methods, methods
+    parser = compare.build_parser()
+    for regime in ("capped", "nocap"):
+        args = parser.parse_args(["--model", "gpt", "--regime", regime])
+        compare.check_args(args)
+        assert "lms" in args.methods and "lms_nopack" not in args.methods, (regime, args.methods)
+    args = parser.parse_args(["--model", "gpt", "--methods", "lms,lms_nopack"])
+    compare.check_args(args)
+    assert args.methods == ("lms", "lms_nopack")
+    assert "set_packing_lms(False)" in " ".join(parser.format_help().split())
+    cap = 1000 * (1 << 20)
+    lms = compare.method_lms_settings(args, "lms", cap)
+    nopack = compare.method_lms_settings(args, "lms_nopack", cap)
+    assert lms is not None and nopack is not None
+    assert lms.packing and not nopack.packing
+    assert replace(nopack, packing=True) == lms  # nothing else differs
+    for method in ("lms_hybrid", "lms_reactive"):
+        settings = compare.method_lms_settings(args, method, cap)
+        assert settings is not None and settings.packing, method
+
+
+def test_apply_lms_sets_packing_and_refuses_to_turn_off_what_a_build_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import _lms_setup
+    import torch
+
+    calls: list[tuple[str, Any]] = []
+    for name in (
+        "set_limit_lms",
+        "set_size_lms",
+        "set_prefetch_lms",
+        "set_speculative_lms",
+        "set_enabled_lms",
+        "reset_accumulated_lms_stats",
+        "reset_peak_lms_stats",
+    ):
+        monkeypatch.setattr(
+            torch.cuda, name, lambda *a, _n=name: calls.append((_n, a)), raising=False
+        )
+    monkeypatch.delattr(torch.cuda, "set_schedule_lms", raising=False)
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_packing_lms",
+        lambda enabled: calls.append(("set_packing_lms", (enabled,))),
+        raising=False,
+    )
+    _lms_setup.apply_lms(_lms_setup.LmsSettings(enabled=True, packing=False))
+    assert ("set_packing_lms", (False,)) in calls
+    # Set before LMS is enabled, like every other knob.
+    names = [name for name, _ in calls]
+    assert names.index("set_packing_lms") < names.index("set_enabled_lms")
+    calls.clear()
+    _lms_setup.apply_lms(_lms_setup.LmsSettings(enabled=True))
+    assert ("set_packing_lms", (True,)) in calls
+    # A build without the switch does not pack: on is what it does, off is refused.
+    monkeypatch.delattr(torch.cuda, "set_packing_lms")
+    _lms_setup.apply_lms(_lms_setup.LmsSettings(enabled=True))
+    with pytest.raises(_lms_setup.LmsUnavailable, match="set_packing_lms"):
+        _lms_setup.apply_lms(_lms_setup.LmsSettings(enabled=True, packing=False))
 
 
 class FakeRecompute:
