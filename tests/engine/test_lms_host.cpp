@@ -498,6 +498,8 @@ TEST_CASE(failed_pinned_allocation_raises_oom_naming_host_memory) {
     REQUIRE(!message.empty());
     CHECK(contains(message, "host memory ran out"));
     CHECK(contains(message, "could not pin 4.00 MiB"));
+    // The verdict an operator that caught the error would be warned with.
+    CHECK(contains(lms::lastOutOfMemoryVerdict(), "Host memory ran out"));
     CHECK_EQ(lms::getStats(0).host_refusals, 0); // not the budget's doing
     int mismatches = 0;
     for (size_t i = 0; i < s.size(); ++i) {

@@ -3975,7 +3975,8 @@ OutOfMemoryText explainOutOfMemory(c10::DeviceIndex device, size_t size) {
     // paged out: the host tier below it has none. Say so, rather than give
     // the device-side advice.
     return {
-        std::string(),
+        "Host memory ran out: the page-outs that would have made room were "
+        "refused (the host budget, or pinning failed).",
         "CUDA out of memory with Large Model Support: host memory ran "
         "out. Tried to allocate " +
             mib(static_cast<int64_t>(size)) + " on device " +
