@@ -854,6 +854,11 @@ def test_worker_trains_a_tiny_case_on_cpu_from_the_command_line(tmp_path: Path) 
     assert result["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert result["env"]["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
     assert result["env"]["lms_backend"] is None
+    # A run's JSON names its engine without a runner to merge it in.
+    import _lms_setup as setup  # on sys.path through the worker (tests/regression/lms_paths.py)
+
+    assert result["env"]["engine_sources_sha256"] == setup.engine_sources_sha256(REPO)
+    assert result["env"]["engine_commit"] not in ("", None)
     assert "torch_lms" not in proc.stderr
 
 

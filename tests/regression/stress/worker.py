@@ -58,8 +58,9 @@ from typing import Any
 # Deterministic cuBLAS needs this before the first cuBLAS handle is created.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
+import harness  # on sys.path through this package's __init__
 import torch
-from harness import wait_pid, write_json  # on sys.path through this package's __init__
+from harness import wait_pid, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -556,7 +557,9 @@ def memory_picture(device: torch.device) -> dict[str, Any]:
 
 
 def environment(device: torch.device, lms_backend: str | None) -> dict[str, Any]:
-    """Versions and device of this run."""
+    """Versions and device of this run, and the engine it ran (``harness.provenance``: commit,
+    dirty flag, sources hash, driver), so that a run's JSON names its engine also where no
+    runner merges it into a record (a replay of one run with ``--request`` or ``--seed``)."""
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -575,6 +578,7 @@ def environment(device: torch.device, lms_backend: str | None) -> dict[str, Any]
         env["device"] = props.name
         env["device_memory_bytes"] = props.total_memory
         env["cudnn"] = torch.backends.cudnn.version()
+    env.update(harness.provenance())
     return env
 
 
