@@ -115,18 +115,8 @@ from harness import (  # noqa: E402
 
 MODELS = ("resnet152", "vit_l", "gpt")
 REGIMES = ("capped", "nocap")
-CAPPED_METHODS = (
-    "lms",
-    "lms_hybrid",
-    "lms_reactive",
-    "lms_nopack",
-    "offload",
-    "save_on_cpu",
-    "checkpoint",
-    "no_lms",
-)
-# Methods measured at batch B under every cap (no_lms is measured at its own largest batch),
-# or at each batch of the no-cap regime: what --methods may name.
+# Methods measured at batch B under every cap, or at each batch of the no-cap regime: what
+# --methods may name.
 PEER_METHODS = (
     "lms",
     "lms_hybrid",
@@ -136,6 +126,8 @@ PEER_METHODS = (
     "save_on_cpu",
     "checkpoint",
 )
+# Every method of a capped run's rows: the peers, and no_lms, measured at its own largest batch.
+CAPPED_METHODS = (*PEER_METHODS, "no_lms")
 # The capped regime's default --methods: every peer but lms_nopack, which measures what
 # packing costs or saves and is run by naming it.
 CAPPED_DEFAULT_METHODS = tuple(m for m in PEER_METHODS if m != "lms_nopack")
