@@ -1136,3 +1136,47 @@ def test_page_use_tells_partly_used_pages_from_full_and_free_ones(worker: Any) -
     # A tensor across a page boundary counts in both pages.
     across = worker.page_use(0, [(10 * MiB, False), (20 * MiB, True), (10 * MiB, False)], page)
     assert across["pages_partly_used"] == 2 and across["partly_used_free_bytes"] == 20 * MiB
+
+
+def test_replay_runs_the_capped_run_of_each_failing_seed_again_and_writes_no_record(
+    tmp_path: Path,
+) -> None:
+    """--replay-capped-of: the capped LMS run of every failing seed once more, with the case,
+    cap and allocator setting of its last failing record, into out/replay/SEED/; passing
+    seeds and records without a capped run are left alone, and no record is written."""
+    judged = tmp_path / "judged"
+    settings = runner.Settings(out=judged, device="cpu", provenance={}, triage=False)
+    # Seed 3 trains identical; 4 and 5 mismatch (the capped run's parameters differ).
+    runner.run_suite([3], settings, FakeLauncher(0.0), None, lambda _: None)
+    differs = FakeLauncher(0.0, capped=ok(param_hash="b" * 64, pageouts=1))
+    runner.run_suite([4, 5], settings, differs, None, lambda _: None)
+    runner.run_suite([6], settings, SegfaultingLauncher(0.0), None, lambda _: None)
+    records = runner.load_records([judged])
+    by_seed = {r["seed"]: r for r in records}
+    assert by_seed[3]["class"] == "identical" and by_seed[4]["class"] == "mismatch"
+    assert by_seed[6]["class"] == "reference-failed" and by_seed[6]["cap_bytes"] is None
+    before = (judged / "results.jsonl").read_text()
+
+    out = tmp_path / "replayed"
+    launcher = FakeLauncher(0.0)
+    replays = runner.replay_capped([judged], out, launcher, 60.0, device="cpu")
+    assert [seed for seed, _ in replays] == [4, 5]
+    assert launcher.runs == ["capped", "capped"]
+    for request, seed in zip(launcher.requests, (4, 5)):
+        assert request["case"] == by_seed[seed]["case"]
+        assert request["cap_bytes"] == by_seed[seed]["cap_bytes"]
+        assert request["alloc_conf"] == by_seed[seed]["allocator"]["conf"]
+        assert request["result"] == str(out / "replay" / str(seed) / "capped.json")
+        assert request["log"] == str(out / "replay" / str(seed) / "capped.log")
+    assert (judged / "results.jsonl").read_text() == before
+    assert not (out / "results.jsonl").exists()
+
+
+def test_replay_is_its_own_way_of_choosing_seeds(tmp_path: Path) -> None:
+    args = runner.parse_args(["--replay-capped-of", str(tmp_path), "--out", str(tmp_path / "o")])
+    assert args.replay_capped_of == [tmp_path]
+    with pytest.raises(SystemExit):
+        runner.parse_args(["--replay-capped-of", str(tmp_path), "--seed", "3"])
+    # A folder without results is an error that says what to give.
+    with pytest.raises(SystemExit, match=r"no results\.jsonl"):
+        runner.replay_capped([tmp_path / "none"], tmp_path, FakeLauncher(0.0), 60.0, "cpu")

@@ -1219,6 +1219,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run again every seed with a failing record in the results.jsonl of these "
         "folders (judged as the gate judges them), in order",
     )
+    which.add_argument(
+        "--replay-capped-of",
+        type=Path,
+        nargs="+",
+        metavar="DIR",
+        help="do not judge: run again, once each, the capped LMS run of every seed with a "
+        "failing record in the results.jsonl of these folders, with the cap and allocator "
+        "setting it had, into --out/replay/SEED/ (capped.json, capped.log), for what the "
+        "environment adds to its log (PYTORCH_LMS_PACK_LOG=1); writes no record",
+    )
     parser.add_argument("--start", type=int, default=0, help="first seed (default 0)")
     parser.add_argument(
         "--time-budget-s",
@@ -1271,16 +1281,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def failed_seeds(paths: list[Path]) -> list[int]:
-    """The seeds with a record that fails the gate in the results.jsonl files of ``paths``
-    (folders holding one, or the files)."""
+def replay_capped(
+    paths: list[Path], out: Path, launcher: Launcher, timeout_s: float, device: str = "cuda"
+) -> list[tuple[int, Outcome]]:
+    """Runs again, once each, the capped LMS run of every seed with a failing record in the
+    results.jsonl of ``paths`` (its last such record: the case, the cap and the allocator
+    setting it ran with), into ``out/replay/SEED/capped.json`` and ``capped.log``. Writes no
+    record and judges nothing: a replay is for what the environment adds to the run's log
+    (``PYTORCH_LMS_PACK_LOG=1``, ``PYTORCH_LMS_SCHEDULE_LOG=1``). Records without a capped
+    run (a reference that failed) are left out."""
+    last: dict[int, dict[str, Any]] = {}
+    for record in failing_records(paths):
+        if record.get("cap_bytes"):
+            last[int(record["seed"])] = record
+    outcomes: list[tuple[int, Outcome]] = []
+    for seed, record in sorted(last.items()):
+        folder = out / "replay" / str(seed)
+        folder.mkdir(parents=True, exist_ok=True)
+        request = {
+            "case": record["case"],
+            "mode": "capped",
+            "device": device,
+            "cap_bytes": record["cap_bytes"],
+            "measure_bound": False,
+            "alloc_conf": (record.get("allocator") or {}).get("conf"),
+            "result": str(folder / "capped.json"),
+            "log": str(folder / "capped.log"),
+            "fault": None,
+        }
+        for stale in (request["result"], request["log"]):
+            Path(stale).unlink(missing_ok=True)
+        outcomes.append((seed, launcher.launch(request, timeout_s)))
+    return outcomes
+
+
+def failing_records(paths: list[Path]) -> list[dict[str, Any]]:
+    """The records that fail the gate in the results.jsonl files of ``paths`` (folders
+    holding one, or the files); an error naming the paths without one."""
     missing = [str(p) for p in paths if not (p / "results.jsonl" if p.is_dir() else p).is_file()]
     if missing:
         raise SystemExit(
             f"error: no results.jsonl in {', '.join(missing)}; give folders of earlier "
             "runs (--out of the runner) or their results.jsonl"
         )
-    return sorted({int(r["seed"]) for r in gate_failures(load_records(paths))})
+    return gate_failures(load_records(paths))
+
+
+def failed_seeds(paths: list[Path]) -> list[int]:
+    """The seeds with a record that fails the gate in the results.jsonl files of ``paths``."""
+    return sorted({int(r["seed"]) for r in failing_records(paths)})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1291,6 +1340,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the runner is not inside its checkout ({here})", file=sys.stderr)
         return 2
     out: Path = args.out
+    if args.replay_capped_of:
+        launcher = make_launcher(args.launcher, args.python)
+        try:
+            replays = replay_capped(
+                args.replay_capped_of, out, launcher, args.run_timeout_s, args.device
+            )
+        finally:
+            launcher.close()
+        if not replays:
+            print(f"no capped run to replay in {', '.join(map(str, args.replay_capped_of))}")
+        for seed, outcome in replays:
+            status, reason = run_status(outcome)
+            print(f"replay: seed {seed} {status}: {reason}; log {out / 'replay' / str(seed)}")
+        return 0
     if args.merge:
         records = load_records(args.merge)
         out.mkdir(parents=True, exist_ok=True)
