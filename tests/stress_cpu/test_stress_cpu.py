@@ -1159,8 +1159,11 @@ def test_replay_runs_the_capped_run_of_each_failing_seed_again_and_writes_no_rec
 
     out = tmp_path / "replayed"
     launcher = FakeLauncher(0.0)
-    replays = runner.replay_capped([judged], out, launcher, 60.0, device="cpu")
-    assert [seed for seed, _ in replays] == [4, 5]
+    told: list[int] = []
+    replays = runner.replay_capped(
+        [judged], out, launcher, 60.0, device="cpu", report=lambda seed, _: told.append(seed)
+    )
+    assert [seed for seed, _ in replays] == [4, 5] == told
     assert launcher.runs == ["capped", "capped"]
     for request, seed in zip(launcher.requests, (4, 5)):
         assert request["case"] == by_seed[seed]["case"]

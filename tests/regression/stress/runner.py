@@ -1282,14 +1282,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def replay_capped(
-    paths: list[Path], out: Path, launcher: Launcher, timeout_s: float, device: str = "cuda"
+    paths: list[Path],
+    out: Path,
+    launcher: Launcher,
+    timeout_s: float,
+    device: str = "cuda",
+    report: Callable[[int, Outcome], None] | None = None,
 ) -> list[tuple[int, Outcome]]:
     """Runs again, once each, the capped LMS run of every seed with a failing record in the
     results.jsonl of ``paths`` (its last such record: the case, the cap and the allocator
     setting it ran with), into ``out/replay/SEED/capped.json`` and ``capped.log``. Writes no
     record and judges nothing: a replay is for what the environment adds to the run's log
     (``PYTORCH_LMS_PACK_LOG=1``, ``PYTORCH_LMS_SCHEDULE_LOG=1``). Records without a capped
-    run (a reference that failed) are left out."""
+    run (a reference that failed) are left out. ``report`` is told of each run as it ends."""
     last: dict[int, dict[str, Any]] = {}
     for record in failing_records(paths):
         if record.get("cap_bytes"):
@@ -1311,7 +1316,10 @@ def replay_capped(
         }
         for stale in (request["result"], request["log"]):
             Path(stale).unlink(missing_ok=True)
-        outcomes.append((seed, launcher.launch(request, timeout_s)))
+        outcome = launcher.launch(request, timeout_s)
+        outcomes.append((seed, outcome))
+        if report is not None:
+            report(seed, outcome)
     return outcomes
 
 
@@ -1341,18 +1349,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out: Path = args.out
     if args.replay_capped_of:
+
+        def said(seed: int, outcome: Outcome) -> None:
+            status, reason = run_status(outcome)
+            folder = out / "replay" / str(seed)
+            print(f"replay: seed {seed} {status}: {reason}; log {folder}", flush=True)
+
         launcher = make_launcher(args.launcher, args.python)
         try:
             replays = replay_capped(
-                args.replay_capped_of, out, launcher, args.run_timeout_s, args.device
+                args.replay_capped_of, out, launcher, args.run_timeout_s, args.device, said
             )
         finally:
             launcher.close()
         if not replays:
             print(f"no capped run to replay in {', '.join(map(str, args.replay_capped_of))}")
-        for seed, outcome in replays:
-            status, reason = run_status(outcome)
-            print(f"replay: seed {seed} {status}: {reason}; log {out / 'replay' / str(seed)}")
         return 0
     if args.merge:
         records = load_records(args.merge)
