@@ -2,8 +2,9 @@
 //
 // A training loop over a stack of layers is driven through the engine the
 // way the operator observer drives it (LmsPinning.cpp): every operator
-// announces itself to the learned schedule, pins its managed inputs,
-// allocates its output, unpins its inputs and releases its output. The
+// announces itself to the learned schedule, starts its working set (what
+// packing weighs), pins its managed inputs, allocates its output, releases
+// it, ends its working set (what packing learns) and unpins its inputs. The
 // forward pass reads the previous activation and the layer's weight, the
 // backward pass the gradient, the saved activation and the weight, and an
 // optimizer operator updates each weight in place. The limit is far above
@@ -11,6 +12,8 @@
 // bookkeeping alone, in nanoseconds per operator, for
 //   off:      LMS disabled (the allocator's own path; no engine calls);
 //   reactive: LMS on, learned schedule off;
+//   no-pack:  LMS on with its defaults but packing off (setPackingEnabled):
+//             the working set is still counted, no operator is weighed;
 //   schedule: LMS on with its defaults.
 // What the dispatcher costs to call the observer is not in these figures
 // (benchmarks/host_overhead.py measures everything on a GPU host).
@@ -139,23 +142,25 @@ class Loop {
     std::sort(storages.begin(), storages.end());
     storages.erase(
         std::unique(storages.begin(), storages.end()), storages.end());
+    const c10::ArrayRef<c10::StorageImpl*> pinned(
+        storages.data(), storages.size());
     if (engine_) {
-      lms::beginOperator(
-          name,
-          c10::ArrayRef<c10::StorageImpl*>(storages.data(), storages.size()));
+      lms::beginOperator(name, pinned);
+      lms::beginWorkingSet(name, pinned);
       for (c10::StorageImpl* s : storages) {
         lms::pin(*s);
       }
     }
     StoragePtr out = output_bytes > 0 ? newStorage(output_bytes) : StoragePtr();
     if (engine_) {
+      if (out) {
+        lms::releaseOutput(*out);
+      }
+      lms::endWorkingSet(name);
       for (c10::StorageImpl* s : storages) {
         if (lms::getState(*s) == lms::StorageState::Active) {
           lms::unpin(*s);
         }
-      }
-      if (out) {
-        lms::releaseOutput(*out);
       }
     }
     return out;
@@ -215,6 +220,10 @@ int main(int argc, char** argv) {
   const double reactive = measure(o, /*engine=*/true);
   lms::setScheduleEnabled(true);
   lms::resetSchedule();
+  lms::setPackingEnabled(false);
+  const double no_pack = measure(o, /*engine=*/true);
+  lms::setPackingEnabled(true);
+  lms::resetSchedule();
   const double schedule = measure(o, /*engine=*/true);
   const lms::LmsStats stats = lms::getStats(0);
   lms::setEnabled(false);
@@ -222,6 +231,7 @@ int main(int argc, char** argv) {
   std::printf("%-9s %10s %12s\n", "config", "ns/op", "engine ns/op");
   std::printf("%-9s %10.0f %12s\n", "off", off, "-");
   std::printf("%-9s %10.0f %12.0f\n", "reactive", reactive, reactive - off);
+  std::printf("%-9s %10.0f %12.0f\n", "no-pack", no_pack, no_pack - off);
   std::printf("%-9s %10.0f %12.0f\n", "schedule", schedule, schedule - off);
   std::printf(
       "schedule period %lld operators, %lld page-outs\n",

@@ -166,7 +166,7 @@ def test_host_time_benchmark_runs_with_nothing_paged_out(sim_build: Path) -> Non
     learns the period and nothing is paged out (it exits 1 otherwise)."""
     proc = run_benchmark(sim_build, "bench_lms_host", "--iterations", "5", "--repeat", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for config in ("off", "reactive", "schedule"):
+    for config in ("off", "reactive", "no-pack", "schedule"):
         assert re.search(rf"^{config}\s+\d+", proc.stdout, re.M), proc.stdout
     period = re.search(r"schedule period (\d+) operators, 0 page-outs", proc.stdout)
     assert period and int(period.group(1)) > 0, proc.stdout
