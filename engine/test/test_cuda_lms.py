@@ -170,25 +170,26 @@ class TestCudaLms(TestCase):
         self.assertEqual(torch.cuda.lms_stats()["host_budget_bytes"], 8 * 1024 * MiB)
         torch.cuda.set_host_limit_lms(0)
 
+    def _switch_round_trip(self, name, values):
+        # torch.cuda.set_<name>_lms / get_<name>_lms and the binding beneath them, through
+        # `values` in order; the switch is put back as it was.
+        setter = getattr(torch.cuda, f"set_{name}_lms")
+        getter = getattr(torch.cuda, f"get_{name}_lms")
+        binding = getattr(torch._C, f"_cuda_lms_get{name.capitalize()}")
+        previous = getter()
+        try:
+            for value in values:
+                setter(value)
+                self.assertIs(getter(), value)
+                self.assertIs(bool(binding()), value)
+        finally:
+            setter(previous)
+
     def test_recompute_round_trip(self):
-        torch.cuda.set_recompute_lms(True)
-        self.assertIs(torch.cuda.get_recompute_lms(), True)
-        self.assertTrue(torch._C._cuda_lms_getRecompute())
-        torch.cuda.set_recompute_lms(False)
-        self.assertIs(torch.cuda.get_recompute_lms(), False)
-        self.assertFalse(torch._C._cuda_lms_getRecompute())
+        self._switch_round_trip("recompute", (True, False))
 
     def test_packing_round_trip(self):
-        previous = torch.cuda.get_packing_lms()
-        try:
-            torch.cuda.set_packing_lms(False)
-            self.assertIs(torch.cuda.get_packing_lms(), False)
-            self.assertFalse(torch._C._cuda_lms_getPacking())
-            torch.cuda.set_packing_lms(True)
-            self.assertIs(torch.cuda.get_packing_lms(), True)
-            self.assertTrue(torch._C._cuda_lms_getPacking())
-        finally:
-            torch.cuda.set_packing_lms(previous)
+        self._switch_round_trip("packing", (False, True))
 
     def test_invalid_arguments(self):
         with self.assertRaisesRegex(TypeError, "enable must be a bool"):

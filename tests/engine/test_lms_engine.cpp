@@ -831,6 +831,20 @@ void runOperator(
   lms::endWorkingSet(name);
 }
 
+// Starts the working set of operator `name` over `input` where packing must
+// leave it: nothing is packed and the input stays resident, not pinned yet.
+// Returns the statistics from before, for what the operator pages out next.
+lms::LmsStats beginWorkingSetUnpacked(
+    const char* name,
+    const StoragePtr& input) {
+  const auto before = lms::getStats(0);
+  c10::StorageImpl* inputs[] = {input.get()};
+  lms::beginWorkingSet(name, inputs);
+  CHECK_EQ(lms::getStats(0).pack_count, before.pack_count);
+  CHECK(state(input) == lms::StorageState::Inactive);
+  return before;
+}
+
 // An operator expected to need most of the device is packed before it pins
 // its inputs. Its 4 MiB input C sits in a 30 MiB segment whose other 26 MiB
 // are free, and X (20 MiB, inactive) has a segment of its own. The operator
@@ -925,11 +939,7 @@ TEST_CASE(an_operator_whose_inputs_leave_room_is_not_packed) {
     write(*x, 2);
     lms::releaseOutput(*x); // used longest ago
     lms::releaseOutput(*c);
-    const auto before = lms::getStats(0);
-    c10::StorageImpl* inputs[] = {c.get()};
-    lms::beginWorkingSet(name, inputs);
-    CHECK_EQ(lms::getStats(0).pack_count, before.pack_count);
-    CHECK(state(c) == lms::StorageState::Inactive);
+    const auto before = beginWorkingSetUnpacked(name, c);
     CHECK(state(x) == lms::StorageState::Inactive);
     lms::pin(*c);
     auto output = newStorage(60 * kMiB); // 140 MiB of tensors: X goes out
@@ -991,11 +1001,7 @@ TEST_CASE(an_operator_that_allocates_nothing_is_not_packed) {
     auto c = newStorage(100 * kMiB); // carved out of a's segment
     write(*c, 1);
     lms::releaseOutput(*c);
-    const auto before = lms::getStats(0);
-    c10::StorageImpl* inputs[] = {c.get()};
-    lms::beginWorkingSet(name, inputs);
-    CHECK_EQ(lms::getStats(0).pack_count, before.pack_count);
-    CHECK(state(c) == lms::StorageState::Inactive);
+    beginWorkingSetUnpacked(name, c);
     lms::pin(*c);
     CHECK(matches(*c, 1));
     lms::unpin(*c);

@@ -2943,6 +2943,11 @@ size_t expectedInside(std::string_view name, size_t pinned, bool& measured) {
   return static_cast<size_t>(footprint.inside_per_input * input);
 }
 
+// `bytes` in MiB, for the diagnostic logs.
+double inMiB(size_t bytes) {
+  return static_cast<double>(bytes) / static_cast<double>(kMiB);
+}
+
 // PYTORCH_LMS_PACK_LOG=1 prints, for every operator whose expected working
 // set is tight, what packIfTight weighed and decided, to stderr (a
 // diagnostic, not a setting).
@@ -3101,9 +3106,6 @@ void packIfTight(
   const bool pack = !futile &&
       (beside == SIZE_MAX || beside + inside + kPackSpareBytes > limit);
   if (isPackLogEnabled()) {
-    auto mib = [](size_t bytes) {
-      return static_cast<double>(bytes) / static_cast<double>(kMiB);
-    };
     std::fprintf(
         stderr,
         "LMS pack: %s %.*s: inputs %.1f MiB, expected inside %.1f MiB, "
@@ -3112,11 +3114,11 @@ void packIfTight(
         pack ? "packed" : (futile ? "cannot help" : "not packed"),
         static_cast<int>(name.size()),
         name.data(),
-        mib(pinned),
-        mib(inside),
-        mib(fixed),
-        beside == SIZE_MAX ? -1.0 : mib(beside),
-        mib(limit));
+        inMiB(pinned),
+        inMiB(inside),
+        inMiB(fixed),
+        beside == SIZE_MAX ? -1.0 : inMiB(beside),
+        inMiB(limit));
   }
   if (!pack) {
     return;
@@ -3201,20 +3203,17 @@ void endWorkingSet(std::string_view name) {
   const bool first = before == SIZE_MAX;
   if (isPackLogEnabled() && ws.pinned + ws.inside_peak >= kPackLogBytes &&
       (first || ws.inside_peak > before + kPackSpareBytes)) {
-    auto mib = [](size_t bytes) {
-      return static_cast<double>(bytes) / static_cast<double>(kMiB);
-    };
     char was[48] = "first at this size";
     if (!first) {
-      std::snprintf(was, sizeof(was), "was %.1f MiB", mib(before));
+      std::snprintf(was, sizeof(was), "was %.1f MiB", inMiB(before));
     }
     std::fprintf(
         stderr,
         "LMS pack: measured %.*s: inputs %.1f MiB, inside %.1f MiB (%s)\n",
         static_cast<int>(name.size()),
         name.data(),
-        mib(ws.pinned),
-        mib(ws.inside_peak),
+        inMiB(ws.pinned),
+        inMiB(ws.inside_peak),
         was);
   }
 }
