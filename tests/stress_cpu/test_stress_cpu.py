@@ -1183,3 +1183,17 @@ def test_replay_is_its_own_way_of_choosing_seeds(tmp_path: Path) -> None:
     # A folder without results is an error that says what to give.
     with pytest.raises(SystemExit, match=r"no results\.jsonl"):
         runner.replay_capped([tmp_path / "none"], tmp_path, FakeLauncher(0.0), 60.0, "cpu")
+
+
+def test_a_run_names_the_engine_the_runner_found_once(worker: Any, tmp_path: Path) -> None:
+    """The runner finds the checkout's provenance once and hands it to every run it requests;
+    a run given none finds it itself (the command-line test above)."""
+    import torch
+
+    given = {"engine_commit": "abc1234", "engine_dirty": False, "driver": "unknown"}
+    env = worker.environment(torch.device("cpu"), None, given)
+    assert {k: env[k] for k in given} == given
+    launcher = FakeLauncher(0.0)
+    settings = runner.Settings(out=tmp_path, device="cpu", provenance=given)
+    runner.run_case(4, launcher, settings)
+    assert [r["provenance"] for r in launcher.requests] == [given] * len(launcher.requests)

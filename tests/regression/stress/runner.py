@@ -657,6 +657,7 @@ def run_case(seed: int, launcher: Launcher, settings: Settings, attempt: int = 1
             "result": str(runs_dir / f"{name}.json"),
             "log": str(runs_dir / f"{name}.log"),
             "fault": faults.get(name),
+            "provenance": provenance,
         }
         for stale in (request["result"], request["log"]):
             Path(stale).unlink(missing_ok=True)
@@ -1295,6 +1296,7 @@ def replay_capped(
     record and judges nothing: a replay is for what the environment adds to the run's log
     (``PYTORCH_LMS_PACK_LOG=1``, ``PYTORCH_LMS_SCHEDULE_LOG=1``). Records without a capped
     run (a reference that failed) are left out. ``report`` is told of each run as it ends."""
+    provenance = checkout_provenance()
     last: dict[int, dict[str, Any]] = {}
     for record in failing_records(paths):
         if record.get("cap_bytes"):
@@ -1313,6 +1315,7 @@ def replay_capped(
             "result": str(folder / "capped.json"),
             "log": str(folder / "capped.log"),
             "fault": None,
+            "provenance": provenance,
         }
         for stale in (request["result"], request["log"]):
             Path(stale).unlink(missing_ok=True)

@@ -556,10 +556,14 @@ def memory_picture(device: torch.device) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
-def environment(device: torch.device, lms_backend: str | None) -> dict[str, Any]:
-    """Versions and device of this run, and the engine it ran (``harness.provenance``: commit,
-    dirty flag, sources hash, driver), so that a run's JSON names its engine also where no
-    runner merges it into a record (a replay of one run with ``--request`` or ``--seed``)."""
+def environment(
+    device: torch.device, lms_backend: str | None, provenance: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Versions and device of this run, and the engine it ran (commit, dirty flag, sources
+    hash, driver), so that a run's JSON names its engine also where no runner merges it into a
+    record: ``provenance`` as the runner found it once for all its runs (a request's
+    ``provenance``), else ``harness.provenance()`` of this checkout (a replay of one run with
+    ``--request`` or ``--seed``)."""
     env: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -578,7 +582,7 @@ def environment(device: torch.device, lms_backend: str | None) -> dict[str, Any]
         env["device"] = props.name
         env["device_memory_bytes"] = props.total_memory
         env["cudnn"] = torch.backends.cudnn.version()
-    env.update(harness.provenance())
+    env.update(provenance if provenance is not None else harness.provenance())
     return env
 
 
@@ -695,7 +699,7 @@ def run(request: dict[str, Any]) -> int:
     result["s_per_iter"] = round(sum(steady) / len(steady), 4) if steady else None
     result["wall_s"] = round(time.perf_counter() - started, 3)
     try:
-        result["env"] = environment(device, lms_backend)
+        result["env"] = environment(device, lms_backend, request.get("provenance"))
     except Exception as exc:
         result["env"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     result["case"] = case.to_dict()
