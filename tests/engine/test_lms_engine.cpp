@@ -918,6 +918,62 @@ TEST_CASE(an_operator_expected_to_need_most_of_the_device_is_packed_first) {
   env.checkBaseline();
 }
 
+// Partly used pages can take ten of the allocator's 20 MiB pages whatever the
+// limit, so an operator is packed when its working set leaves less than
+// 200 MiB of the limit, however small a share of it that is. This one's 4 MiB
+// input C sits in a 30 MiB segment, as above, and it allocates 36 MiB inside
+// itself: 40 MiB of tensors, two thirds of the limit (95% of the 64 MiB cap),
+// under the three quarters at which packing once began. Pinned where it is,
+// C keeps its 30 MiB segment and the 36 MiB cannot be placed beside it under
+// the cap; packed, C comes back into a segment of its own size.
+TEST_CASE(an_operator_leaving_less_than_ten_pages_of_a_small_limit_is_packed) {
+  Env env(64 * kMiB);
+  const char* name = "lms_test::two_thirds_of_a_small_limit";
+  {
+    const CapAboveBaseline cap(64 * kMiB);
+    runOperator(name, 4 * kMiB, 36 * kMiB); // the engine learns it
+    lms::getBackend()->releaseCachedMemory(0);
+    auto fragmented = [&] {
+      auto a = newStorage(30 * kMiB);
+      a.reset(); // its segment stays cached, free
+      auto c = newStorage(4 * kMiB); // carved out of a's segment
+      auto x = newStorage(20 * kMiB);
+      write(*c, 1);
+      write(*x, 2);
+      lms::releaseOutput(*c);
+      lms::releaseOutput(*x);
+      return std::make_pair(c, x);
+    };
+    { // Not packed: pinned in its segment, C leaves no room.
+      auto [c, x] = fragmented();
+      lms::pin(*c);
+      CHECK_THROWS_AS(
+          newStorage(36 * kMiB), c10::OutOfMemoryError, "fit by bytes");
+      lms::unpin(*c);
+      CHECK(matches(*c, 1));
+      CHECK(matches(*x, 2));
+    }
+    lms::getBackend()->releaseCachedMemory(0);
+    { // Packed.
+      auto [c, x] = fragmented();
+      const auto before = lms::getStats(0);
+      c10::StorageImpl* inputs[] = {c.get()};
+      lms::beginWorkingSet(name, inputs);
+      CHECK_EQ(lms::getStats(0).pack_count, before.pack_count + 1);
+      CHECK(state(c) == lms::StorageState::PagedOut);
+      lms::pin(*c);
+      auto output = newStorage(36 * kMiB);
+      write(*output, 3);
+      CHECK(matches(*c, 1));
+      lms::unpin(*c);
+      lms::endWorkingSet(name);
+      CHECK(matches(*output, 3));
+      CHECK(matches(*x, 2));
+    }
+  }
+  env.checkBaseline();
+}
+
 // Packing reads the allocator's layout first. The operator of this case is
 // as tight as the one above (a 40 MiB input, 60 MiB allocated inside itself
 // as it did the first time it ran: 100 MiB of a 128 MiB limit), but its input

@@ -52,16 +52,18 @@ constexpr double kOthersGrowthFraction = 0.01;
 // Operators between two searches for victims to page out ahead of the
 // iteration's peak after one found none (pageOutAheadOfPeak).
 constexpr uint64_t kPeakRetryOps = 8;
-// Share of the limit that an operator's expected working set, with what
-// cannot be paged out, may take before the operator is packed
-// (beginWorkingSet): past it, the partly used pages that paging out leaves
-// can keep the operator's last allocations from fitting.
-constexpr double kPackShare = 0.75;
-// ... and only while what it leaves of the limit is less than this: a few of
-// the allocator's 20 MiB pages, what partly used pages can take. Above it, a
-// pack costs more than it can save: paging out everything undoes the learned
-// schedule (GPT at 2x an H200's cap: one pack an iteration made it 75%
-// slower, 0.700 against 0.400 s, and it trained without).
+// Room of the limit that an operator's expected working set, with what
+// cannot be paged out, must leave for it not to be packed (beginWorkingSet):
+// ten of the allocator's 20 MiB pages, what partly used pages can take,
+// whatever the limit. The operator's own blocks land among storages that are
+// paged out while it runs, and the pages they share stay mapped: under a
+// 358 MiB cap a cuDNN LSTM whose working set was under three quarters of the
+// limit ran out of memory inside itself with 118 MiB of its pages free
+// (stress seed 395; seed 52, a DenseNet convolution, alike) when packing
+// waited for three quarters of the limit. Above the margin, a pack costs
+// more than it can save: paging out everything undoes the learned schedule
+// (GPT at 2x an H200's cap: one pack an iteration made it 75% slower, 0.700
+// against 0.400 s, and it trained without).
 constexpr size_t kPackMarginBytes = 200 * kMiB;
 // An operator not seen before is expected to allocate at least this many
 // times the bytes of its inputs (a backward operator's gradients are about
@@ -3067,10 +3069,7 @@ void packIfTight(
   // pinned or just allocated by running operators.
   const size_t fixed = allocated > inactive ? allocated - inactive : 0;
   auto tight = [&](size_t inside) {
-    const size_t need = fixed + pinned + inside;
-    return static_cast<double>(need) >
-        kPackShare * static_cast<double>(limit) &&
-        need + kPackMarginBytes > limit;
+    return fixed + pinned + inside + kPackMarginBytes > limit;
   };
   // Most operators are far from tight even at the largest expectation any
   // operator has: they need neither the lock nor the name's footprint.

@@ -301,8 +301,8 @@ C10_CUDA_API void beginOperator(
 // it allocated before with inputs of that size, else per byte of input, or
 // for an operator not seen yet twice its inputs or the most any operator
 // allocated), with what cannot be
-// paged out, passes three quarters of the limit and leaves less than 200 MiB
-// of it (ten of the allocator's 20 MiB pages), beginWorkingSet reads the
+// paged out, leaves less than 200 MiB of the limit (ten of the allocator's
+// 20 MiB pages, what partly used pages can take), beginWorkingSet reads the
 // allocator's layout: the segments and pages that stay mapped once every
 // other storage is out, because blocks of the inputs or of what cannot be
 // paged out lie in them. When those, the inputs still paged out and what the
