@@ -7,7 +7,8 @@
 #
 # Environment: PYTHON (default python3, the interpreter that has torch and torchvision),
 # CUDA_HOME (default /usr/local/cuda), MAX_JOBS (parallel compile jobs, default 8),
-# PYTEST_ARGS (extra pytest arguments, e.g. "-k resnet50"), REGRESSION_TESTS (the test
+# PYTEST_ARGS (extra pytest arguments, split as shell words: quotes work, e.g.
+# '-k "resnet50 and not reduce"'), REGRESSION_TESTS (the test
 # paths, default tests/regression), REGRESSION_TIMEOUT (seconds for the whole pytest run,
 # default 420). The whole suite can take longer than that on an H100 (the compiled models
 # compile several times); run it in two parts, each with its own OUT:
@@ -31,11 +32,13 @@ export PYTHONPATH="$ROOT/extension${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export LMS_RESULTS_DIR="$OUT"
 cd "$ROOT"
+eval "extra=(${PYTEST_ARGS:-})"
+read -ra tests <<<"${REGRESSION_TESTS:-tests/regression}"
 set +e
-# shellcheck disable=SC2086  # PYTEST_ARGS and REGRESSION_TESTS are lists of words
-timeout "${REGRESSION_TIMEOUT:-420}" "$PY" -m pytest ${REGRESSION_TESTS:-tests/regression} \
+# SIGINT first: pytest then stops like on Ctrl-C and still writes the results and junit.
+timeout -s INT -k 60 "${REGRESSION_TIMEOUT:-420}" "$PY" -m pytest "${tests[@]}" \
   --ignore=tests/regression/stress -v -ra -p no:cacheprovider \
-  --junitxml="$OUT/junit.xml" ${PYTEST_ARGS:-}
+  --junitxml="$OUT/junit.xml" "${extra[@]}"
 status=$?
 set -e
 if [ "$status" -eq 124 ]; then
