@@ -1013,9 +1013,10 @@ README_TABLES: dict[str, tuple[str, ...]] = {
         "benchmarks/results/matrix/2026-11-26-h200x4-e3a7df6",
         "benchmarks/results/matrix/2026-11-26-h200x4-10417a9",
         "benchmarks/results/matrix/2026-11-26-h200x4-2b4cdbd",
+        "benchmarks/results/matrix/2026-11-26-h100x2-1e4f9cb",
     ),
     "capped": ("benchmarks/results/compare/2026-11-24-h100-unrecorded",),
-    "stress": ("benchmarks/results/stress/2026-11-26-h200x4-2b4cdbd",),
+    "stress": ("benchmarks/results/stress/2026-11-26-h100x2-1e4f9cb",),
     "hybrid": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65",),
     "hybrid_stress": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65/stress-hybrid",),
 }
