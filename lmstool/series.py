@@ -22,6 +22,8 @@ import git
 
 from lmstool.errors import LmsToolError
 from lmstool.gitutil import (
+    COMMITTER_EMAIL,
+    COMMITTER_NAME,
     open_repo,
     operation_in_progress,
     pinned_env,
@@ -315,6 +317,9 @@ def apply_series(tree: Path, tag: str, patch_dir: Path) -> ApplyResult:
                 f"{n - k} patches), or start over from a fresh checkout: "
                 f"{fresh_checkout(tree, tag)}"
             )
+        above = list(repo.iter_commits(f"{tag_commit.hexsha}..HEAD"))
+        if above and all(_applied_by_lmstool(c) for c in above):
+            return _replace_series(repo, tree, tag, tag_commit, above, patches, patch_dir)
         if have:
             for m in range(n, 0, -1):
                 if _reverse_applies(repo, patches[:m]):
@@ -342,6 +347,57 @@ def apply_series(tree: Path, tag: str, patch_dir: Path) -> ApplyResult:
             ),
         )
         return ApplyResult(n, False, f"applied {n} patches; HEAD is {repo.head.commit.hexsha[:12]}")
+
+
+def _applied_by_lmstool(commit: git.Commit) -> bool:
+    """True for a commit that ``git am`` of a series made here (its pinned committer)."""
+    return commit.committer.name == COMMITTER_NAME and commit.committer.email == COMMITTER_EMAIL
+
+
+def _replace_series(
+    repo: git.Repo,
+    tree: Path,
+    tag: str,
+    tag_commit: git.Commit,
+    above: Sequence[git.Commit],
+    patches: Sequence[Path],
+    patch_dir: Path,
+) -> ApplyResult:
+    """Replaces another version of the series, applied here earlier, with ``patches``.
+
+    Every commit above ``tag`` was made by applying a series (an engine edited since, a hunk
+    rebased): the tree goes back to ``tag`` and the series is applied anew. The earlier
+    commits stay on a branch, so nothing is lost; a series that does not fit leaves the tree
+    at ``tag``, with that branch named in the error.
+    """
+    keep = f"lms-{tag}-replaced"
+    repo.create_head(keep, repo.head.commit, force=True)
+    repo.git.reset("--quiet", "--hard", tag_commit.hexsha, env=pinned_env())
+    log.info(
+        "%s held another version of the series (%d commits above %s), kept on branch %s; "
+        "applying %d patches from %s",
+        tree,
+        len(above),
+        tag,
+        keep,
+        len(patches),
+        patch_dir,
+    )
+    git_am(
+        repo,
+        patches,
+        advice=(
+            f"the tree is at {tag}; the series it held before is on branch {keep}. The "
+            f"series does not fit this tree: rebase it (edit the hunk in integration/{tag}/, "
+            f"`{make_command(f'make patches TAG={tag}')}`; see CONTRIBUTING.md)"
+        ),
+    )
+    return ApplyResult(
+        len(patches),
+        False,
+        f"replaced the {len(above)} commits of an earlier series (kept on branch {keep}): "
+        f"applied {len(patches)} patches; HEAD is {repo.head.commit.hexsha[:12]}",
+    )
 
 
 @dataclass(frozen=True)

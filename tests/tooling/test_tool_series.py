@@ -66,6 +66,62 @@ def test_apply_via_cli_twice(fake: Fake, fake_tree: Path, tmp_path: Path) -> Non
     assert second.returncode == 0 and "already applied" in second.stdout
 
 
+def _edited_series(fake: Fake, tmp_path: Path, series: Path) -> Path:
+    """The series of _make_series with its second patch's change edited, as after a rebase."""
+    dev = fake.checkout(tmp_path / "dev2")
+    repo = git.Repo(dev)
+    repo.git.am(*[str(p) for p in series_files(series)])
+    repo.git.reset("--quiet", "--hard", "HEAD~1")
+    commit_edit(
+        repo, "c10/cuda/CUDACachingAllocator.h", "// CUDACachingAllocator line 30\n",
+        "// CUDACachingAllocator line 30\n// LMS: reclaim, then retry once\n",
+        "c10/cuda: reclaim in the allocator", "2025-02-04T11:00:00+00:00",
+    )  # fmt: skip
+    edited = tmp_path / "series2"
+    export_series(dev, FAKE_TAG, edited)
+    return edited
+
+
+def test_an_earlier_version_of_the_series_is_replaced_and_kept(
+    fake: Fake, fake_tree: Path, tmp_path: Path
+) -> None:
+    series = _make_series(fake, tmp_path)
+    apply_series(fake_tree, FAKE_TAG, series)
+    repo = git.Repo(fake_tree)
+    earlier = repo.head.commit.hexsha
+    edited = _edited_series(fake, tmp_path, series)
+    result = apply_series(fake_tree, FAKE_TAG, edited)
+    assert result.applied == 2 and not result.already
+    assert "replaced the 2 commits of an earlier series" in result.message
+    assert f"lms-{FAKE_TAG}-replaced" in result.message
+    allocator = (fake_tree / "c10/cuda/CUDACachingAllocator.h").read_text()
+    assert "reclaim, then retry once" in allocator
+    assert "reclaim before cudaMalloc fails" not in allocator
+    assert len(list(repo.iter_commits(f"{FAKE_TAG}..HEAD"))) == 2
+    # nothing lost: the earlier commits stay on a branch
+    assert repo.heads[f"lms-{FAKE_TAG}-replaced"].commit.hexsha == earlier
+    again = apply_series(fake_tree, FAKE_TAG, edited)
+    assert again.already
+
+
+def test_a_series_below_commits_of_ones_own_is_not_replaced(
+    fake: Fake, fake_tree: Path, tmp_path: Path
+) -> None:
+    series = _make_series(fake, tmp_path)
+    apply_series(fake_tree, FAKE_TAG, series)
+    repo = git.Repo(fake_tree)
+    commit_edit(
+        repo, "README.md", "", "local note\n", "a commit of one's own",
+        "2025-02-05T00:00:00+00:00",
+    )  # fmt: skip
+    before = tree_state(fake_tree)
+    edited = _edited_series(fake, tmp_path, series)
+    with pytest.raises(LmsToolError):
+        apply_series(fake_tree, FAKE_TAG, edited)
+    assert tree_state(fake_tree) == before
+    assert f"lms-{FAKE_TAG}-replaced" not in [h.name for h in repo.heads]
+
+
 def test_conflict_names_patch_and_hunk_and_restores(
     fake: Fake, fake_tree: Path, tmp_path: Path
 ) -> None:
