@@ -845,6 +845,55 @@ lms::LmsStats beginWorkingSetUnpacked(
   return before;
 }
 
+// Input C of a packing test (4 MiB, holding 1) carved out of a free cached
+// 30 MiB segment, and X (20 MiB, holding 2) in a segment of its own, both
+// inactive: pinned where it is, C keeps its whole segment mapped.
+std::pair<StoragePtr, StoragePtr> inputInALargeSegment() {
+  auto a = newStorage(30 * kMiB);
+  a.reset(); // its segment stays cached, free
+  auto c = newStorage(4 * kMiB); // carved out of a's segment
+  auto x = newStorage(20 * kMiB);
+  write(*c, 1);
+  write(*x, 2);
+  lms::releaseOutput(*c);
+  lms::releaseOutput(*x);
+  return std::make_pair(c, x);
+}
+
+// Not packed, C pinned in its segment leaves no room for `inside_bytes`.
+void checkNoRoomBesidePinnedInput(size_t inside_bytes) {
+  auto [c, x] = inputInALargeSegment();
+  lms::pin(*c);
+  CHECK_THROWS_AS(
+      newStorage(inside_bytes), c10::OutOfMemoryError, "fit by bytes");
+  lms::unpin(*c);
+  CHECK(matches(*c, 1));
+  CHECK(matches(*x, 2));
+}
+
+// Operator `name` over input C starts packed: C and X go out, C comes back
+// into a segment of its own size and `inside_bytes` fit beside it. Returns
+// the bytes the pack paged out.
+int64_t checkPackedOperatorFits(const char* name, size_t inside_bytes) {
+  auto [c, x] = inputInALargeSegment();
+  const auto before = lms::getStats(0);
+  c10::StorageImpl* inputs[] = {c.get()};
+  lms::beginWorkingSet(name, inputs);
+  const auto packed = lms::getStats(0);
+  CHECK_EQ(packed.pack_count, before.pack_count + 1);
+  CHECK(state(c) == lms::StorageState::PagedOut);
+  CHECK(state(x) == lms::StorageState::PagedOut);
+  lms::pin(*c);
+  auto output = newStorage(inside_bytes);
+  write(*output, 3);
+  CHECK(matches(*c, 1));
+  lms::unpin(*c);
+  lms::endWorkingSet(name);
+  CHECK(matches(*output, 3));
+  CHECK(matches(*x, 2));
+  return packed.pack_bytes - before.pack_bytes;
+}
+
 // An operator expected to need most of the device is packed before it pins
 // its inputs. Its 4 MiB input C sits in a 30 MiB segment whose other 26 MiB
 // are free, and X (20 MiB, inactive) has a segment of its own. The operator
@@ -862,29 +911,10 @@ TEST_CASE(an_operator_expected_to_need_most_of_the_device_is_packed_first) {
     runOperator(name, 4 * kMiB, 42 * kMiB, /*temporary_bytes=*/8 * kMiB);
     CHECK_EQ(lms::getStats(0).pack_count, 0);
     lms::getBackend()->releaseCachedMemory(0);
-    auto fragmented = [&] {
-      auto a = newStorage(30 * kMiB);
-      a.reset(); // its segment stays cached, free
-      auto c = newStorage(4 * kMiB); // carved out of a's segment
-      auto x = newStorage(20 * kMiB);
-      write(*c, 1);
-      write(*x, 2);
-      lms::releaseOutput(*c);
-      lms::releaseOutput(*x);
-      return std::make_pair(c, x);
-    };
-    { // Not packed: pinned in its segment, C leaves no room.
-      auto [c, x] = fragmented();
-      lms::pin(*c);
-      CHECK_THROWS_AS(
-          newStorage(42 * kMiB), c10::OutOfMemoryError, "fit by bytes");
-      lms::unpin(*c);
-      CHECK(matches(*c, 1));
-      CHECK(matches(*x, 2));
-    }
+    checkNoRoomBesidePinnedInput(42 * kMiB);
     lms::getBackend()->releaseCachedMemory(0);
     { // With packing off, the working set is counted but nothing moves.
-      auto [c, x] = fragmented();
+      auto [c, x] = inputInALargeSegment();
       lms::setPackingEnabled(false);
       c10::StorageImpl* inputs[] = {c.get()};
       lms::beginWorkingSet(name, inputs);
@@ -895,25 +925,7 @@ TEST_CASE(an_operator_expected_to_need_most_of_the_device_is_packed_first) {
       CHECK_EQ(lms::getStats(0).pack_count, 0);
     }
     lms::getBackend()->releaseCachedMemory(0);
-    { // Packed.
-      auto [c, x] = fragmented();
-      const auto before = lms::getStats(0);
-      c10::StorageImpl* inputs[] = {c.get()};
-      lms::beginWorkingSet(name, inputs);
-      const auto packed = lms::getStats(0);
-      CHECK_EQ(packed.pack_count, before.pack_count + 1);
-      CHECK_EQ(packed.pack_bytes - before.pack_bytes, int64_t(24 * kMiB));
-      CHECK(state(c) == lms::StorageState::PagedOut);
-      CHECK(state(x) == lms::StorageState::PagedOut);
-      lms::pin(*c);
-      auto output = newStorage(42 * kMiB);
-      write(*output, 3);
-      CHECK(matches(*c, 1));
-      lms::unpin(*c);
-      lms::endWorkingSet(name);
-      CHECK(matches(*output, 3));
-      CHECK(matches(*x, 2));
-    }
+    CHECK_EQ(checkPackedOperatorFits(name, 42 * kMiB), int64_t(24 * kMiB));
   }
   env.checkBaseline();
 }
@@ -933,55 +945,21 @@ TEST_CASE(an_operator_leaving_less_than_ten_pages_of_a_small_limit_is_packed) {
     const CapAboveBaseline cap(64 * kMiB);
     runOperator(name, 4 * kMiB, 36 * kMiB); // the engine learns it
     lms::getBackend()->releaseCachedMemory(0);
-    auto fragmented = [&] {
-      auto a = newStorage(30 * kMiB);
-      a.reset(); // its segment stays cached, free
-      auto c = newStorage(4 * kMiB); // carved out of a's segment
-      auto x = newStorage(20 * kMiB);
-      write(*c, 1);
-      write(*x, 2);
-      lms::releaseOutput(*c);
-      lms::releaseOutput(*x);
-      return std::make_pair(c, x);
-    };
-    { // Not packed: pinned in its segment, C leaves no room.
-      auto [c, x] = fragmented();
-      lms::pin(*c);
-      CHECK_THROWS_AS(
-          newStorage(36 * kMiB), c10::OutOfMemoryError, "fit by bytes");
-      lms::unpin(*c);
-      CHECK(matches(*c, 1));
-      CHECK(matches(*x, 2));
-    }
+    checkNoRoomBesidePinnedInput(36 * kMiB);
     lms::getBackend()->releaseCachedMemory(0);
-    { // Packed.
-      auto [c, x] = fragmented();
-      const auto before = lms::getStats(0);
-      c10::StorageImpl* inputs[] = {c.get()};
-      lms::beginWorkingSet(name, inputs);
-      CHECK_EQ(lms::getStats(0).pack_count, before.pack_count + 1);
-      CHECK(state(c) == lms::StorageState::PagedOut);
-      lms::pin(*c);
-      auto output = newStorage(36 * kMiB);
-      write(*output, 3);
-      CHECK(matches(*c, 1));
-      lms::unpin(*c);
-      lms::endWorkingSet(name);
-      CHECK(matches(*output, 3));
-      CHECK(matches(*x, 2));
-    }
+    checkPackedOperatorFits(name, 36 * kMiB);
   }
   env.checkBaseline();
 }
 
 // Packing reads the allocator's layout first. The operator of this case is
-// as tight as the one above (a 40 MiB input, 60 MiB allocated inside itself
-// as it did the first time it ran: 100 MiB of a 128 MiB limit), but its input
-// has a segment of its own: once X (40 MiB, inactive) is paged out on demand,
-// 40 MiB stay mapped and the 60 MiB fit beside them with a 20 MiB page to
-// spare under the limit (95% of the 128 MiB cap). Nothing is packed: the
-// operator's input stays where it is, and only X goes out, when the operator's
-// allocation needs its room.
+// as tight as the one that needs most of the device (a 40 MiB input, 60 MiB
+// allocated inside itself as it did the first time it ran: 100 MiB of a
+// 128 MiB limit), but its input has a segment of its own: once X (40 MiB,
+// inactive) is paged out on demand, 40 MiB stay mapped and the 60 MiB fit
+// beside them with a 20 MiB page to spare under the limit (95% of the
+// 128 MiB cap). Nothing is packed: the operator's input stays where it is,
+// and only X goes out, when the operator's allocation needs its room.
 TEST_CASE(an_operator_whose_inputs_leave_room_is_not_packed) {
   Env env(128 * kMiB);
   const char* name = "lms_test::fits_beside_its_inputs";

@@ -66,30 +66,29 @@ def test_apply_via_cli_twice(fake: Fake, fake_tree: Path, tmp_path: Path) -> Non
     assert second.returncode == 0 and "already applied" in second.stdout
 
 
-def _edited_series(fake: Fake, tmp_path: Path, series: Path) -> Path:
-    """The series of _make_series with its second patch's change edited, as after a rebase."""
-    dev = fake.checkout(tmp_path / "dev2")
-    repo = git.Repo(dev)
-    repo.git.am(*[str(p) for p in series_files(series)])
-    repo.git.reset("--quiet", "--hard", "HEAD~1")
+def _applied_then_edited(fake: Fake, fake_tree: Path, tmp_path: Path) -> tuple[git.Repo, Path]:
+    """The series of _make_series applied on ``fake_tree``, and that series with its second
+    patch's change edited, as after a rebase: the tree's repository and the edited series."""
+    series = _make_series(fake, tmp_path)
+    apply_series(fake_tree, FAKE_TAG, series)
+    dev = git.Repo(fake.checkout(tmp_path / "dev2"))
+    dev.git.am(*[str(p) for p in series_files(series)])
+    dev.git.reset("--quiet", "--hard", "HEAD~1")
     commit_edit(
-        repo, "c10/cuda/CUDACachingAllocator.h", "// CUDACachingAllocator line 30\n",
+        dev, "c10/cuda/CUDACachingAllocator.h", "// CUDACachingAllocator line 30\n",
         "// CUDACachingAllocator line 30\n// LMS: reclaim, then retry once\n",
         "c10/cuda: reclaim in the allocator", "2025-02-04T11:00:00+00:00",
     )  # fmt: skip
     edited = tmp_path / "series2"
-    export_series(dev, FAKE_TAG, edited)
-    return edited
+    export_series(Path(dev.working_tree_dir or "."), FAKE_TAG, edited)
+    return git.Repo(fake_tree), edited
 
 
 def test_an_earlier_version_of_the_series_is_replaced_and_kept(
     fake: Fake, fake_tree: Path, tmp_path: Path
 ) -> None:
-    series = _make_series(fake, tmp_path)
-    apply_series(fake_tree, FAKE_TAG, series)
-    repo = git.Repo(fake_tree)
+    repo, edited = _applied_then_edited(fake, fake_tree, tmp_path)
     earlier = repo.head.commit.hexsha
-    edited = _edited_series(fake, tmp_path, series)
     result = apply_series(fake_tree, FAKE_TAG, edited)
     assert result.applied == 2 and not result.already
     assert "replaced the 2 commits of an earlier series" in result.message
@@ -107,15 +106,12 @@ def test_an_earlier_version_of_the_series_is_replaced_and_kept(
 def test_a_series_below_commits_of_ones_own_is_not_replaced(
     fake: Fake, fake_tree: Path, tmp_path: Path
 ) -> None:
-    series = _make_series(fake, tmp_path)
-    apply_series(fake_tree, FAKE_TAG, series)
-    repo = git.Repo(fake_tree)
+    repo, edited = _applied_then_edited(fake, fake_tree, tmp_path)
     commit_edit(
         repo, "README.md", "", "local note\n", "a commit of one's own",
         "2025-02-05T00:00:00+00:00",
     )  # fmt: skip
     before = tree_state(fake_tree)
-    edited = _edited_series(fake, tmp_path, series)
     with pytest.raises(LmsToolError):
         apply_series(fake_tree, FAKE_TAG, edited)
     assert tree_state(fake_tree) == before
