@@ -630,6 +630,40 @@ def runs_dir_of(out: Path, seed: int, attempt: int) -> Path:
     return base if attempt <= 1 else base / f"attempt-{attempt}"
 
 
+def launch_run(
+    launcher: Launcher,
+    timeout_s: float,
+    folder: Path,
+    name: str,
+    *,
+    case: dict[str, Any],
+    mode: str,
+    device: str,
+    cap: int | None,
+    alloc_conf: str | None,
+    provenance: dict[str, Any] | None,
+    bound: bool = False,
+    fault: Any = None,
+) -> Outcome:
+    """Runs one worker process of a case (``mode``: reference, capped or capped-no-lms) into
+    ``folder/NAME.json`` and ``NAME.log``, first removing what an earlier run left there."""
+    request = {
+        "case": case,
+        "mode": mode,
+        "device": device,
+        "cap_bytes": cap,
+        "measure_bound": bound,
+        "alloc_conf": alloc_conf,
+        "result": str(folder / f"{name}.json"),
+        "log": str(folder / f"{name}.log"),
+        "fault": fault,
+        "provenance": provenance,
+    }
+    for stale in (request["result"], request["log"]):
+        Path(stale).unlink(missing_ok=True)
+    return launcher.launch(request, timeout_s)
+
+
 def run_case(seed: int, launcher: Launcher, settings: Settings, attempt: int = 1) -> dict[str, Any]:
     """Runs the references and the capped runs of one seed; returns the case's record."""
     case = generate(seed)
@@ -647,21 +681,20 @@ def run_case(seed: int, launcher: Launcher, settings: Settings, attempt: int = 1
     started = time.perf_counter()
 
     def launch(name: str, mode: str, cap: int | None = None, bound: bool = False) -> Outcome:
-        request = {
-            "case": case.to_dict(),
-            "mode": mode,
-            "device": settings.device,
-            "cap_bytes": cap,
-            "measure_bound": bound,
-            "alloc_conf": alloc_conf,
-            "result": str(runs_dir / f"{name}.json"),
-            "log": str(runs_dir / f"{name}.log"),
-            "fault": faults.get(name),
-            "provenance": provenance,
-        }
-        for stale in (request["result"], request["log"]):
-            Path(stale).unlink(missing_ok=True)
-        return launcher.launch(request, settings.run_timeout_s)
+        return launch_run(
+            launcher,
+            settings.run_timeout_s,
+            runs_dir,
+            name,
+            case=case.to_dict(),
+            mode=mode,
+            device=settings.device,
+            cap=cap,
+            alloc_conf=alloc_conf,
+            provenance=provenance,
+            bound=bound,
+            fault=faults.get(name),
+        )
 
     ref1 = launch("reference-1", "reference", bound=True)
     ref2 = launch("reference-2", "reference")
@@ -1305,21 +1338,18 @@ def replay_capped(
     for seed, record in sorted(last.items()):
         folder = out / "replay" / str(seed)
         folder.mkdir(parents=True, exist_ok=True)
-        request = {
-            "case": record["case"],
-            "mode": "capped",
-            "device": device,
-            "cap_bytes": record["cap_bytes"],
-            "measure_bound": False,
-            "alloc_conf": (record.get("allocator") or {}).get("conf"),
-            "result": str(folder / "capped.json"),
-            "log": str(folder / "capped.log"),
-            "fault": None,
-            "provenance": provenance,
-        }
-        for stale in (request["result"], request["log"]):
-            Path(stale).unlink(missing_ok=True)
-        outcome = launcher.launch(request, timeout_s)
+        outcome = launch_run(
+            launcher,
+            timeout_s,
+            folder,
+            "capped",
+            case=record["case"],
+            mode="capped",
+            device=device,
+            cap=record["cap_bytes"],
+            alloc_conf=(record.get("allocator") or {}).get("conf"),
+            provenance=provenance,
+        )
         outcomes.append((seed, outcome))
         if report is not None:
             report(seed, outcome)

@@ -58,8 +58,8 @@ from typing import Any
 # Deterministic cuBLAS needs this before the first cuBLAS handle is created.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-import harness  # on sys.path through this package's __init__
 import torch
+from harness import provenance as checkout_provenance  # on sys.path through this package's __init__
 from harness import wait_pid, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -582,7 +582,7 @@ def environment(
         env["device"] = props.name
         env["device_memory_bytes"] = props.total_memory
         env["cudnn"] = torch.backends.cudnn.version()
-    env.update(provenance if provenance is not None else harness.provenance())
+    env.update(provenance if provenance is not None else checkout_provenance())
     return env
 
 
