@@ -319,7 +319,7 @@ def apply_series(tree: Path, tag: str, patch_dir: Path) -> ApplyResult:
             )
         above = list(repo.iter_commits(f"{tag_commit.hexsha}..HEAD"))
         if above and all(_applied_by_lmstool(c) for c in above):
-            return _replace_series(repo, tree, tag, tag_commit, above, patches, patch_dir)
+            return _replace_series(repo, tree, tag, tag_commit, len(above), patches, patch_dir)
         if have:
             for m in range(n, 0, -1):
                 if _reverse_applies(repo, patches[:m]):
@@ -359,11 +359,12 @@ def _replace_series(
     tree: Path,
     tag: str,
     tag_commit: git.Commit,
-    above: Sequence[git.Commit],
+    replaced: int,
     patches: Sequence[Path],
     patch_dir: Path,
 ) -> ApplyResult:
-    """Replaces another version of the series, applied here earlier, with ``patches``.
+    """Replaces another version of the series, applied here earlier (``replaced`` commits
+    above ``tag``), with ``patches``.
 
     Every commit above ``tag`` was made by applying a series (an engine edited since, a hunk
     rebased): the tree goes back to ``tag`` and the series is applied anew. The earlier
@@ -377,7 +378,7 @@ def _replace_series(
         "%s held another version of the series (%d commits above %s), kept on branch %s; "
         "applying %d patches from %s",
         tree,
-        len(above),
+        replaced,
         tag,
         keep,
         len(patches),
@@ -395,7 +396,7 @@ def _replace_series(
     return ApplyResult(
         len(patches),
         False,
-        f"replaced the {len(above)} commits of an earlier series (kept on branch {keep}): "
+        f"replaced the {replaced} commits of an earlier series (kept on branch {keep}): "
         f"applied {len(patches)} patches; HEAD is {repo.head.commit.hexsha[:12]}",
     )
 
