@@ -34,6 +34,7 @@ COUNTERS = (
     "reclaim_explicit",
     "pack_count",
     "pack_bytes",
+    "workspace_releases",
     "fragment_reclaims",
     "alloc_from_cache",
     "alloc_from_device",

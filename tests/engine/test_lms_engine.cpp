@@ -952,6 +952,87 @@ TEST_CASE(an_operator_leaving_less_than_ten_pages_of_a_small_limit_is_packed) {
   env.checkBaseline();
 }
 
+// A workspace a library keeps in the caching allocator between calls
+// (cuBLAS: one per handle and stream), as the test's releaser sees it.
+void* g_library_workspace = nullptr;
+int g_workspace_releaser_calls = 0;
+
+void releaseLibraryWorkspace() {
+  ++g_workspace_releaser_calls;
+  if (g_library_workspace != nullptr) {
+    cca::raw_delete(g_library_workspace);
+    g_library_workspace = nullptr;
+  }
+}
+
+// The operator's 4 MiB input C in a 30 MiB segment, and a library's 4 MiB
+// workspace carved from the same segment beside it.
+StoragePtr inputBesideALibraryWorkspace() {
+  auto a = newStorage(30 * kMiB);
+  a.reset(); // its segment stays cached, free
+  auto c = newStorage(4 * kMiB);
+  g_library_workspace = cca::raw_alloc(4 * kMiB);
+  write(*c, 1);
+  lms::releaseOutput(*c);
+  return c;
+}
+
+// A library's workspace is an allocation LMS cannot page out. In the segment
+// of the operator's input, it keeps that segment mapped through a pack, the
+// input comes back into it, and the 42 MiB the operator allocates find no
+// room beside it under the 64 MiB cap (46 MiB of tensors and the workspace).
+// With a releaser, the pack frees the workspace before it returns the cache:
+// the segment goes back to the device, and the 42 MiB fit.
+TEST_CASE(a_pack_frees_library_workspaces_that_hold_its_input_segment) {
+  Env env(64 * kMiB);
+  const char* name = "lms_test::beside_a_library_workspace";
+  {
+    const CapAboveBaseline cap(64 * kMiB);
+    runOperator(name, 4 * kMiB, 42 * kMiB); // the engine learns it
+    lms::getBackend()->releaseCachedMemory(0);
+    { // No releaser: packed, but the workspace's segment stays.
+      auto c = inputBesideALibraryWorkspace();
+      const auto before = lms::getStats(0);
+      c10::StorageImpl* inputs[] = {c.get()};
+      lms::beginWorkingSet(name, inputs);
+      const auto packed = lms::getStats(0);
+      CHECK_EQ(packed.pack_count, before.pack_count + 1);
+      CHECK_EQ(packed.workspace_releases, before.workspace_releases);
+      CHECK(state(c) == lms::StorageState::PagedOut);
+      lms::pin(*c);
+      CHECK_THROWS_AS(
+          newStorage(42 * kMiB), c10::OutOfMemoryError, "fit by bytes");
+      lms::unpin(*c);
+      lms::endWorkingSet(name);
+      CHECK(matches(*c, 1));
+      cca::raw_delete(g_library_workspace);
+      g_library_workspace = nullptr;
+    }
+    lms::getBackend()->releaseCachedMemory(0);
+    {
+      lms::setWorkspaceReleaser(&releaseLibraryWorkspace);
+      auto c = inputBesideALibraryWorkspace();
+      const auto before = lms::getStats(0);
+      c10::StorageImpl* inputs[] = {c.get()};
+      lms::beginWorkingSet(name, inputs);
+      lms::setWorkspaceReleaser(nullptr);
+      const auto packed = lms::getStats(0);
+      CHECK_EQ(packed.pack_count, before.pack_count + 1);
+      CHECK_EQ(packed.workspace_releases, before.workspace_releases + 1);
+      CHECK_EQ(g_workspace_releaser_calls, 1);
+      CHECK(g_library_workspace == nullptr);
+      lms::pin(*c);
+      auto output = newStorage(42 * kMiB);
+      write(*output, 3);
+      CHECK(matches(*c, 1));
+      lms::unpin(*c);
+      lms::endWorkingSet(name);
+      CHECK(matches(*output, 3));
+    }
+  }
+  env.checkBaseline();
+}
+
 // Packing reads the allocator's layout first. The operator of this case is
 // as tight as the one that needs most of the device (a 40 MiB input, 60 MiB
 // allocated inside itself as it did the first time it ran: 100 MiB of a

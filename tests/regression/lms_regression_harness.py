@@ -172,6 +172,7 @@ OPTIONAL_STATS = (
     "fragment_reclaims",
     "pack_count",
     "pack_bytes",
+    "workspace_releases",
     "drop_count",
     "drop_bytes",
     "recompute_count",

@@ -37,6 +37,7 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "reclaim_explicit": 1,
         "pack_count": 1,
         "pack_bytes": 8 * MiB,
+        "workspace_releases": 1,
         "fragment_reclaims": 1,
         "alloc_from_cache": 5,
         "alloc_from_device": 7,
@@ -426,7 +427,7 @@ def test_summary_lines_format(lms: ModuleType) -> None:
     assert "Copies: out 53.7 GB/s, in none timed | Recomputing: 2.5 ms" in text
     assert "1 at limit" in text and "1 explicit" in text
     assert "Failed allocations placed by paging out a range: 1" in text
-    assert "Operators packed before their inputs: 1 (8192 KiB paged out)" in text
+    assert "Operators packed: 1 (8192 KiB paged out, 1 freeing workspaces)" in text
     assert "Prefetched: 4 (3 hits)" in text
     assert "Host budget: 98304 MiB, LMS processes hold 40960 KiB, refused 2" in text
     # memory_summary() runs str.format over its lines: the section must survive it.

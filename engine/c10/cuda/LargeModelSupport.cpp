@@ -94,6 +94,7 @@ std::atomic<size_t> g_prefetch_budget{0}; // 0: derived (prefetchBudget())
 std::atomic<bool> g_graph_prefetch{true};
 std::atomic<bool> g_recompute{false};
 std::atomic<bool> g_packing{true};
+std::atomic<WorkspaceReleaser> g_workspace_releaser{nullptr};
 std::atomic<const RecomputeHooks*> g_recompute_hooks{nullptr};
 // Serializes recomputes: a replay may recompute its own inputs first (the
 // same thread, again), and two threads must not both recompute one storage.
@@ -3049,6 +3050,25 @@ size_t mappedBesideInputs(
   return stays + unshown + paged_in_later;
 }
 
+// Frees libraries' cached workspaces for a pack (setWorkspaceReleaser).
+// Returns whether it did.
+bool releaseWorkspaces() {
+  const WorkspaceReleaser release = g_workspace_releaser.load();
+  if (release == nullptr) {
+    return false;
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_engines_mutex);
+    if (std::count_if(g_engines.begin(), g_engines.end(), [](auto* engine) {
+          return engine != nullptr;
+        }) > 1) {
+      return false;
+    }
+  }
+  release();
+  return true;
+}
+
 // Packs the operator about to pin `inputs` (`pinned` bytes) when its
 // expected working set leaves too little of the limit for the pages it
 // occupies partly (see beginWorkingSet in the header).
@@ -3124,6 +3144,8 @@ void packIfTight(
   }
   const size_t freed =
       reclaim(e, std::numeric_limits<size_t>::max(), Trigger::Pack);
+  // Before the cache goes back, so that their pages go with it.
+  const bool released = releaseWorkspaces();
   // Returning the cache synchronizes the device, but without it the freed
   // blocks that other streams used stay out of the allocator's free lists
   // until their events are polled, and the page-ins fill the holes of the
@@ -3134,6 +3156,9 @@ void packIfTight(
   std::lock_guard<std::mutex> lock(e.mutex);
   ++e.stats.pack_count;
   e.stats.pack_bytes += static_cast<int64_t>(freed);
+  if (released) {
+    ++e.stats.workspace_releases;
+  }
 }
 
 } // namespace
@@ -3838,6 +3863,10 @@ bool reclaimForFailedAllocation(
       reclaim(e, size, Trigger::AllocFailure) > 0;
   t_reclaimed_in_malloc = t_reclaimed_in_malloc || freed;
   return freed;
+}
+
+void setWorkspaceReleaser(WorkspaceReleaser releaser) {
+  g_workspace_releaser.store(releaser);
 }
 
 void setRecomputeHooks(const RecomputeHooks* hooks) {

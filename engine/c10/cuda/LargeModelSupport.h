@@ -324,6 +324,22 @@ C10_CUDA_API void beginWorkingSet(
     c10::ArrayRef<c10::StorageImpl*> inputs);
 C10_CUDA_API void endWorkingSet(std::string_view name);
 
+// Libraries that keep a workspace in the caching allocator between calls
+// (cuBLAS: one per handle and stream, 32 MiB each under
+// CUBLAS_WORKSPACE_CONFIG=:4096:8) keep it where it was first placed, and
+// LMS cannot page it out: in the middle of the device's memory it keeps the
+// pages around it mapped (a 32 MiB workspace spans two or three 20 MiB
+// pages), and a packed operator's inputs come back into the holes beside
+// it. A pack therefore calls the releaser after paging out every inactive
+// storage and before it returns the allocator's cache, so the workspaces go
+// with the cache and the library allocates them again at its next use. The
+// ATen glue sets it (at::cuda::clearCublasWorkspaces, where the release has
+// it). Not called while more than one device has an engine: the library's
+// record of its workspaces is not guarded against another device's thread
+// using it meanwhile. Null: none.
+using WorkspaceReleaser = void (*)();
+C10_CUDA_API void setWorkspaceReleaser(WorkspaceReleaser releaser);
+
 // Packing (beginWorkingSet) is on by default; off, working sets are still
 // counted and learned. PYTORCH_CUDA_ALLOC_CONF key: lms_pack.
 C10_CUDA_API void setPackingEnabled(bool enabled);
@@ -385,6 +401,8 @@ struct LmsStats {
   // the bytes paged out for them.
   int64_t pack_count = 0;
   int64_t pack_bytes = 0;
+  // Packs that released libraries' cached workspaces (setWorkspaceReleaser).
+  int64_t workspace_releases = 0;
   // Failed allocations placed by paging out the storages that held a range
   // the request fits in (reclaimFragments).
   int64_t fragment_reclaims = 0;

@@ -111,6 +111,7 @@ _COUNTER_KEYS = (
     "reclaim_explicit",
     "pack_count",
     "pack_bytes",
+    "workspace_releases",
     "fragment_reclaims",
     "alloc_from_cache",
     "alloc_from_device",
@@ -897,7 +898,9 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       every inactive storage (their own inputs included) was paged out and the
       cached free memory returned before they pinned their inputs, so that
       their tensors occupy as few of the allocator's pages as they need, and
-      the bytes paged out for them.
+      the bytes paged out for them; ``workspace_releases``: those packs that
+      also freed the workspaces libraries keep cached (cuBLAS's), which they
+      allocate again at their next use.
     - ``alloc_from_cache``, ``alloc_from_device``, ``alloc_after_reclaim``:
       where LMS allocations were satisfied from.
     - ``prefetch_count``, ``prefetch_hits``: storages prefetched, and those an
@@ -1181,8 +1184,9 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
         f"{counters['fragment_reclaims']}".ljust(_WIDTH)
     )
     lines.append(
-        f" Operators packed before their inputs: {counters['pack_count']} "
-        f"({_format_size(counters['pack_bytes']).strip()} paged out)".ljust(_WIDTH)
+        f" Operators packed: {counters['pack_count']} "
+        f"({_format_size(counters['pack_bytes']).strip()} paged out, "
+        f"{counters['workspace_releases']} freeing workspaces)".ljust(_WIDTH)
     )
     lines.append(
         f" Allocations: {counters['alloc_from_cache']} from cache, "

@@ -270,6 +270,7 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["reclaim_explicit"] = stats.reclaim_explicit;
   dict["pack_count"] = stats.pack_count;
   dict["pack_bytes"] = stats.pack_bytes;
+  dict["workspace_releases"] = stats.workspace_releases;
   dict["fragment_reclaims"] = stats.fragment_reclaims;
   dict["alloc_from_cache"] = stats.alloc_from_cache;
   dict["alloc_from_device"] = stats.alloc_from_device;

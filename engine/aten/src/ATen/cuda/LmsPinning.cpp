@@ -10,6 +10,12 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
+// Releases from 2.1 on declare clearCublasWorkspaces() here; earlier ones
+// have no way to free cuBLAS's workspaces, and packs leave them in place.
+#if __has_include(<ATen/cuda/CUDAContextLight.h>)
+#include <ATen/cuda/CUDAContextLight.h>
+#define LMS_HAVE_CLEAR_CUBLAS_WORKSPACES 1
+#endif
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/LargeModelSupport.h>
 #include <c10/util/Exception.h>
@@ -600,6 +606,11 @@ void LaunchPins::release() {
 
 void registerOperatorPinning() {
   recipes::installHooks();
+#ifdef LMS_HAVE_CLEAR_CUBLAS_WORKSPACES
+  // cuBLAS allocates them again at its next call (getCurrentCUDABlasHandle
+  // sets the handle's workspace on every call).
+  engine::setWorkspaceReleaser(&at::cuda::clearCublasWorkspaces);
+#endif
   engine::setEnabledObserver(&setOperatorPinning);
 }
 
