@@ -31,7 +31,7 @@ import csv
 import json
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -797,6 +797,22 @@ STRESS_BEGIN = (
 STRESS_END = "<!-- stress-gate:end -->"
 
 
+def seed_ranges(seeds: Iterable[int]) -> str:
+    """The seeds as their runs of consecutive numbers, with their count: a run's parts may
+    leave gaps, which a first-to-last span would hide ("12 seeds: 0-9, 15, 17")."""
+    ordered = sorted(set(seeds))
+    if not ordered:
+        return "no seeds"
+    runs: list[list[int]] = [[ordered[0], ordered[0]]]
+    for seed in ordered[1:]:
+        if seed == runs[-1][1] + 1:
+            runs[-1][1] = seed
+        else:
+            runs.append([seed, seed])
+    shown = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return f"{len(ordered)} seeds: {shown}"
+
+
 def stress_summary(folder: Path, shown_as: str, engine_sha256: str) -> str:
     """The stress suite's outcome in ``folder`` (its ``results.jsonl``): the engine, the
     gate's verdict and the cases per class with their seeds, every record judged by the
@@ -815,8 +831,7 @@ def stress_summary(folder: Path, shown_as: str, engine_sha256: str) -> str:
     lines = engine_lines(sources, engine_sha256)
     passed, why = runner.gate_verdict(records)
     cases = runner.counted(records)
-    seeds = sorted({int(r["seed"]) for r in records})
-    span = f"seeds {seeds[0]}-{seeds[-1]}" if seeds else "no seeds"
+    span = seed_ranges(int(r["seed"]) for r in records)
     verdict = "**PASS**" if passed else f"**FAIL** ({why})"
     lines.append("")
     lines.append(
@@ -1014,9 +1029,10 @@ README_TABLES: dict[str, tuple[str, ...]] = {
         "benchmarks/results/matrix/2026-11-26-h200x4-10417a9",
         "benchmarks/results/matrix/2026-11-26-h200x4-2b4cdbd",
         "benchmarks/results/matrix/2026-11-26-h100x2-1e4f9cb",
+        "benchmarks/results/matrix/2026-11-26-h200x4-53af267",
     ),
     "capped": ("benchmarks/results/compare/2026-11-24-h100-unrecorded",),
-    "stress": ("benchmarks/results/stress/2026-11-26-h100x2-1e4f9cb",),
+    "stress": ("benchmarks/results/stress/2026-11-26-h200x4-53af267",),
     "hybrid": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65",),
     "hybrid_stress": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65/stress-hybrid",),
 }

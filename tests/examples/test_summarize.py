@@ -403,9 +403,12 @@ def test_stress_section_is_the_gate_over_every_record(tmp_path: Path) -> None:
     text = summarize.stress_summary(folder, "stress", "5" * 64)
     assert text.startswith("Engine abc1234 (the engine of this checkout), NVIDIA H100")
     # The earlier crash of seed 1 is judged, as the runner's gate judges it.
-    assert "4 cases where the cap binds, 1 where it does not (seeds 0-3, 5 records)" in text
+    assert "4 cases where the cap binds, 1 where it does not (4 seeds: 0-3, 5 records)" in text
     assert "gate: **FAIL** (1 failing record(s))." in text
     assert "| crash | 1 | fails | 1 |" in text
+    # Gaps between a run's parts show.
+    assert summarize.seed_ranges([7, 0, 1, 2, 9, 10, 2]) == "6 seeds: 0-2, 7, 9-10"
+    assert summarize.seed_ranges([]) == "no seeds"
     assert "| identical | 2 | passes |  |" in text
     assert "| oom-expected | 1 | passes | 3 |" in text
     (folder / "results.jsonl").write_text("".join(records[2:]))
