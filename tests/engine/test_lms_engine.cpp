@@ -1010,6 +1010,7 @@ TEST_CASE(a_pack_frees_library_workspaces_that_hold_its_input_segment) {
     }
     lms::getBackend()->releaseCachedMemory(0);
     {
+      g_workspace_releaser_calls = 0;
       lms::setWorkspaceReleaser(&releaseLibraryWorkspace);
       auto c = inputBesideALibraryWorkspace();
       const auto before = lms::getStats(0);
@@ -1029,6 +1030,47 @@ TEST_CASE(a_pack_frees_library_workspaces_that_hold_its_input_segment) {
       lms::endWorkingSet(name);
       CHECK(matches(*output, 3));
     }
+  }
+  env.checkBaseline();
+}
+
+// An operator judged tight but not packed frees library workspaces too, so
+// that its blocks can take their room. Its 40 MiB input has a segment of its
+// own, and the 56 MiB it allocates fit beside it and a library's 512 KiB
+// workspace under the limit (95% of the 128 MiB cap), once X (40 MiB,
+// inactive) goes out on demand: nothing is packed, and the workspace is freed
+// before the operator pins its input.
+TEST_CASE(a_tight_operator_that_is_not_packed_frees_library_workspaces) {
+  Env env(128 * kMiB);
+  const char* name = "lms_test::tight_beside_a_library_workspace";
+  {
+    const CapAboveBaseline cap(128 * kMiB);
+    runOperator(name, 40 * kMiB, 56 * kMiB); // the engine learns it
+    lms::getBackend()->releaseCachedMemory(0);
+    auto c = newStorage(40 * kMiB);
+    auto x = newStorage(40 * kMiB);
+    g_library_workspace = cca::raw_alloc(512 * 1024);
+    write(*c, 1);
+    write(*x, 2);
+    lms::releaseOutput(*x);
+    lms::releaseOutput(*c);
+    g_workspace_releaser_calls = 0;
+    lms::setWorkspaceReleaser(&releaseLibraryWorkspace);
+    const auto before = beginWorkingSetUnpacked(name, c);
+    lms::setWorkspaceReleaser(nullptr);
+    CHECK_EQ(g_workspace_releaser_calls, 1);
+    CHECK(g_library_workspace == nullptr);
+    CHECK_EQ(
+        lms::getStats(0).workspace_releases, before.workspace_releases + 1);
+    lms::pin(*c);
+    auto output = newStorage(56 * kMiB);
+    write(*output, 3);
+    CHECK(state(x) == lms::StorageState::PagedOut);
+    CHECK(matches(*c, 1));
+    lms::unpin(*c);
+    lms::endWorkingSet(name);
+    CHECK(matches(*output, 3));
+    CHECK(matches(*x, 2));
   }
   env.checkBaseline();
 }

@@ -427,7 +427,7 @@ def test_summary_lines_format(lms: ModuleType) -> None:
     assert "Copies: out 53.7 GB/s, in none timed | Recomputing: 2.5 ms" in text
     assert "1 at limit" in text and "1 explicit" in text
     assert "Failed allocations placed by paging out a range: 1" in text
-    assert "Operators packed: 1 (8192 KiB paged out, 1 freeing workspaces)" in text
+    assert "Operators packed: 1 (8192 KiB paged out); workspaces freed: 1" in text
     assert "Prefetched: 4 (3 hits)" in text
     assert "Host budget: 98304 MiB, LMS processes hold 40960 KiB, refused 2" in text
     # memory_summary() runs str.format over its lines: the section must survive it.

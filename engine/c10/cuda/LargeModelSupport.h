@@ -330,13 +330,16 @@ C10_CUDA_API void endWorkingSet(std::string_view name);
 // LMS cannot page it out: in the middle of the device's memory it keeps the
 // pages around it mapped (a 32 MiB workspace spans two or three 20 MiB
 // pages), and a packed operator's inputs come back into the holes beside
-// it. A pack therefore calls the releaser after paging out every inactive
-// storage and before it returns the allocator's cache, so the workspaces go
-// with the cache and the library allocates them again at its next use. The
-// ATen glue sets it (at::cuda::clearCublasWorkspaces, where the release has
-// it). Not called while more than one device has an engine: the library's
-// record of its workspaces is not guarded against another device's thread
-// using it meanwhile. Null: none.
+// it. So beginWorkingSet calls the releaser for every operator it judges
+// tight: a pack after paging out every inactive storage and before it
+// returns the allocator's cache, so the workspaces go with the cache;
+// an operator not packed before it pins its inputs, so its blocks can take
+// the workspaces' room. The library allocates them again at its next use
+// (one allocation, and the page-out that may make its room, per tight
+// operator). The ATen glue sets it (at::cuda::clearCublasWorkspaces, where
+// the release has it). Not called while more than one device has an engine:
+// the library's record of its workspaces is not guarded against another
+// device's thread using it meanwhile. Null: none.
 using WorkspaceReleaser = void (*)();
 C10_CUDA_API void setWorkspaceReleaser(WorkspaceReleaser releaser);
 
@@ -401,7 +404,8 @@ struct LmsStats {
   // the bytes paged out for them.
   int64_t pack_count = 0;
   int64_t pack_bytes = 0;
-  // Packs that released libraries' cached workspaces (setWorkspaceReleaser).
+  // Tight operators (packed or not) for which libraries' cached workspaces
+  // were freed (setWorkspaceReleaser).
   int64_t workspace_releases = 0;
   // Failed allocations placed by paging out the storages that held a range
   // the request fits in (reclaimFragments).

@@ -898,9 +898,10 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       every inactive storage (their own inputs included) was paged out and the
       cached free memory returned before they pinned their inputs, so that
       their tensors occupy as few of the allocator's pages as they need, and
-      the bytes paged out for them; ``workspace_releases``: those packs that
-      also freed the workspaces libraries keep cached (cuBLAS's), which they
-      allocate again at their next use.
+      the bytes paged out for them; ``workspace_releases``: operators judged
+      that tight, packed or not, for which the workspaces libraries keep
+      cached (cuBLAS's) were freed; the libraries allocate them again at their
+      next use.
     - ``alloc_from_cache``, ``alloc_from_device``, ``alloc_after_reclaim``:
       where LMS allocations were satisfied from.
     - ``prefetch_count``, ``prefetch_hits``: storages prefetched, and those an
@@ -1185,8 +1186,8 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
     )
     lines.append(
         f" Operators packed: {counters['pack_count']} "
-        f"({_format_size(counters['pack_bytes']).strip()} paged out, "
-        f"{counters['workspace_releases']} freeing workspaces)".ljust(_WIDTH)
+        f"({_format_size(counters['pack_bytes']).strip()} paged out); "
+        f"workspaces freed: {counters['workspace_releases']}".ljust(_WIDTH)
     )
     lines.append(
         f" Allocations: {counters['alloc_from_cache']} from cache, "
