@@ -10,10 +10,15 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
-// Releases from 2.1 on declare clearCublasWorkspaces() here; earlier ones
-// have no way to free cuBLAS's workspaces, and packs leave them in place.
+// Frees cuBLAS's cached workspaces (engine::setWorkspaceReleaser). Where
+// the release has ATen/cuda/CUDAContextLight.h, it has this function (2.6 and
+// 2.11 declare it there; 1.13 has neither, and its packs leave the
+// workspaces in place). Declared here rather than through that header, which
+// needs the cuBLAS, cuSPARSE and cuSOLVER headers.
 #if __has_include(<ATen/cuda/CUDAContextLight.h>)
-#include <ATen/cuda/CUDAContextLight.h>
+namespace at::cuda {
+void clearCublasWorkspaces();
+} // namespace at::cuda
 #define LMS_HAVE_CLEAR_CUBLAS_WORKSPACES 1
 #endif
 #include <c10/core/StorageImpl.h>
