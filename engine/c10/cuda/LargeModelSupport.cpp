@@ -3050,8 +3050,8 @@ size_t mappedBesideInputs(
   return stays + unshown + paged_in_later;
 }
 
-// Frees libraries' cached workspaces for a pack (setWorkspaceReleaser).
-// Returns whether it did.
+// Frees libraries' cached workspaces for an operator judged tight
+// (setWorkspaceReleaser). Returns whether it did.
 bool releaseWorkspaces() {
   const WorkspaceReleaser release = g_workspace_releaser.load();
   if (release == nullptr) {
