@@ -22,7 +22,9 @@
 # seeds to run, default 1000: the budget ends the run first), STRESS_ARGS (more runner
 # arguments, e.g. "--jobs 12": cases at once; see python -m tests.regression.stress.runner
 # --help), PYTHON (default python3), CUDA_HOME (default /usr/local/cuda), MAX_JOBS (parallel
-# compile jobs, default 8).
+# compile jobs, default 8). Cases at once share the host's cores with every other GPU's: 18
+# per GPU on four GPUs and 64 cores (72 at once) ran capped runs a median 4 times slower, and
+# four passed the runner's 120 s run timeout, counted as crashes; 12 per GPU had none.
 # Writes: run-stress.log, results.jsonl (one line per case and attempt), summary.md,
 # runs/SEED/ (each run's JSON and log; runs/SEED/attempt-N/ for a seed's later attempts),
 # build.log when it built the extension. Exit status: the runner's (1 when the gate fails).
