@@ -5,7 +5,8 @@
 ``worker`` trains one case in one process and writes a JSON result, and ``runner`` runs the
 references and the capped runs (with LMS and without) of each case in separate processes,
 classifies the outcome and writes ``results.jsonl`` and ``summary.md``. See ``python -m
-tests.regression.stress.runner --help``.
+tests.regression.stress.runner --help``. ``optrace`` traces, on a GPU, what chosen operators
+of one case allocate inside themselves, to compare a failing capped run with its reference.
 
 Importing the package makes ``harness`` (``benchmarks/harness.py``: a run in a process of its
 own under a time limit, the shared record schema) importable by its modules, through
