@@ -338,8 +338,11 @@ C10_CUDA_API void endWorkingSet(std::string_view name);
 // (one allocation, and the page-out that may make its room, per tight
 // operator). The ATen glue sets it (at::cuda::clearCublasWorkspaces, where
 // the release has it). Not called while more than one device has an engine:
-// the library's record of its workspaces is not guarded against another
-// device's thread using it meanwhile. Null: none.
+// the library's record of its workspaces is not guarded in every release
+// (v2.6.0's is not) against another device's thread using it meanwhile. A
+// program that runs cuBLAS from two threads on one device at once is not
+// guarded against either: turn packing off there (setPackingEnabled).
+// Null: none.
 using WorkspaceReleaser = void (*)();
 C10_CUDA_API void setWorkspaceReleaser(WorkspaceReleaser releaser);
 

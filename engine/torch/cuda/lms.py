@@ -652,9 +652,13 @@ def set_packing_lms(enable: bool) -> None:
     operator's inputs included, and returns the allocator's cache first, so
     that the inputs come back side by side and the operator allocates from
     pages nothing else holds. A pack costs a round of page-outs
-    (``pack_count`` and ``pack_bytes`` in :func:`lms_stats`). Off, operators'
-    working sets are still learned and nothing is packed. The same setting as
-    ``lms_pack`` in ``PYTORCH_CUDA_ALLOC_CONF``.
+    (``pack_count`` and ``pack_bytes`` in :func:`lms_stats`). For every such
+    operator, packed or not, the workspaces cuBLAS keeps cached are freed
+    (``workspace_releases``); cuBLAS allocates them again at its next call. Off,
+    operators' working sets are still learned, nothing is packed and no
+    workspace freed: turn it off in a program that runs cuBLAS from two threads
+    on one device at once. The same setting as ``lms_pack`` in
+    ``PYTORCH_CUDA_ALLOC_CONF``.
 
     Args:
         enable (bool): ``True`` to pack operators that need it, ``False`` never to.
