@@ -3050,23 +3050,24 @@ size_t mappedBesideInputs(
   return stays + unshown + paged_in_later;
 }
 
-// Frees libraries' cached workspaces for an operator judged tight
-// (setWorkspaceReleaser). Returns whether it did.
-bool releaseWorkspaces() {
+// Frees libraries' cached workspaces for an operator judged tight on `e`'s
+// device (setWorkspaceReleaser), and counts it.
+void releaseWorkspaces(DeviceEngine& e) {
   const WorkspaceReleaser release = g_workspace_releaser.load();
   if (release == nullptr) {
-    return false;
+    return;
   }
   {
     std::lock_guard<std::mutex> lock(g_engines_mutex);
     if (std::count_if(g_engines.begin(), g_engines.end(), [](auto* engine) {
           return engine != nullptr;
         }) > 1) {
-      return false;
+      return;
     }
   }
   release();
-  return true;
+  std::lock_guard<std::mutex> lock(e.mutex);
+  ++e.stats.workspace_releases;
 }
 
 // Packs the operator about to pin `inputs` (`pinned` bytes) when its
@@ -3144,16 +3145,15 @@ void packIfTight(
     // library workspace among them would keep its pages mapped (stress seed
     // 218, a cuDNN LSTM: 2.63 MiB short with a cuBLAS workspace in the
     // middle). Freed, it leaves a hole the operator's blocks can take.
-    if (!futile && releaseWorkspaces()) {
-      std::lock_guard<std::mutex> lock(e.mutex);
-      ++e.stats.workspace_releases;
+    if (!futile) {
+      releaseWorkspaces(e);
     }
     return;
   }
   const size_t freed =
       reclaim(e, std::numeric_limits<size_t>::max(), Trigger::Pack);
   // Before the cache goes back, so that their pages go with it.
-  const bool released = releaseWorkspaces();
+  releaseWorkspaces(e);
   // Returning the cache synchronizes the device, but without it the freed
   // blocks that other streams used stay out of the allocator's free lists
   // until their events are polled, and the page-ins fill the holes of the
@@ -3164,9 +3164,6 @@ void packIfTight(
   std::lock_guard<std::mutex> lock(e.mutex);
   ++e.stats.pack_count;
   e.stats.pack_bytes += static_cast<int64_t>(freed);
-  if (released) {
-    ++e.stats.workspace_releases;
-  }
 }
 
 } // namespace
