@@ -4,8 +4,9 @@ For the first calls of the operators named (substrings of their names; by defaul
 convolution and RNN backward operators), the case runs in this process through ``worker``
 and records, for each call, the caching allocator's actions from the call's start to its end
 (allocations, frees, and failed requests: ``oom``, with the ATen and LMS frames that made
-them), the bytes of the call's input storages, what was allocated before it, and the
-allocator's segments before and after. Run a failing seed in ``reference`` and in ``capped``
+them), the bytes of the call's input storages, and the allocator before and after the call
+(``worker.memory_picture``: bytes allocated and reserved, and each segment, with the blocks
+and page use of the expandable ones). Run a failing seed in ``reference`` and in ``capped``
 mode and compare the calls: a workspace that cuDNN got uncapped and did not get capped (its
 request an ``oom`` action, then a smaller one) is the algorithm it changed under the cap; the
 segments before the call show what kept pages mapped beside its inputs. The capped run's
@@ -30,7 +31,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from . import worker
 from .generator import generate
@@ -43,20 +43,6 @@ TRACED_ACTIONS = frozenset(
 # Frames worth showing: where in ATen or LMS an allocation came from.
 FRAME_KEYS = ("native", "LargeModel", "Lms", "cudnn", "Conv", "RNN")
 MiB = 1024 * 1024
-
-
-def segments() -> list[dict[str, Any]]:
-    """The allocator's segments now: stream, pool, address, size and blocks (size, state)."""
-    return [
-        {
-            "stream": seg["stream"],
-            "pool": seg["segment_type"],
-            "address": seg["address"],
-            "total_bytes": seg["total_size"],
-            "blocks": [(block["size"], block["state"]) for block in seg["blocks"]],
-        }
-        for seg in torch.cuda.memory._snapshot()["segments"]
-    ]
 
 
 def trace_events(snapshot: dict[str, Any]) -> list[dict[str, Any]]:
@@ -97,16 +83,11 @@ class OperatorTrace(TorchDispatchMode):
         name = str(func)
         if len(self.calls) >= self.max_calls or not any(op in name for op in self.ops):
             return func(*args, **kwargs)
-        inputs: dict[int, int] = {}
-        for leaf in tree_flatten((args, kwargs))[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-                storage = leaf.untyped_storage()
-                inputs[storage.data_ptr()] = storage.nbytes()
+        inputs = worker.storages_of((args, kwargs), "cuda")
         call: dict[str, Any] = {
             "op": name,
             "input_bytes": sorted(inputs.values(), reverse=True),
-            "allocated_before": torch.cuda.memory_allocated(),
-            "segments_before": segments(),
+            "memory_before": worker.memory_picture(torch.device("cuda")),
         }
         torch.cuda.memory._record_memory_history(
             enabled="all", context="alloc", stacks="all", max_entries=100_000
@@ -120,7 +101,7 @@ class OperatorTrace(TorchDispatchMode):
             snapshot = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
             call["events"] = trace_events(snapshot)
-            call["segments_after"] = segments()
+            call["memory_after"] = worker.memory_picture(torch.device("cuda"))
             self.calls.append(call)
 
 

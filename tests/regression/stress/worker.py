@@ -217,6 +217,20 @@ def op_working_set(
     return raw, mapped
 
 
+def storages_of(tree: Any, device_type: str) -> dict[int, int]:
+    """The storages of the tensors on ``device_type`` in ``tree`` (an operator's arguments
+    or results): data pointer to bytes, each storage once."""
+    found: dict[int, int] = {}
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == device_type:
+            try:
+                storage = leaf.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            found[storage.data_ptr()] = storage.nbytes()
+    return found
+
+
 class WorkingSetMode(TorchDispatchMode):
     """Records the largest working set of one operator on one device type.
 
@@ -242,17 +256,6 @@ class WorkingSetMode(TorchDispatchMode):
         self.max_transient_bytes = 0
         self.ops = 0
 
-    def _storages(self, tree: Any) -> dict[int, int]:
-        found: dict[int, int] = {}
-        for leaf in tree_flatten(tree)[0]:
-            if isinstance(leaf, torch.Tensor) and leaf.device.type == self.device_type:
-                try:
-                    storage = leaf.untyped_storage()
-                except (RuntimeError, NotImplementedError):
-                    continue
-                found[storage.data_ptr()] = storage.nbytes()
-        return found
-
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         cuda = self.device_type == "cuda"
         if cuda:
@@ -260,8 +263,8 @@ class WorkingSetMode(TorchDispatchMode):
             before = torch.cuda.memory_allocated()
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        outputs = self._storages(out)
-        inputs = self._storages((args, kwargs))
+        outputs = storages_of(out, self.device_type)
+        inputs = storages_of((args, kwargs), self.device_type)
         transient = torch.cuda.max_memory_allocated() - before if cuda else None
         total, mapped = op_working_set(inputs, outputs, transient, self.expandable)
         if total > self.max_bytes:
