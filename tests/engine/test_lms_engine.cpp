@@ -1125,6 +1125,108 @@ TEST_CASE(a_tight_operator_that_is_not_packed_frees_library_workspaces) {
   env.checkBaseline();
 }
 
+// A library's workspace counts among what cannot be paged out only until it
+// is freed: an operator whose working set passes the cap with it, and not
+// without it, is not given up on. As above, with a 30 MiB workspace: the
+// operator's 40 MiB input, the 60 MiB it allocated the first time and the
+// workspace pass the 128 MiB cap (130 MiB); without the workspace they fit.
+// The workspace is freed before the operator is weighed, and its 60 MiB fit
+// beside its input once X goes out; kept, they would not fit under the cap.
+TEST_CASE(an_operator_over_the_cap_only_by_library_workspaces_frees_them) {
+  Env env(128 * kMiB);
+  {
+    const CapAboveBaseline cap(128 * kMiB);
+    checkTightOperatorNotPacked(
+        "lms_test::over_the_cap_with_a_library_workspace",
+        60 * kMiB,
+        [] {
+          g_library_workspace = cca::raw_alloc(30 * kMiB);
+          g_workspace_releaser_calls = 0;
+          lms::setWorkspaceReleaser(&releaseLibraryWorkspace);
+        },
+        [](const lms::LmsStats& before) {
+          lms::setWorkspaceReleaser(nullptr);
+          CHECK_EQ(g_workspace_releaser_calls, 1);
+          CHECK(g_library_workspace == nullptr);
+          CHECK_EQ(
+              lms::getStats(0).workspace_releases,
+              before.workspace_releases + 1);
+        });
+  }
+  env.checkBaseline();
+}
+
+// Runs the rest of operator `name` once its working set has begun over
+// `input` (holding 1): pins it, allocates `blocks`, and ends; then fills each
+// block and reads it back.
+void finishOperatorOfBlocks(
+    const char* name,
+    const StoragePtr& input,
+    std::initializer_list<size_t> blocks) {
+  lms::pin(*input);
+  std::vector<StoragePtr> outputs;
+  for (const size_t bytes : blocks) {
+    outputs.push_back(newStorage(bytes));
+  }
+  CHECK(matches(*input, 1));
+  lms::unpin(*input);
+  lms::endWorkingSet(name);
+  uint8_t value = 3;
+  for (const auto& output : outputs) {
+    write(*output, value);
+    CHECK(matches(*output, value++));
+  }
+}
+
+// Each block an operator allocates may leave the segment or page it lands in
+// partly used, so the room its layout must leave grows with its blocks. This
+// operator's 40 MiB input C has a segment of its own, and the allocator keeps
+// three free 26 MiB segments cached. The first time it ran, it allocated four
+// blocks (three of 14 MiB, then 20 MiB): 102 MiB of tensors, with one page
+// to spare 122 MiB, under the limit (95% of the 134 MiB cap). Not packed,
+// its 14 MiB blocks land in the cached segments, one each, and the 36 MiB of
+// their free rest, mapped, leave no room for the 20 MiB under the cap. With
+// a page spared for each of its four blocks it is packed: the cache goes
+// back to the device, and all four fit beside C.
+TEST_CASE(an_operator_of_several_blocks_is_spared_a_page_for_each) {
+  Env env(134 * kMiB);
+  const char* name = "lms_test::four_blocks";
+  const std::initializer_list<size_t> blocks = {
+      14 * kMiB, 14 * kMiB, 14 * kMiB, 20 * kMiB};
+  {
+    const CapAboveBaseline cap(134 * kMiB);
+    { // Its first run, with room: the engine learns it.
+      auto c = newStorage(40 * kMiB);
+      write(*c, 1);
+      lms::releaseOutput(*c);
+      c10::StorageImpl* inputs[] = {c.get()};
+      lms::beginWorkingSet(name, inputs);
+      finishOperatorOfBlocks(name, c, blocks);
+    }
+    lms::getBackend()->releaseCachedMemory(0);
+    auto c = newStorage(40 * kMiB);
+    write(*c, 1);
+    {
+      auto f1 = newStorage(26 * kMiB);
+      auto f2 = newStorage(26 * kMiB);
+      auto f3 = newStorage(26 * kMiB);
+    } // their segments stay cached, free
+    lms::releaseOutput(*c);
+    { // Where C lies, the 20 MiB block finds no room under the cap.
+      lms::pin(*c);
+      auto a = newStorage(14 * kMiB);
+      auto b = newStorage(14 * kMiB);
+      auto d = newStorage(14 * kMiB);
+      CHECK_THROWS_AS(
+          newStorage(20 * kMiB), c10::OutOfMemoryError, "fit by bytes");
+      lms::unpin(*c);
+    }
+    beginWorkingSetPacked(name, c);
+    finishOperatorOfBlocks(name, c, blocks);
+  }
+  env.checkBaseline();
+}
+
 // One operator name serves calls of different shapes: a matmul that makes a
 // language model's logits allocates several times its inputs, the model's
 // other matmuls about once. What a call is expected to allocate is what calls

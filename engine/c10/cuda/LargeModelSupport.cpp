@@ -70,9 +70,20 @@ constexpr size_t kPackMarginBytes = 200 * kMiB;
 // as large as its inputs, and it needs room to place them).
 constexpr size_t kUnseenInsidePerInput = 2;
 // Room the allocator's layout must leave an operator beyond what it is
-// expected to need before packing is skipped (packIfTight): the 20 MiB page
-// that its last allocation leaves partly used.
+// expected to need before packing is skipped (packIfTight), per block it
+// allocated inside itself: the 20 MiB page each block may leave partly used
+// where it ends. A convolution backward allocates its gradients and cuDNN's
+// workspace: with one page spared, stress seed 301's, 17 MiB under the limit,
+// was not packed, and the allocator kept 522 MiB mapped for its 406 MiB of
+// tensors when cuDNN's workspace failed.
 constexpr size_t kPackSpareBytes = 20 * kMiB;
+// Blocks counted for that room at most: ten pages, the band in which an
+// operator is tight at all (kPackMarginBytes).
+constexpr size_t kPackSpareBlocks = kPackMarginBytes / kPackSpareBytes;
+// Blocks an operator allocates inside itself at this size or more are
+// counted for that room: smaller ones come from the allocator's small pool,
+// whose pages are 2 MiB.
+constexpr size_t kPackBlockBytes = kMiB;
 // PYTORCH_LMS_PACK_LOG leaves out what operators with fewer input and inside
 // bytes than this measured: too small to make a working set tight.
 constexpr size_t kPackLogBytes = 8 * kMiB;
@@ -133,6 +144,8 @@ struct WorkingSet {
   size_t pinned = 0;
   size_t inside = 0;
   size_t inside_peak = 0;
+  // Blocks of kPackBlockBytes or more it allocated (kPackSpareBytes).
+  size_t blocks = 0;
 };
 thread_local WorkingSet t_working_set;
 std::atomic<uint64_t> g_working_set_serial{0};
@@ -2910,6 +2923,8 @@ namespace {
 struct Footprint {
   double inside_per_input = 0.0;
   std::unordered_map<size_t, size_t> inside_by_input;
+  // The most blocks of kPackBlockBytes or more one call allocated.
+  size_t blocks = 0;
 };
 // Input sizes remembered per operator name: models whose shapes change every
 // step (a mixture of experts) fall back to the per-byte share past it.
@@ -2929,15 +2944,24 @@ std::atomic<double> g_largest_inside_per_input{0.0};
 // What an operator about to pin `pinned` bytes of inputs is expected to
 // allocate inside itself. `measured` says whether an operator of its name
 // ran with inputs of that size before; otherwise the figure is a bound.
-size_t expectedInside(std::string_view name, size_t pinned, bool& measured) {
+// `blocks` is the most blocks of kPackBlockBytes or more that a call of its
+// name allocated (at least 1: an operator not seen yet, or one of small
+// blocks, counts one).
+size_t expectedInside(
+    std::string_view name,
+    size_t pinned,
+    bool& measured,
+    size_t& blocks) {
   const double input = static_cast<double>(std::max(pinned, kMiB));
   std::lock_guard<std::mutex> lock(g_footprint_mutex);
   measured = false;
+  blocks = 1;
   const auto it = g_footprints.find(std::string(name));
   if (it == g_footprints.end()) {
     return std::max(kUnseenInsidePerInput * pinned, g_largest_inside.load());
   }
   const Footprint& footprint = it->second;
+  blocks = std::max<size_t>(footprint.blocks, 1);
   if (const auto same = footprint.inside_by_input.find(pinned);
       same != footprint.inside_by_input.end()) {
     measured = true;
@@ -3051,23 +3075,24 @@ size_t mappedBesideInputs(
 }
 
 // Frees libraries' cached workspaces for an operator judged tight on `e`'s
-// device (setWorkspaceReleaser), and counts it.
-void releaseWorkspaces(DeviceEngine& e) {
+// device (setWorkspaceReleaser), and counts it. Returns whether it did.
+bool releaseWorkspaces(DeviceEngine& e) {
   const WorkspaceReleaser release = g_workspace_releaser.load();
   if (release == nullptr) {
-    return;
+    return false;
   }
   {
     std::lock_guard<std::mutex> lock(g_engines_mutex);
     if (std::count_if(g_engines.begin(), g_engines.end(), [](auto* engine) {
           return engine != nullptr;
         }) > 1) {
-      return;
+      return false;
     }
   }
   release();
   std::lock_guard<std::mutex> lock(e.mutex);
   ++e.stats.workspace_releases;
+  return true;
 }
 
 // Packs the operator about to pin `inputs` (`pinned` bytes) when its
@@ -3079,16 +3104,16 @@ void packIfTight(
     c10::ArrayRef<c10::StorageImpl*> inputs,
     size_t pinned) {
   const size_t limit = effectiveLimit(e);
-  const size_t allocated = backend().allocatedBytes(e.device);
-  size_t inactive = 0;
-  {
-    std::lock_guard<std::mutex> lock(e.mutex);
-    inactive = static_cast<size_t>(
-        std::max<int64_t>(e.stats.inactive_bytes.current, 0));
-  }
   // What cannot be paged out: unmanaged and small allocations, and storages
   // pinned or just allocated by running operators.
-  const size_t fixed = allocated > inactive ? allocated - inactive : 0;
+  auto notReclaimable = [&] {
+    const size_t allocated = backend().allocatedBytes(e.device);
+    std::lock_guard<std::mutex> lock(e.mutex);
+    const auto inactive = static_cast<size_t>(
+        std::max<int64_t>(e.stats.inactive_bytes.current, 0));
+    return allocated > inactive ? allocated - inactive : 0;
+  };
+  size_t fixed = notReclaimable();
   auto tight = [&](size_t inside) {
     return fixed + pinned + inside + kPackMarginBytes > limit;
   };
@@ -3104,7 +3129,8 @@ void packIfTight(
     return;
   }
   bool measured = false;
-  const size_t inside = expectedInside(name, pinned, measured);
+  size_t blocks = 1;
+  const size_t inside = expectedInside(name, pinned, measured, blocks);
   if (!tight(inside)) {
     return;
   }
@@ -3116,44 +3142,50 @@ void packIfTight(
   // (GPT at 4x an H100's cap: the optimizer's three in-place steps, every
   // iteration). Only a figure measured at this size of inputs says so; a
   // bound does not.
+  const bool allocates = !measured || inside > 0;
+  // Libraries' cached workspaces are among what cannot be paged out until
+  // they are freed, and where they lie they keep pages mapped: an operator
+  // that allocates has them freed before it is weighed, so that its blocks
+  // can take their room, packed or not (stress seed 218, a cuDNN LSTM not
+  // packed: 2.63 MiB short with a cuBLAS workspace in the middle), and they
+  // do not make it look as if no placement could fit it (seed 302, a
+  // convolution backward: 66 MiB of cuBLAS workspaces took it past the cap
+  // by 23 MiB, so it was not packed, and cuDNN's workspace failed).
+  if (allocates && releaseWorkspaces(e)) {
+    fixed = notReclaimable();
+  }
   const size_t capacity = backend().capacityBytes(e.device);
   const size_t wall = capacity == SIZE_MAX ? limit : std::max(capacity, limit);
   const bool futile =
-      measured && (inside == 0 || fixed + pinned + inside > wall);
+      !allocates || (measured && fixed + pinned + inside > wall);
   // The operator fits beside its inputs where they lie, with a page to
-  // spare: on-demand paging makes its room, and nothing moves ahead.
+  // spare for each block it allocates: on-demand paging makes its room, and
+  // nothing moves ahead.
+  const size_t spare = kPackSpareBytes * std::min(blocks, kPackSpareBlocks);
   const size_t beside = futile ? SIZE_MAX : mappedBesideInputs(e, inputs);
-  const bool pack = !futile &&
-      (beside == SIZE_MAX || beside + inside + kPackSpareBytes > limit);
+  const bool pack =
+      !futile && (beside == SIZE_MAX || beside + inside + spare > limit);
   if (isPackLogEnabled()) {
     std::fprintf(
         stderr,
-        "LMS pack: %s %.*s: inputs %.1f MiB, expected inside %.1f MiB, "
-        "not reclaimable %.1f MiB, mapped beside the inputs %.1f MiB, "
-        "limit %.1f MiB\n",
+        "LMS pack: %s %.*s: inputs %.1f MiB, expected inside %.1f MiB "
+        "in %zu blocks, not reclaimable %.1f MiB, mapped beside the inputs "
+        "%.1f MiB, limit %.1f MiB\n",
         pack ? "packed" : (futile ? "cannot help" : "not packed"),
         static_cast<int>(name.size()),
         name.data(),
         inMiB(pinned),
         inMiB(inside),
+        blocks,
         inMiB(fixed),
         beside == SIZE_MAX ? -1.0 : inMiB(beside),
         inMiB(limit));
   }
   if (!pack) {
-    // Its room is made on demand, beside its inputs where they lie; a
-    // library workspace among them would keep its pages mapped (stress seed
-    // 218, a cuDNN LSTM: 2.63 MiB short with a cuBLAS workspace in the
-    // middle). Freed, it leaves a hole the operator's blocks can take.
-    if (!futile) {
-      releaseWorkspaces(e);
-    }
     return;
   }
   const size_t freed =
       reclaim(e, std::numeric_limits<size_t>::max(), Trigger::Pack);
-  // Before the cache goes back, so that their pages go with it.
-  releaseWorkspaces(e);
   // Returning the cache synchronizes the device, but without it the freed
   // blocks that other streams used stay out of the allocator's free lists
   // until their events are polled, and the page-ins fill the holes of the
@@ -3214,6 +3246,7 @@ void endWorkingSet(std::string_view name) {
     Footprint& footprint = g_footprints[std::string(name)];
     footprint.inside_per_input =
         std::max(footprint.inside_per_input, per_input);
+    footprint.blocks = std::max(footprint.blocks, ws.blocks);
     if (const auto same = footprint.inside_by_input.find(ws.pinned);
         same != footprint.inside_by_input.end()) {
       before = same->second;
@@ -3753,6 +3786,9 @@ c10::DataPtr allocate(
     r->working_set = ws.serial;
     ws.inside += size;
     ws.inside_peak = std::max(ws.inside_peak, ws.inside);
+    if (size >= kPackBlockBytes) {
+      ++ws.blocks;
+    }
   }
   {
     std::lock_guard<std::mutex> lock(e.mutex);

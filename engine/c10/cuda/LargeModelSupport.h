@@ -306,8 +306,10 @@ C10_CUDA_API void beginOperator(
 // allocator's layout: the segments and pages that stay mapped once every
 // other storage is out, because blocks of the inputs or of what cannot be
 // paged out lie in them. When those, the inputs still paged out and what the
-// operator allocates inside itself, with one page to spare, fit the limit,
-// paging on demand makes the room and nothing moves ahead. Otherwise it
+// operator allocates inside itself, with a page to spare for each block of
+// 1 MiB or more it allocated inside itself before (each may leave the page it
+// ends in partly used; ten at most), fit the limit, paging on demand makes
+// the room and nothing moves ahead. Otherwise it
 // packs: it pages out every inactive storage of the device, the operator's
 // own inputs included, and returns the allocator's cached free memory to the
 // device. The pins that follow page the inputs back in side by side, and the
@@ -315,7 +317,7 @@ C10_CUDA_API void beginOperator(
 // cannot show its layout (DeviceMemoryBackend::segments) gets the pack. An
 // operator measured before with inputs of this size is not packed when that
 // cannot help: it allocated nothing inside itself, or its working set passes
-// the allocator's cap by bytes.
+// the allocator's cap by bytes once libraries' workspaces are freed (below).
 // PYTORCH_LMS_PACK_LOG=1 prints each tight operator's figures and decision,
 // and what an operator of 8 MiB or more (inputs and inside bytes) measured
 // the first time at an input size and whenever it allocated a page more.
@@ -331,10 +333,11 @@ C10_CUDA_API void endWorkingSet(std::string_view name);
 // pages around it mapped (a 32 MiB workspace spans two or three 20 MiB
 // pages), and a packed operator's inputs come back into the holes beside
 // it. So beginWorkingSet calls the releaser for every operator it judges
-// tight: a pack after paging out every inactive storage and before it
-// returns the allocator's cache, so the workspaces go with the cache;
-// an operator not packed before it pins its inputs, so its blocks can take
-// the workspaces' room. The library allocates them again at its next use
+// tight that allocates inside itself, before it weighs whether to pack it:
+// not packed, its blocks can take the workspaces' room; packed, the
+// workspaces go back to the device with the allocator's cache; and they do
+// not count among what cannot be paged out when it weighs whether a pack
+// can help at all. The library allocates them again at its next use
 // (one allocation, and the page-out that may make its room, per tight
 // operator). The ATen glue sets it (at::cuda::clearCublasWorkspaces, where
 // the release has it). Not called while more than one device has an engine:
