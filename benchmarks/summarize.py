@@ -1030,9 +1030,10 @@ README_TABLES: dict[str, tuple[str, ...]] = {
         "benchmarks/results/matrix/2026-11-26-h200x4-2b4cdbd",
         "benchmarks/results/matrix/2026-11-26-h100x2-1e4f9cb",
         "benchmarks/results/matrix/2026-11-26-h200x4-53af267",
+        "benchmarks/results/matrix/2026-11-27-h200x2-b5bf71f",
     ),
     "capped": ("benchmarks/results/compare/2026-11-24-h100-unrecorded",),
-    "stress": ("benchmarks/results/stress/2026-11-26-h200x4-53af267",),
+    "stress": ("benchmarks/results/stress/2026-11-27-h200x2-b5bf71f",),
     "hybrid": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65",),
     "hybrid_stress": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65/stress-hybrid",),
 }
