@@ -1253,6 +1253,42 @@ TEST_CASE(
   env.checkBaseline();
 }
 
+// A share per byte of input learned at one size is no floor at another:
+// cuDNN picks another algorithm, with another workspace, for another shape.
+// This operator allocated as much as its 10 MiB input the first time; its
+// 40 MiB input C now sits in a cached 60 MiB segment whose other 20 MiB are
+// free, and it allocates 80 MiB. Expected at the share (40 MiB), it fits
+// beside C's segment with a page to spare (120 MiB, under the limit: 95% of
+// the 128 MiB cap) and is not packed, and the 80 MiB find no room beside the
+// segment C keeps. Expected at twice its inputs, as an operator not seen yet
+// is, it is packed: C comes back into a segment of its own size, and the
+// 80 MiB fit beside it.
+TEST_CASE(an_input_size_not_seen_yet_is_expected_at_twice_its_inputs) {
+  Env env(128 * kMiB);
+  const char* name = "lms_test::another_algorithm_at_another_size";
+  {
+    const CapAboveBaseline cap(128 * kMiB);
+    runOperator(name, 10 * kMiB, 10 * kMiB); // once its inputs
+    lms::getBackend()->releaseCachedMemory(0);
+    auto c = [] {
+      auto a = newStorage(60 * kMiB);
+      a.reset(); // its segment stays cached, free
+      return newStorage(40 * kMiB); // carved out of a's segment
+    }();
+    write(*c, 1);
+    lms::releaseOutput(*c);
+    { // Where C lies, the 80 MiB find no room under the cap.
+      lms::pin(*c);
+      CHECK_THROWS_AS(
+          newStorage(80 * kMiB), c10::OutOfMemoryError, "fit by bytes");
+      lms::unpin(*c);
+    }
+    beginWorkingSetPacked(name, c);
+    finishOperatorOfBlocks(name, c, {80 * kMiB});
+  }
+  env.checkBaseline();
+}
+
 // Packing makes room for what an operator allocates beside its inputs: an
 // operator that allocates nothing (an optimizer's in-place step) is not
 // packed, however tight its inputs, and they stay where they are. Its 100 MiB

@@ -65,9 +65,13 @@ constexpr uint64_t kPeakRetryOps = 8;
 // (GPT at 2x an H200's cap: one pack an iteration made it 75% slower, 0.700
 // against 0.400 s, and it trained without).
 constexpr size_t kPackMarginBytes = 200 * kMiB;
-// An operator not seen before is expected to allocate at least this many
-// times the bytes of its inputs (a backward operator's gradients are about
-// as large as its inputs, and it needs room to place them).
+// An operator not seen before, or not with inputs of this size, is expected
+// to allocate at least this many times the bytes of its inputs (a backward
+// operator's gradients are about as large as its inputs, and it needs room to
+// place them). A share per byte learned at other sizes is no floor: cuDNN
+// picks another algorithm, with another workspace, for another shape (stress
+// seed 301: a convolution backward that had allocated 1.6 times its inputs at
+// one size took 2.8 times at the next, and was not weighed).
 constexpr size_t kUnseenInsidePerInput = 2;
 // Room the allocator's layout must leave an operator beyond what it is
 // expected to need before packing is skipped (packIfTight), per block it
@@ -2967,7 +2971,9 @@ size_t expectedInside(
     measured = true;
     return same->second;
   }
-  return static_cast<size_t>(footprint.inside_per_input * input);
+  return std::max(
+      static_cast<size_t>(footprint.inside_per_input * input),
+      kUnseenInsidePerInput * pinned);
 }
 
 // `bytes` in MiB, for the diagnostic logs.

@@ -298,9 +298,9 @@ C10_CUDA_API void beginOperator(
 // of pages whose neighbours are paged out next. That partly used memory stays
 // mapped, and a request can fail with everything else paged out although its
 // bytes fit. So when what the operator is expected to need (its inputs, what
-// it allocated before with inputs of that size, else per byte of input, or
-// for an operator not seen yet twice its inputs or the most any operator
-// allocated), with what cannot be
+// it allocated before with inputs of that size, else per byte of input but
+// at least twice its inputs, or for an operator not seen yet twice its inputs
+// or the most any operator allocated), with what cannot be
 // paged out, leaves less than 200 MiB of the limit (ten of the allocator's
 // 20 MiB pages, what partly used pages can take), beginWorkingSet reads the
 // allocator's layout: the segments and pages that stay mapped once every
