@@ -76,10 +76,11 @@ constexpr size_t kUnseenInsidePerInput = 2;
 // Room the allocator's layout must leave an operator beyond what it is
 // expected to need before packing is skipped (packIfTight), per block it
 // allocated inside itself: the 20 MiB page each block may leave partly used
-// where it ends. A convolution backward allocates its gradients and cuDNN's
-// workspace: with one page spared, stress seed 301's, 17 MiB under the limit,
-// was not packed, and the allocator kept 522 MiB mapped for its 406 MiB of
-// tensors when cuDNN's workspace failed.
+// where it ends (a convolution backward allocates its gradients and cuDNN's
+// workspace; the simulated-GPU test
+// an_operator_of_several_blocks_is_spared_a_page_for_each shows three blocks
+// landing in the holes of three cached segments, whose free rest the fourth
+// cannot use).
 constexpr size_t kPackSpareBytes = 20 * kMiB;
 // Blocks counted for that room at most: ten pages, the band in which an
 // operator is tight at all (kPackMarginBytes).
