@@ -3176,7 +3176,7 @@ void packIfTight(
     std::fprintf(
         stderr,
         "LMS pack: %s %.*s: inputs %.1f MiB, expected inside %.1f MiB "
-        "in %zu blocks, not reclaimable %.1f MiB, mapped beside the inputs "
+        "in %zu block%s, not reclaimable %.1f MiB, mapped beside the inputs "
         "%.1f MiB, limit %.1f MiB\n",
         pack ? "packed" : (futile ? "cannot help" : "not packed"),
         static_cast<int>(name.size()),
@@ -3184,6 +3184,7 @@ void packIfTight(
         inMiB(pinned),
         inMiB(inside),
         blocks,
+        blocks == 1 ? "" : "s",
         inMiB(fixed),
         beside == SIZE_MAX ? -1.0 : inMiB(beside),
         inMiB(limit));
