@@ -1101,26 +1101,36 @@ TEST_CASE(an_operator_whose_inputs_leave_room_is_not_packed) {
 // workspace beside, and 56 MiB allocated inside (the workspace's 2 MiB
 // segment stays mapped as well). The workspace is freed before the operator
 // pins its input.
+// checkTightOperatorNotPacked with a library workspace of `workspace_bytes`
+// allocated after the operator's first run: it is freed before the operator
+// pins its input, and counted once.
+void checkTightOperatorFreesWorkspace(
+    const char* name,
+    size_t inside_bytes,
+    size_t workspace_bytes) {
+  checkTightOperatorNotPacked(
+      name,
+      inside_bytes,
+      [workspace_bytes] {
+        g_library_workspace = cca::raw_alloc(workspace_bytes);
+        g_workspace_releaser_calls = 0;
+        lms::setWorkspaceReleaser(&releaseLibraryWorkspace);
+      },
+      [](const lms::LmsStats& before) {
+        lms::setWorkspaceReleaser(nullptr);
+        CHECK_EQ(g_workspace_releaser_calls, 1);
+        CHECK(g_library_workspace == nullptr);
+        CHECK_EQ(
+            lms::getStats(0).workspace_releases, before.workspace_releases + 1);
+      });
+}
+
 TEST_CASE(a_tight_operator_that_is_not_packed_frees_library_workspaces) {
   Env env(128 * kMiB);
   {
     const CapAboveBaseline cap(128 * kMiB);
-    checkTightOperatorNotPacked(
-        "lms_test::tight_beside_a_library_workspace",
-        56 * kMiB,
-        [] {
-          g_library_workspace = cca::raw_alloc(512 * 1024);
-          g_workspace_releaser_calls = 0;
-          lms::setWorkspaceReleaser(&releaseLibraryWorkspace);
-        },
-        [](const lms::LmsStats& before) {
-          lms::setWorkspaceReleaser(nullptr);
-          CHECK_EQ(g_workspace_releaser_calls, 1);
-          CHECK(g_library_workspace == nullptr);
-          CHECK_EQ(
-              lms::getStats(0).workspace_releases,
-              before.workspace_releases + 1);
-        });
+    checkTightOperatorFreesWorkspace(
+        "lms_test::tight_beside_a_library_workspace", 56 * kMiB, 512 * 1024);
   }
   env.checkBaseline();
 }
@@ -1136,22 +1146,10 @@ TEST_CASE(an_operator_over_the_cap_only_by_library_workspaces_frees_them) {
   Env env(128 * kMiB);
   {
     const CapAboveBaseline cap(128 * kMiB);
-    checkTightOperatorNotPacked(
+    checkTightOperatorFreesWorkspace(
         "lms_test::over_the_cap_with_a_library_workspace",
         60 * kMiB,
-        [] {
-          g_library_workspace = cca::raw_alloc(30 * kMiB);
-          g_workspace_releaser_calls = 0;
-          lms::setWorkspaceReleaser(&releaseLibraryWorkspace);
-        },
-        [](const lms::LmsStats& before) {
-          lms::setWorkspaceReleaser(nullptr);
-          CHECK_EQ(g_workspace_releaser_calls, 1);
-          CHECK(g_library_workspace == nullptr);
-          CHECK_EQ(
-              lms::getStats(0).workspace_releases,
-              before.workspace_releases + 1);
-        });
+        30 * kMiB);
   }
   env.checkBaseline();
 }
