@@ -816,7 +816,10 @@ def seed_ranges(seeds: Iterable[int]) -> str:
 def stress_summary(folder: Path, shown_as: str, engine_sha256: str) -> str:
     """The stress suite's outcome in ``folder`` (its ``results.jsonl``): the engine, the
     gate's verdict and the cases per class with their seeds, every record judged by the
-    runner's rules (``tests/regression/stress/runner.py``)."""
+    runner's rules (``tests/regression/stress/runner.py``), and, as information that the
+    gate does not read, which of a class's seeds have a reference working set over the cap
+    (the record's ``mapped_bound_exceeds_cap``: measured in the reference process, as the
+    allocator maps it at best, never by LMS)."""
     root = str(HERE.parent)
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -840,15 +843,20 @@ def stress_summary(folder: Path, shown_as: str, engine_sha256: str) -> str:
     )
     lines.append("")
     by_class: dict[str, list[int]] = {}
+    over_cap: dict[str, set[int]] = {}
     for r in records:
         by_class.setdefault(str(r["class"]), []).append(int(r["seed"]))
+        if r.get("mapped_bound_exceeds_cap") is True:
+            over_cap.setdefault(str(r["class"]), set()).add(int(r["seed"]))
     rows = []
     for cls in sorted(by_class, key=lambda c: (c != "identical", c)):
         listed = sorted(set(by_class[cls]))
         gate = "passes" if cls in runner.GATE_PASSES else "fails"
         shown = "" if cls == "identical" else ", ".join(map(str, listed))
-        rows.append([cls, str(len(by_class[cls])), gate, shown])
-    lines.append(markdown_table(("class", "records", "gate", "seeds"), rows))
+        over = "" if cls == "identical" else ", ".join(map(str, sorted(over_cap.get(cls, ()))))
+        rows.append([cls, str(len(by_class[cls])), gate, shown, over])
+    header = ("class", "records", "gate", "seeds", "of them over the cap by the reference")
+    lines.append(markdown_table(header, rows))
     return "\n".join(lines)
 
 

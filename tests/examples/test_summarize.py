@@ -389,29 +389,34 @@ def test_stress_section_is_the_gate_over_every_record(tmp_path: Path) -> None:
         "driver": "580.159.04",
     }
 
-    def rec(seed: int, cls: str, attempt: int = 1) -> str:
+    def rec(seed: int, cls: str, attempt: int = 1, over_cap: bool | None = False) -> str:
         record = {"seed": seed, "attempt": attempt, "class": cls, "reason": "why"}
         record |= {"timestamp": f"2026-11-25T1{attempt}:00:00+00:00", "env": env}
+        record["mapped_bound_exceeds_cap"] = over_cap
         return json.dumps(record) + "\n"
 
     folder = tmp_path / "stress"
     folder.mkdir()
     assert "No stress results" in summarize.stress_summary(folder, "stress", "5" * 64)
-    records = [rec(0, "identical"), rec(1, "crash"), rec(1, "identical", 2)]
-    records += [rec(2, "cap-not-binding"), rec(3, "oom-expected")]
+    records = [rec(0, "identical"), rec(1, "crash", over_cap=None), rec(1, "identical", 2)]
+    records += [rec(2, "cap-not-binding"), rec(3, "oom-expected", over_cap=True)]
+    records += [rec(5, "mismatch", over_cap=True), rec(6, "mismatch")]
     (folder / "results.jsonl").write_text("".join(records))
     text = summarize.stress_summary(folder, "stress", "5" * 64)
     assert text.startswith("Engine abc1234 (the engine of this checkout), NVIDIA H100")
     # The earlier crash of seed 1 is judged, as the runner's gate judges it.
-    assert "4 cases where the cap binds, 1 where it does not (4 seeds: 0-3, 5 records)" in text
-    assert "gate: **FAIL** (1 failing record(s))." in text
-    assert "| crash | 1 | fails | 1 |" in text
+    assert "6 cases where the cap binds, 1 where it does not (6 seeds: 0-3, 5-6, 7 records)" in text
+    assert "gate: **FAIL** (3 failing record(s))." in text
+    # Which seeds' reference working set exceeds the cap is shown beside, and judges nothing:
+    # a mismatch over the cap fails as any other.
+    assert "| crash | 1 | fails | 1 |  |" in text
+    assert "| mismatch | 2 | fails | 5, 6 | 5 |" in text
     # Gaps between a run's parts show.
     assert summarize.seed_ranges([7, 0, 1, 2, 9, 10, 2]) == "6 seeds: 0-2, 7, 9-10"
     assert summarize.seed_ranges([]) == "no seeds"
-    assert "| identical | 2 | passes |  |" in text
-    assert "| oom-expected | 1 | passes | 3 |" in text
-    (folder / "results.jsonl").write_text("".join(records[2:]))
+    assert "| identical | 2 | passes |  |  |" in text
+    assert "| oom-expected | 1 | passes | 3 | 3 |" in text
+    (folder / "results.jsonl").write_text("".join(records[2:5]))
     assert "gate: **PASS**." in summarize.stress_summary(folder, "stress", "6" * 64)
 
 
