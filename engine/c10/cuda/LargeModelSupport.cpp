@@ -2946,35 +2946,35 @@ std::atomic<size_t> g_largest_inside{0};
 // packIfTight reads without the lock.
 std::atomic<double> g_largest_inside_per_input{0.0};
 
+// What an operator is expected to allocate inside itself.
+struct Expectation {
+  size_t inside = 0;
+  // Whether an operator of its name ran with inputs of that size before;
+  // otherwise `inside` is a bound.
+  bool measured = false;
+  // The most blocks of kPackBlockBytes or more that a call of its name
+  // allocated (at least 1: an operator not seen yet, or one of small blocks,
+  // counts one).
+  size_t blocks = 1;
+};
+
 // What an operator about to pin `pinned` bytes of inputs is expected to
-// allocate inside itself. `measured` says whether an operator of its name
-// ran with inputs of that size before; otherwise the figure is a bound.
-// `blocks` is the most blocks of kPackBlockBytes or more that a call of its
-// name allocated (at least 1: an operator not seen yet, or one of small
-// blocks, counts one).
-size_t expectedInside(
-    std::string_view name,
-    size_t pinned,
-    bool& measured,
-    size_t& blocks) {
+// allocate inside itself.
+Expectation expectedInside(std::string_view name, size_t pinned) {
   const double input = static_cast<double>(std::max(pinned, kMiB));
   std::lock_guard<std::mutex> lock(g_footprint_mutex);
-  measured = false;
-  blocks = 1;
   const auto it = g_footprints.find(std::string(name));
   if (it == g_footprints.end()) {
-    return std::max(kUnseenInsidePerInput * pinned, g_largest_inside.load());
+    return {std::max(kUnseenInsidePerInput * pinned, g_largest_inside.load())};
   }
   const Footprint& footprint = it->second;
-  blocks = std::max<size_t>(footprint.blocks, 1);
+  const size_t blocks = std::max<size_t>(footprint.blocks, 1);
   if (const auto same = footprint.inside_by_input.find(pinned);
       same != footprint.inside_by_input.end()) {
-    measured = true;
-    return same->second;
+    return {same->second, true, blocks};
   }
-  return std::max(
-      static_cast<size_t>(footprint.inside_per_input * input),
-      kUnseenInsidePerInput * pinned);
+  const size_t scaled = static_cast<size_t>(footprint.inside_per_input * input);
+  return {std::max(scaled, kUnseenInsidePerInput * pinned), false, blocks};
 }
 
 // `bytes` in MiB, for the diagnostic logs.
@@ -3135,9 +3135,7 @@ void packIfTight(
            largest_scaled}))) {
     return;
   }
-  bool measured = false;
-  size_t blocks = 1;
-  const size_t inside = expectedInside(name, pinned, measured, blocks);
+  const auto [inside, measured, blocks] = expectedInside(name, pinned);
   if (!tight(inside)) {
     return;
   }
