@@ -36,6 +36,8 @@ COUNTERS = (
     "pack_bytes",
     "workspace_releases",
     "fragment_reclaims",
+    "host_placement_count",
+    "host_placement_bytes",
     "alloc_from_cache",
     "alloc_from_device",
     "alloc_after_reclaim",
@@ -176,7 +178,8 @@ class TestCudaLms(TestCase):
         # `values` in order; the switch is put back as it was.
         setter = getattr(torch.cuda, f"set_{name}_lms")
         getter = getattr(torch.cuda, f"get_{name}_lms")
-        binding = getattr(torch._C, f"_cuda_lms_get{name.capitalize()}")
+        camel = "".join(part.capitalize() for part in name.split("_"))
+        binding = getattr(torch._C, f"_cuda_lms_get{camel}")
         previous = getter()
         try:
             for value in values:
@@ -191,6 +194,9 @@ class TestCudaLms(TestCase):
 
     def test_packing_round_trip(self):
         self._switch_round_trip("packing", (False, True))
+
+    def test_host_placement_round_trip(self):
+        self._switch_round_trip("host_placement", (False, True))
 
     def test_invalid_arguments(self):
         with self.assertRaisesRegex(TypeError, "enable must be a bool"):
@@ -215,6 +221,8 @@ class TestCudaLms(TestCase):
             torch.cuda.set_recompute_lms(1)
         with self.assertRaisesRegex(TypeError, "enable must be a bool"):
             torch.cuda.set_packing_lms("no")
+        with self.assertRaisesRegex(TypeError, "enable must be a bool"):
+            torch.cuda.set_host_placement_lms(1)
         with self.assertRaisesRegex(ValueError, "invalid CUDA device index"):
             torch.cuda.set_limit_lms(MiB, device=torch.cuda.device_count())
         with self.assertRaisesRegex(TypeError, "tensor must be a torch.Tensor"):

@@ -48,6 +48,8 @@ API_NAMES: tuple[str, ...] = (
     "get_lookahead_lms",
     "set_packing_lms",
     "get_packing_lms",
+    "set_host_placement_lms",
+    "get_host_placement_lms",
     "set_prefetch_budget_lms",
     "get_prefetch_budget_lms",
     "set_graph_prefetch_lms",

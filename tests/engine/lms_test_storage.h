@@ -40,25 +40,32 @@ inline cudaStream_t stream() {
 }
 
 // What an operator does: pin, use the memory on the current stream, unpin.
-inline void write(c10::StorageImpl& s, uint64_t seed) {
+// The copies name the storage as device memory, so that one LMS leaves on
+// the host fails them; `anywhere` lets the runtime tell (a kernel that uses a
+// storage placed on the host, setHostPlacementEnabled).
+inline void write(c10::StorageImpl& s, uint64_t seed, bool anywhere = false) {
   const auto words = pattern(s.nbytes(), seed);
   c10::cuda::lms::pin(s);
   C10_CUDA_CHECK(cudaMemcpyAsync(
       lms_compat::mutableData(s),
       words.data(),
       s.nbytes(),
-      cudaMemcpyHostToDevice,
+      anywhere ? cudaMemcpyDefault : cudaMemcpyHostToDevice,
       stream()));
   C10_CUDA_CHECK(cudaStreamSynchronize(stream()));
   c10::cuda::lms::unpin(s);
 }
 
-inline bool matches(c10::StorageImpl& s, uint64_t seed) {
+inline bool matches(c10::StorageImpl& s, uint64_t seed, bool anywhere = false) {
   const auto expected = pattern(s.nbytes(), seed);
   std::vector<uint64_t> got(expected.size());
   c10::cuda::lms::pin(s);
   C10_CUDA_CHECK(cudaMemcpyAsync(
-      got.data(), s.data(), s.nbytes(), cudaMemcpyDeviceToHost, stream()));
+      got.data(),
+      s.data(),
+      s.nbytes(),
+      anywhere ? cudaMemcpyDefault : cudaMemcpyDeviceToHost,
+      stream()));
   C10_CUDA_CHECK(cudaStreamSynchronize(stream()));
   c10::cuda::lms::unpin(s);
   return std::memcmp(got.data(), expected.data(), s.nbytes()) == 0;

@@ -1002,13 +1002,16 @@ TEST_CASE(a_pack_frees_library_workspaces_that_hold_its_input_segment) {
     const CapAboveBaseline cap(64 * kMiB);
     runOperator(name, 4 * kMiB, 42 * kMiB); // the engine learns it
     lms::getBackend()->releaseCachedMemory(0);
-    { // No releaser: packed, but the workspace's segment stays.
+    { // No releaser: packed, but the workspace's segment stays (and with
+      // host placement off, the request fails).
       auto c = inputBesideALibraryWorkspace();
       const auto before = beginWorkingSetPacked(name, c);
       CHECK_EQ(lms::getStats(0).workspace_releases, before.workspace_releases);
       lms::pin(*c);
+      lms::setHostPlacementEnabled(false);
       CHECK_THROWS_AS(
           newStorage(42 * kMiB), c10::OutOfMemoryError, "fit by bytes");
+      lms::setHostPlacementEnabled(true);
       lms::unpin(*c);
       lms::endWorkingSet(name);
       CHECK(matches(*c, 1));
@@ -1348,6 +1351,90 @@ TEST_CASE(a_failed_allocation_pages_out_the_storage_in_its_way) {
 // An operator whose own inputs, outputs so far and next allocation pass the
 // allocator's cap: the error says that no page-out could help, with the
 // figures.
+// Whether `s` holds host memory (a paged-out storage's host copy, or an
+// allocation placed on the host).
+bool onHost(const StoragePtr& s) {
+  cudaPointerAttributes attributes{};
+  C10_CUDA_CHECK(cudaPointerGetAttributes(
+      &attributes, s->_mutable_data_ptr_no_checks().get()));
+  return attributes.type == cudaMemoryTypeHost;
+}
+
+// An allocation inside an operator that the device cannot hold with every
+// other storage paged out is placed in pinned host memory instead of failing
+// (a library that would catch the error keeps its algorithm): under a 64 MiB
+// cap, operator O pins its 40 MiB input C and allocates a 40 MiB workspace W
+// and a 30 MiB output Y. Both go to the host; the device holds only C. A
+// nested operator's pin and unpin of Y leave it where O writes it. W freed
+// inside O returns its buffer; Y, once O ends, is paged out from birth (no
+// copy is counted) and paged in, with what O wrote, when next used. Outside
+// an operator, or with host placement off, the request fails as before; so
+// it does when the host gives no pinned memory either.
+TEST_CASE(
+    an_allocation_the_device_cannot_hold_inside_an_operator_goes_to_host) {
+  Env env(64 * kMiB);
+  const char* name = "lms_test::over_the_device";
+  {
+    const CapAboveBaseline cap(64 * kMiB);
+    auto c = newStorage(40 * kMiB);
+    write(*c, 1);
+    lms::releaseOutput(*c);
+    CHECK_THROWS_AS(newStorage(70 * kMiB), c10::OutOfMemoryError, "");
+    c10::StorageImpl* inputs[] = {c.get()};
+    const auto before = lms::getStats(0);
+    lms::beginWorkingSet(name, inputs);
+    lms::pin(*c);
+    const size_t device_bytes = allocatedBytes();
+    auto w = newStorage(40 * kMiB);
+    auto y = newStorage(30 * kMiB);
+    CHECK(onHost(w));
+    CHECK(onHost(y));
+    CHECK_EQ(allocatedBytes(), device_bytes);
+    auto placed = lms::getStats(0);
+    CHECK_EQ(placed.host_placement_count, before.host_placement_count + 2);
+    CHECK_EQ(
+        placed.host_placement_bytes - before.host_placement_bytes,
+        int64_t(70 * kMiB));
+    write(*w, 2, /*anywhere=*/true); // nested operators: pin, write, unpin
+    write(*y, 3, /*anywhere=*/true);
+    CHECK(matches(*y, 3, /*anywhere=*/true));
+    CHECK(state(y) == lms::StorageState::Allocated);
+    CHECK(onHost(y));
+    CHECK(matches(*w, 2, /*anywhere=*/true));
+    w.reset();
+    lms::setHostPlacementEnabled(false);
+    CHECK_THROWS_AS(newStorage(40 * kMiB), c10::OutOfMemoryError, "");
+    lms::setHostPlacementEnabled(true);
+    lms::unpin(*c);
+    lms::releaseOutput(*y); // O ends
+    lms::endWorkingSet(name);
+    CHECK(state(y) == lms::StorageState::PagedOut);
+    CHECK_EQ(lms::getStats(0).pageout_count, placed.pageout_count);
+    CHECK_EQ(lms::getStats(0).pagedout_bytes.current, int64_t(30 * kMiB));
+    CHECK(matches(*y, 3)); // paged in: C goes out for its room
+    CHECK(!onHost(y));
+    CHECK(state(c) == lms::StorageState::PagedOut);
+    CHECK(matches(*c, 1));
+
+    // The host refuses too: the request fails, and nothing is lost.
+    lms::releaseOutput(*c);
+    c10::StorageImpl* again[] = {y.get()};
+    lms::beginWorkingSet(name, again);
+    lms::pin(*y);
+    if (simulated()) {
+      cca::emptyCache(); // no cached host buffer to fall back on
+      simgpu_inject_fault(1 /*host alloc*/, 1, -1, cudaSuccess);
+      CHECK_THROWS_AS(newStorage(60 * kMiB), c10::OutOfMemoryError, "");
+      simgpu_clear_faults();
+    }
+    lms::unpin(*y);
+    lms::endWorkingSet(name);
+    CHECK(matches(*y, 3));
+    CHECK(matches(*c, 1));
+  }
+  env.checkBaseline();
+}
+
 TEST_CASE(oom_names_the_running_operators_working_set) {
   Env env(16 * kMiB);
   {

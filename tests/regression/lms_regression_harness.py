@@ -170,6 +170,8 @@ def lms_summary(stats: dict[str, Any]) -> dict[str, Any]:
 # storages that held a range the request fits in; the copies timed each way.
 OPTIONAL_STATS = (
     "fragment_reclaims",
+    "host_placement_count",
+    "host_placement_bytes",
     "pack_count",
     "pack_bytes",
     "workspace_releases",

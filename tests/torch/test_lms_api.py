@@ -39,6 +39,8 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "pack_bytes": 8 * MiB,
         "workspace_releases": 1,
         "fragment_reclaims": 1,
+        "host_placement_count": 1,
+        "host_placement_bytes": 40 * MiB,
         "alloc_from_cache": 5,
         "alloc_from_device": 7,
         "alloc_after_reclaim": 1,
@@ -104,6 +106,7 @@ class FakeBindings:
             "speculative": 0,
             "schedule": 1,
             "packing": 1,
+            "host_placement": 1,
             "graph_prefetch": 1,
             "lookahead": 0,
             "budget": 0,
@@ -159,6 +162,12 @@ class FakeBindings:
 
     def _cuda_lms_getPacking(self) -> bool:
         return bool(self.values["packing"])
+
+    def _cuda_lms_setHostPlacement(self, enabled: bool) -> None:
+        self.values["host_placement"] = int(enabled)
+
+    def _cuda_lms_getHostPlacement(self) -> bool:
+        return bool(self.values["host_placement"])
 
     def _cuda_lms_setLookahead(self, operators: int) -> None:
         self.values["lookahead"] = operators
@@ -272,6 +281,9 @@ def test_settings_reach_the_bindings(lms: ModuleType) -> None:
     assert lms.get_packing_lms() is True
     lms.set_packing_lms(False)
     assert lms.get_packing_lms() is False
+    assert lms.get_host_placement_lms() is True
+    lms.set_host_placement_lms(False)
+    assert lms.get_host_placement_lms() is False
     lms.set_lookahead_lms(32)
     assert lms.get_lookahead_lms() == 32
     lms.set_prefetch_budget_lms(256 * MiB)
@@ -351,6 +363,7 @@ def test_numpy_integers_are_sizes(lms: ModuleType) -> None:
         (lambda m: m.set_speculative_lms(-5), ValueError, "margin_bytes must be >= 0"),
         (lambda m: m.set_schedule_lms(1), TypeError, "enable must be a bool, got int"),
         (lambda m: m.set_packing_lms("no"), TypeError, "enable must be a bool, got str"),
+        (lambda m: m.set_host_placement_lms(1), TypeError, "enable must be a bool, got int"),
         (lambda m: m.set_lookahead_lms(-1), ValueError, "operators must be >= 0"),
         (lambda m: m.set_lookahead_lms(2**31), ValueError, "operators must be <= 2147483647"),
         (lambda m: m.set_prefetch_budget_lms(-1), ValueError, "budget_bytes must be >= 0"),

@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace c10::cuda::lms {
@@ -110,6 +111,7 @@ std::atomic<size_t> g_prefetch_budget{0}; // 0: derived (prefetchBudget())
 std::atomic<bool> g_graph_prefetch{true};
 std::atomic<bool> g_recompute{false};
 std::atomic<bool> g_packing{true};
+std::atomic<bool> g_host_placement{true};
 std::atomic<WorkspaceReleaser> g_workspace_releaser{nullptr};
 std::atomic<const RecomputeHooks*> g_recompute_hooks{nullptr};
 // Serializes recomputes: a replay may recompute its own inputs first (the
@@ -145,6 +147,8 @@ thread_local std::string t_oom_verdict;
 struct WorkingSet {
   bool active = false;
   c10::DeviceIndex device = -1;
+  // The operator's name, valid while it runs (its schema owns the string).
+  std::string_view name;
   uint64_t serial = 0; // stamps the records it allocates
   size_t pinned = 0;
   size_t inside = 0;
@@ -227,6 +231,10 @@ struct Record {
   bool busy = false; // a copy is being set up outside the engine lock
   bool prefetched = false;
   bool graph_owned = false; // used during CUDA graph capture: never paged
+  // Placed in pinned host memory (`host`) by an operator the device could not
+  // hold it for (setHostPlacementEnabled); device_ptr stays null. Paged out
+  // from birth once no operator uses it (parkPlaced).
+  bool on_host = false;
   // Has a recipe (setRecomputable): the recompute hooks know this context.
   bool recomputable = false;
   // Set by a page-out that dropped the storage instead of copying it, for
@@ -539,12 +547,13 @@ void arm(c10::StorageImpl& storage, bool armed) {
 // after a page-in, point it at the new device memory.
 void refreshDataPtr(c10::StorageImpl& storage, Record& r) {
   c10::DataPtr& dp = storage._mutable_data_ptr_no_checks();
-  if (dp.get() == r.device_ptr) {
+  void* const address = r.on_host ? r.host.ptr : r.device_ptr;
+  if (dp.get() == address) {
     return;
   }
   const c10::Device device = dp.device();
   void* ctx = dp.release_context();
-  dp = c10::DataPtr(r.device_ptr, ctx, &deleteRecord, device);
+  dp = c10::DataPtr(address, ctx, &deleteRecord, device);
 }
 
 // ---------------------------------------------------------------------------
@@ -1367,8 +1376,15 @@ OutOfMemoryText explainOutOfMemory(c10::DeviceIndex device, size_t size);
   TORCH_CHECK_WITH(OutOfMemoryError, false, text.message);
 }
 
-// Device memory for `size` bytes on `stream`, reclaiming as needed.
-void* allocateDevice(DeviceEngine& e, size_t size, cudaStream_t stream) {
+// Device memory for `size` bytes on `stream`, reclaiming as needed. When
+// nothing more can be reclaimed it raises the out-of-memory error, or with
+// `or_null` returns null (the caller places the request elsewhere or raises
+// it).
+void* allocateDevice(
+    DeviceEngine& e,
+    size_t size,
+    cudaStream_t stream,
+    bool or_null = false) {
   DeviceMemoryBackend& b = backend();
   bool reclaimed = enforceLimit(e, size) > 0;
   const size_t reserved_before = b.reservedBytes(e.device);
@@ -1384,6 +1400,9 @@ void* allocateDevice(DeviceEngine& e, size_t size, cudaStream_t stream) {
       // range the request fits in, else what is left in reclaim order.
       if (reclaimFragments(e, size, stream) == 0 &&
           reclaim(e, size, Trigger::AllocFailure) == 0) {
+        if (or_null) {
+          return nullptr;
+        }
         throwOutOfMemory(e, size);
       }
       reclaimed = true;
@@ -1635,6 +1654,46 @@ void enter(DeviceEngine& e, Record& r, State state) {
     case State::Allocated:
       break;
   }
+}
+
+// An event after the work queued so far on every stream that used a
+// host-placed record's memory (recorded on its allocation stream, which waits
+// for the others, as releaseDeviceMemory orders a free): once it is reached,
+// the buffer may be copied from or handed out again. `in_deleter` turns CUDA
+// errors into warnings. Takes no engine lock.
+cudaEvent_t hostUseDone(DeviceEngine& e, Record& r, bool in_deleter) {
+  const auto check = [in_deleter](cudaError_t err) {
+    if (in_deleter) {
+      C10_CUDA_CHECK_WARN(err);
+    } else {
+      C10_CUDA_CHECK(err);
+    }
+  };
+  if (!r.users.empty()) {
+    cudaEvent_t used = e.events.get(/*timing=*/false);
+    for (cudaStream_t s : r.users) {
+      check(cudaEventRecord(used, s));
+      check(cudaStreamWaitEvent(r.stream, used, 0));
+    }
+    e.events.put(used);
+  }
+  cudaEvent_t done = e.events.get(/*timing=*/false);
+  check(cudaEventRecord(done, r.stream));
+  return done;
+}
+
+// A host-placed record that no operator uses any more is paged out from then
+// on: its host buffer is its host copy, ready once the kernels that wrote it
+// are done; its next use pages it in like any other. No copy is made, so no
+// page-out is counted. Engine lock held.
+void parkPlaced(DeviceEngine& e, Record& r) {
+  r.host_ready = hostUseDone(e, r, /*in_deleter=*/false);
+  r.on_host = false;
+  r.users.clear();
+  leave(e, r);
+  enter(e, r, State::PagedOut);
+  e.pagedout_list.push_back(&r);
+  addUpcoming(e, r);
 }
 
 void rememberOwner(Record& r, c10::StorageImpl& storage) {
@@ -2645,6 +2704,10 @@ void deleteRecord(void* ctx) {
     }
   }
   releaseDeviceMemory(e, *r, /*in_deleter=*/true);
+  if (r->on_host) {
+    // Freed while operators may still be using it (a workspace).
+    r->host_ready = hostUseDone(e, *r, /*in_deleter=*/true);
+  }
   if (r->host.ptr != nullptr) {
     // The page-out copy may still be writing into the buffer.
     hostPool().release(r->host, r->host_ready, e.device);
@@ -2825,6 +2888,14 @@ void setPackingEnabled(bool enabled) {
 
 bool isPackingEnabled() {
   return g_packing.load();
+}
+
+void setHostPlacementEnabled(bool enabled) {
+  g_host_placement.store(enabled);
+}
+
+bool isHostPlacementEnabled() {
+  return g_host_placement.load();
 }
 
 size_t getHostLimit() {
@@ -3227,6 +3298,7 @@ void beginWorkingSet(
   }
   ws.active = true;
   ws.device = e->device;
+  ws.name = name;
   ws.serial = ++g_working_set_serial;
   ws.pinned = pinned;
   DeviceScope guard(e->device);
@@ -3356,6 +3428,8 @@ bool parseConfigOption(std::string_view key, std::string_view value) {
     setRecomputeEnabled(parseBool(key, value));
   } else if (key == "lms_pack") {
     setPackingEnabled(parseBool(key, value));
+  } else if (key == "lms_host_placement") {
+    setHostPlacementEnabled(parseBool(key, value));
   } else {
     return false;
   }
@@ -3369,7 +3443,8 @@ void parseConfig(const char* conf, bool only_lms_keys, const char* source) {
   constexpr const char* kKeys =
       "lms, lms_limit_mb, lms_size_mb, lms_prefetch, lms_speculative_mb, "
       "lms_schedule, lms_lookahead, lms_prefetch_budget_mb, "
-      "lms_graph_prefetch, lms_host_limit_mb, lms_recompute, lms_pack";
+      "lms_graph_prefetch, lms_host_limit_mb, lms_recompute, lms_pack, "
+      "lms_host_placement";
   // Same syntax as the caching allocator: "key:value,key:value".
   std::string_view rest(conf);
   while (!rest.empty()) {
@@ -3560,6 +3635,24 @@ void unpin(c10::StorageImpl& storage) {
   if (--r->pins > 0) {
     return;
   }
+  if (r->on_host) {
+    const WorkingSet& ws = t_working_set;
+    if (ws.active && r->working_set == ws.serial) {
+      // An operator nested in the one that placed it is done with it; the
+      // placing operator may go on using it, at this address, and releases
+      // it when it ends (releaseOutput).
+      leave(e, *r);
+      enter(e, *r, State::Allocated);
+      if (!r->fresh) {
+        r->fresh = true;
+        add(e.stats.operator_output_bytes, sz(*r));
+      }
+      return;
+    }
+    parkPlaced(e, *r);
+    arm(storage, true);
+    return;
+  }
   leave(e, *r);
   if (r->graph_owned) {
     enter(e, *r, State::Allocated);
@@ -3589,9 +3682,13 @@ void releaseOutput(c10::StorageImpl& storage) {
     return;
   }
   rememberOwner(*r, storage);
-  leave(e, *r);
-  enter(e, *r, State::Inactive);
-  e.reclaim_list.push_back(r);
+  if (r->on_host) {
+    parkPlaced(e, *r);
+  } else {
+    leave(e, *r);
+    enter(e, *r, State::Inactive);
+    e.reclaim_list.push_back(r);
+  }
   arm(storage, true);
 }
 
@@ -3762,6 +3859,60 @@ DeviceMemoryBackend* getBackend() {
   return g_backend.load();
 }
 
+namespace {
+
+// Pinned host memory for a request of `size` bytes that the running operator
+// could not have on the device with every reclaimable storage paged out
+// (setHostPlacementEnabled). Raises the out-of-memory error when the host
+// budget refuses it too. The first time an operator needs it, a warning
+// names the operator: it runs slower, over the bus.
+HostBuffer placeOnHost(DeviceEngine& e, size_t size) {
+  HostBuffer placed = hostPool().allocate(size);
+  if (placed.ptr == nullptr) {
+    t_host_refused = true;
+    throwOutOfMemory(e, size);
+  }
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    ++e.stats.host_placement_count;
+    e.stats.host_placement_bytes += static_cast<int64_t>(size);
+  }
+  static std::mutex mutex;
+  static std::unordered_set<std::string> warned;
+  std::string name(t_working_set.name);
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!warned.insert(name).second) {
+      return placed;
+    }
+  }
+  char request[32];
+  std::snprintf(
+      request,
+      sizeof(request),
+      "%.2f MiB",
+      static_cast<double>(size) / static_cast<double>(kMiB));
+  const std::string verdict = explainOutOfMemory(e.device, size).verdict;
+  TORCH_WARN(
+      "Large Model Support: ",
+      name,
+      " allocated ",
+      request,
+      " that the device cannot hold with every other storage paged out. ",
+      verdict.empty() ? std::string() : verdict + " ",
+      "LMS placed it in pinned host memory, which the operator's kernels use "
+      "over the bus: the operator runs slower and computes the same numbers "
+      "(a library such as cuDNN keeps the algorithm it picks with more "
+      "memory). Give the operator more room (a higher memory cap or LMS "
+      "limit, a smaller batch) to run it on the device, or turn host "
+      "placement off (torch.cuda.set_host_placement_lms(False), "
+      "lms_host_placement:False) to let libraries pick an algorithm that "
+      "needs less memory, whose results can differ in the last bits.");
+  return placed;
+}
+
+} // namespace
+
 c10::DataPtr allocate(
     c10::DeviceIndex device,
     size_t size,
@@ -3774,20 +3925,30 @@ c10::DataPtr allocate(
     void* ptr = backend().malloc(device, size, stream);
     return backend().makeDataPtr(ptr, device);
   }
-  void* ptr = allocateDevice(e, size, stream);
-  if (size < g_size_threshold.load()) {
+  const bool managed = size >= g_size_threshold.load();
+  WorkingSet& ws = t_working_set;
+  const bool placeable =
+      managed && ws.active && ws.device == device && g_host_placement.load();
+  void* ptr = allocateDevice(e, size, stream, /*or_null=*/placeable);
+  HostBuffer placed;
+  if (ptr == nullptr) {
+    placed = placeOnHost(e, size);
+    ptr = placed.ptr;
+  }
+  if (!managed) {
     return backend().makeDataPtr(ptr, device);
   }
   auto* r = new Record();
   r->engine = &e;
   r->size = size;
-  r->device_ptr = ptr;
+  r->device_ptr = placed.ptr == nullptr ? ptr : nullptr;
+  r->host = placed;
+  r->on_host = placed.ptr != nullptr;
   r->stream = stream;
   r->fresh = true;
   // Born in the running operator: the schedule measures distances from here.
   r->touch.store(g_op_clock.load(std::memory_order_relaxed));
   r->gap.store(AccessSchedule::kBirth + g_births_in_op.fetch_add(1));
-  WorkingSet& ws = t_working_set;
   if (ws.active && ws.device == device) {
     r->working_set = ws.serial;
     ws.inside += size;

@@ -21,6 +21,11 @@
 // * paged out: the contents live in a pinned host buffer; the device memory
 //              has been returned to the caching allocator.
 //
+// An allocation made inside an operator that the device cannot hold even
+// with every other storage paged out is placed in pinned host memory
+// (setHostPlacementEnabled): the operator's kernels use it there, over the
+// bus, and it is paged out from birth once the operator ends.
+//
 // Reclaim runs inside the allocation path: when an allocation would push the
 // bytes allocated on the device past the LMS limit, and when the device
 // allocation itself fails. Victims are taken least recently used first and
@@ -189,6 +194,8 @@ C10_CUDA_API bool isRecomputeLogEnabled();
 //   lms_host_limit_mb:<MiB>   host budget for pinned memory (0: derived)
 //   lms_recompute:True|False  drop and recompute where cheaper than paging
 //   lms_pack:True|False       pack operators that need most of the device
+//   lms_host_placement:True|False  place in host memory what an operator
+//                             cannot have on the device
 C10_CUDA_API bool parseConfigOption(
     std::string_view key,
     std::string_view value);
@@ -354,6 +361,23 @@ C10_CUDA_API void setWorkspaceReleaser(WorkspaceReleaser releaser);
 C10_CUDA_API void setPackingEnabled(bool enabled);
 C10_CUDA_API bool isPackingEnabled();
 
+// Host placement (on by default). A request of at least the size threshold
+// made inside an operator (between beginWorkingSet and endWorkingSet) that
+// the device cannot give even after every reclaimable storage is paged out is
+// placed in pinned host memory within the host budget, instead of raising an
+// out-of-memory error: unified addressing makes it valid on the device, so
+// the operator's kernels read and write it over the bus. The operator runs
+// slower and computes what it computes with device memory; a library that
+// would have caught the error (cuDNN tries a plan with a smaller workspace)
+// keeps the algorithm it picks with room to spare, and the numbers stay those
+// of a run with more memory. What the operator still holds when it ends (an
+// output) is paged out from then on, and paged in when next used. Counted in
+// host_placement_count and host_placement_bytes; each operator that needs it
+// is named once in a warning. Off, the request raises the out-of-memory
+// error. PYTORCH_CUDA_ALLOC_CONF key: lms_host_placement.
+C10_CUDA_API void setHostPlacementEnabled(bool enabled);
+C10_CUDA_API bool isHostPlacementEnabled();
+
 // Compiled code says which storages it uses next, soonest first: the
 // paged-out ones are paged in ahead of use on the H2D stream, in that order,
 // while the bytes paged in ahead and not yet used stay within the prefetch
@@ -416,6 +440,10 @@ struct LmsStats {
   // Failed allocations placed by paging out the storages that held a range
   // the request fits in (reclaimFragments).
   int64_t fragment_reclaims = 0;
+  // Allocations inside operators placed in pinned host memory because the
+  // device could not hold them (setHostPlacementEnabled), and their bytes.
+  int64_t host_placement_count = 0;
+  int64_t host_placement_bytes = 0;
   // Where allocations of the LMS path were satisfied from.
   int64_t alloc_from_cache = 0; // the caching allocator's free list
   int64_t alloc_from_device = 0; // a new device allocation

@@ -10,7 +10,8 @@ Enable LMS before the tensors it should manage are created, with
 :func:`set_enabled_lms` or ``PYTORCH_CUDA_ALLOC_CONF=lms:True`` (further keys:
 ``lms_limit_mb``, ``lms_size_mb``, ``lms_prefetch``, ``lms_speculative_mb``,
 ``lms_schedule``, ``lms_lookahead``, ``lms_prefetch_budget_mb``,
-``lms_graph_prefetch``, ``lms_host_limit_mb``, ``lms_recompute``, ``lms_pack``).
+``lms_graph_prefetch``, ``lms_host_limit_mb``, ``lms_recompute``, ``lms_pack``,
+``lms_host_placement``).
 
 Host memory, where storages are paged out to, has a budget shared by the LMS
 processes of the host (see :func:`set_host_limit_lms`): a page-out that would
@@ -66,6 +67,7 @@ __all__ = [
     "get_enabled_lms",
     "get_graph_prefetch_lms",
     "get_host_limit_lms",
+    "get_host_placement_lms",
     "get_limit_lms",
     "get_lookahead_lms",
     "get_packing_lms",
@@ -85,6 +87,7 @@ __all__ = [
     "set_enabled_lms",
     "set_graph_prefetch_lms",
     "set_host_limit_lms",
+    "set_host_placement_lms",
     "set_limit_lms",
     "set_lookahead_lms",
     "set_packing_lms",
@@ -113,6 +116,8 @@ _COUNTER_KEYS = (
     "pack_bytes",
     "workspace_releases",
     "fragment_reclaims",
+    "host_placement_count",
+    "host_placement_bytes",
     "alloc_from_cache",
     "alloc_from_device",
     "alloc_after_reclaim",
@@ -677,6 +682,45 @@ def get_packing_lms() -> bool:
     return bool(_lms_bindings()._cuda_lms_getPacking())
 
 
+def set_host_placement_lms(enable: bool) -> None:
+    r"""Enable or disable host placement of what operators cannot have on the device (default on).
+
+    When an operator allocates memory (an output, or a workspace such as
+    cuDNN's) that the device cannot hold even with every other storage paged
+    out, LMS places it in pinned host memory within the host budget instead of
+    raising :class:`torch.OutOfMemoryError`. Unified addressing makes it valid
+    on the device: the operator's kernels read and write it over the bus, so
+    the operator runs slower and computes the same numbers as with device
+    memory. A library that would have caught the error keeps its algorithm:
+    cuDNN, refused a workspace, tries a plan that needs less memory, whose
+    results can differ in the last bits. What the operator still holds when it
+    ends is paged out from then on and paged in when next used. A warning
+    names each operator that needed it, once; ``host_placement_count`` and
+    ``host_placement_bytes`` in :func:`lms_stats` count the allocations.
+    Disabled, such an allocation raises the error (and a library may pick
+    another algorithm). The same setting as ``lms_host_placement`` in
+    ``PYTORCH_CUDA_ALLOC_CONF``.
+
+    Args:
+        enable (bool): ``True`` to place such allocations in host memory,
+            ``False`` to raise the out-of-memory error.
+    """
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
+    _lms_bindings()._cuda_lms_setHostPlacement(enable)
+
+
+def get_host_placement_lms() -> bool:
+    r"""Return whether LMS places in host memory what operators cannot have on the device.
+
+    See :func:`set_host_placement_lms`.
+
+    Returns:
+        bool: ``True`` if host placement is on.
+    """
+    return bool(_lms_bindings()._cuda_lms_getHostPlacement())
+
+
 def set_lookahead_lms(operators: int) -> None:
     r"""Set how many operators ahead the learned schedule pages storages in.
 
@@ -906,6 +950,9 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       that tight, packed or not, for which the workspaces libraries keep
       cached (cuBLAS's) were freed; the libraries allocate them again at their
       next use.
+    - ``host_placement_count``, ``host_placement_bytes``: allocations inside
+      operators that the device could not hold with every other storage paged
+      out, placed in pinned host memory instead (:func:`set_host_placement_lms`).
     - ``alloc_from_cache``, ``alloc_from_device``, ``alloc_after_reclaim``:
       where LMS allocations were satisfied from.
     - ``prefetch_count``, ``prefetch_hits``: storages prefetched, and those an

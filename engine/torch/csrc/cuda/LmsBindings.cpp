@@ -128,6 +128,14 @@ bool getPacking() {
   return engine::isPackingEnabled();
 }
 
+void setHostPlacement(bool enabled) {
+  engine::setHostPlacementEnabled(enabled);
+}
+
+bool getHostPlacement() {
+  return engine::isHostPlacementEnabled();
+}
+
 void setLookahead(int64_t operators) {
   TORCH_CHECK_VALUE(
       operators >= 0 && operators <= std::numeric_limits<int>::max(),
@@ -272,6 +280,8 @@ py::dict statsToDict(const engine::LmsStats& stats) {
   dict["pack_bytes"] = stats.pack_bytes;
   dict["workspace_releases"] = stats.workspace_releases;
   dict["fragment_reclaims"] = stats.fragment_reclaims;
+  dict["host_placement_count"] = stats.host_placement_count;
+  dict["host_placement_bytes"] = stats.host_placement_bytes;
   dict["alloc_from_cache"] = stats.alloc_from_cache;
   dict["alloc_from_device"] = stats.alloc_from_device;
   dict["alloc_after_reclaim"] = stats.alloc_after_reclaim;
@@ -346,6 +356,12 @@ void initLmsBindings(PyObject* module) {
   m.def("_cuda_lms_getSchedule", torch::wrap_pybind_function(&getSchedule));
   m.def("_cuda_lms_setPacking", torch::wrap_pybind_function(&setPacking));
   m.def("_cuda_lms_getPacking", torch::wrap_pybind_function(&getPacking));
+  m.def(
+      "_cuda_lms_setHostPlacement",
+      torch::wrap_pybind_function(&setHostPlacement));
+  m.def(
+      "_cuda_lms_getHostPlacement",
+      torch::wrap_pybind_function(&getHostPlacement));
   m.def("_cuda_lms_setLookahead", torch::wrap_pybind_function(&setLookahead));
   m.def("_cuda_lms_getLookahead", torch::wrap_pybind_function(&getLookahead));
   m.def(
