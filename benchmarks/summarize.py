@@ -1039,9 +1039,10 @@ README_TABLES: dict[str, tuple[str, ...]] = {
         "benchmarks/results/matrix/2026-11-26-h100x2-1e4f9cb",
         "benchmarks/results/matrix/2026-11-26-h200x4-53af267",
         "benchmarks/results/matrix/2026-11-27-h200x2-b5bf71f",
+        "benchmarks/results/matrix/2026-11-27-h200x4-fee98d9",
     ),
     "capped": ("benchmarks/results/compare/2026-11-24-h100-unrecorded",),
-    "stress": ("benchmarks/results/stress/2026-11-27-h200x2-b5bf71f",),
+    "stress": ("benchmarks/results/stress/2026-11-27-h200x4-fee98d9",),
     "hybrid": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65",),
     "hybrid_stress": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65/stress-hybrid",),
 }

@@ -1,9 +1,10 @@
-"""benchmarks/nocap_probe.py and benchmarks/host_pinning.py: what runs without a GPU (the
-counter arithmetic, argument checks)."""
+"""benchmarks/nocap_probe.py, benchmarks/host_pinning.py and benchmarks/host_placed_kernels.py:
+what runs without a GPU (the counter arithmetic, argument checks)."""
 
 from __future__ import annotations
 
 import host_pinning
+import host_placed_kernels
 import nocap_probe
 import pytest
 
@@ -50,3 +51,14 @@ def test_host_pinning_rejects_bad_arguments(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         host_pinning.main(argv)
     assert exc.value.code == 2
+
+
+def test_host_placed_kernels_names_its_cases_when_one_is_unknown(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        host_placed_kernels.main(["--case", "no_such_case"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown case(s) no_such_case" in err
+    assert "conv2d_fp32_b103_c32_128" in err and "cudnn_lstm_fwd_bwd" in err
