@@ -48,6 +48,8 @@ def reset_lms() -> None:
     torch.cuda.set_speculative_lms(0)
     if hasattr(torch.cuda, "set_recompute_lms"):
         torch.cuda.set_recompute_lms(False)
+    if hasattr(torch.cuda, "set_host_placement_lms"):
+        torch.cuda.set_host_placement_lms(True)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
 

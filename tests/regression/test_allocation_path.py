@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch.nn", reason="PyTorch is not installed")
 import torch
-from lms_regression_harness import MiB, lms_summary, memory_cap
+from lms_regression_harness import MiB, deterministic, lms_summary, memory_cap
 
 GiB = 1024 * MiB
 
@@ -115,3 +115,51 @@ def test_in_place_operator_whose_inputs_do_not_fit_never_faults() -> None:
         torch.cuda.synchronize()
         assert torch.cuda.lms_stats()["pin_failures"] > failures
         assert _values(xs) == expected
+
+
+def test_workspace_the_cap_cannot_hold_goes_to_the_host_with_the_same_bits(
+    record: Callable[[str, Any], None],
+) -> None:
+    """A convolution backward (batch 103, 32 channels, 128x128, fp32, deterministic) asks
+    cuDNN for a workspace of several GiB uncapped; under a 1.5 GiB cap, beside its 650 MiB of
+    tensors, no placement on the device holds it. LMS places it in pinned host memory, cuDNN
+    keeps the plan it picks uncapped, and the gradients are bit-identical to the uncapped
+    ones. With host placement off nothing goes to the host (cuDNN then picks another plan)."""
+    if not hasattr(torch.cuda, "set_host_placement_lms"):
+        pytest.skip("this LMS build has no host placement (torch.cuda.set_host_placement_lms)")
+    deterministic()
+    torch.cuda.set_enabled_lms(True)
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(32, 32, 3, padding=1).cuda()
+    x = torch.randn(103, 32, 128, 128, device="cuda", requires_grad=True)
+    grad = torch.randn_like(x)
+
+    def grads() -> list[torch.Tensor]:
+        out = torch.autograd.grad(conv(x), [x, conv.weight, conv.bias], grad)
+        return [g.detach().clone() for g in out]
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    uncapped = grads()
+    need = torch.cuda.max_memory_allocated() - base
+    cap = 1536 * MiB
+    assert need > 2 * cap, f"the backward needs {need / MiB:.0f} MiB: too little to test a cap"
+    before = torch.cuda.lms_stats()
+    with memory_cap(cap):
+        capped = grads()
+        placed = torch.cuda.lms_stats()
+        torch.cuda.set_host_placement_lms(False)
+        without = grads()
+        after = torch.cuda.lms_stats()
+    count = placed["host_placement_count"] - before["host_placement_count"]
+    placed_bytes = placed["host_placement_bytes"] - before["host_placement_bytes"]
+    assert count >= 1, lms_summary(placed)
+    assert placed_bytes >= need - cap, lms_summary(placed)
+    assert all(torch.equal(a, b) for a, b in zip(uncapped, capped))
+    assert after["host_placement_count"] == placed["host_placement_count"]
+    record("uncapped_need_mib", round(need / MiB))
+    record("host_placement_mib", round(placed_bytes / MiB))
+    same = all(torch.equal(a, b) for a, b in zip(uncapped, without))
+    record("identical_with_placement_off", same)
+    record("lms", lms_summary(placed))
