@@ -702,12 +702,19 @@ class Replayer {
     lms::beginOperator(ev.name, touched);
     // Its working set, as operator-boundary pinning reports it: the engine
     // may pack the operator here (page out everything inactive, its inputs
-    // included, and return the allocator's cache).
+    // included, and return the allocator's cache). Packing only places
+    // memory: as the pinning glue does, a failure (a failed copy) leaves the
+    // inputs where they are and the operator goes on, its working set open
+    // until it ends.
     std::vector<c10::StorageImpl*> inputs;
     for (int id : ev.inputs) {
       inputs.push_back(storages_.at(id).storage.get());
     }
-    lms::beginWorkingSet(ev.name, inputs);
+    try {
+      lms::beginWorkingSet(ev.name, inputs);
+    } catch (const std::exception&) {
+      // The glue warns; what the operator does next is replayed and checked.
+    }
     // Pin every input, then every output (a storage may appear more than
     // once: pins are counted). On failure, unpin what was pinned, as an
     // operator-boundary guard does, and let the error end the trace.
