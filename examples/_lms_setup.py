@@ -97,15 +97,55 @@ def _unavailable_message(error: BaseException) -> str:
     )
 
 
+# The LMS keys of a configuration string that apply_lms sets itself, and where the
+# configuration comes from (the patched build reads the allocator's, the drop-in its own).
+APPLIED_CONF_KEYS = (
+    "lms",
+    "lms_limit_mb",
+    "lms_size_mb",
+    "lms_prefetch",
+    "lms_speculative_mb",
+    "lms_schedule",
+    "lms_pack",
+)
+CONF_VARIABLES = ("PYTORCH_LMS_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def overridden_conf_keys(environ: dict[str, str] | None = None) -> list[str]:
+    """The LMS settings the environment's configuration strings give (``VARIABLE: key``)
+    that :func:`apply_lms` sets itself, so that the environment's values do not hold."""
+    environ = dict(os.environ) if environ is None else environ
+    found = []
+    for variable in CONF_VARIABLES:
+        for item in environ.get(variable, "").split(","):
+            key = item.split(":", 1)[0].strip()
+            if key in APPLIED_CONF_KEYS:
+                found.append(f"{variable}: {key}")
+    return found
+
+
 def apply_lms(settings: LmsSettings) -> None:
     """Sets every LMS knob, then enables or disables LMS.
 
     Call it before the model and its data are created: only storages created (patched build)
-    or first used (extension) while LMS is enabled are paged out.
+    or first used (extension) while LMS is enabled are paged out. The knobs it sets override
+    the same keys of ``PYTORCH_LMS_CONF`` or ``PYTORCH_CUDA_ALLOC_CONF``: a warning names
+    those (set them with the script's flags or methods instead).
     """
+    import warnings
+
     import torch
 
     settings.validate()
+    overridden = overridden_conf_keys()
+    if overridden:
+        warnings.warn(
+            f"these LMS settings of the environment do not apply, the script sets them "
+            f"itself: {', '.join(overridden)}; use its flags or methods instead (--help; "
+            f"packing off, the schedule off and recompute on are compare.py's methods "
+            f"lms_nopack, lms_reactive and lms_hybrid)",
+            stacklevel=2,
+        )
     torch.cuda.set_limit_lms(0 if settings.limit_mb is None else int(settings.limit_mb * MiB))
     torch.cuda.set_size_lms(MiB if settings.size_mb is None else int(settings.size_mb * MiB))
     torch.cuda.set_prefetch_lms(settings.prefetch)

@@ -673,6 +673,40 @@ def test_apply_lms_sets_packing_and_refuses_to_turn_off_what_a_build_lacks(
         _lms_setup.apply_lms(_lms_setup.LmsSettings(enabled=True, packing=False))
 
 
+def test_apply_lms_names_the_environment_settings_it_overrides(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import _lms_setup
+    import torch
+
+    environ = {
+        "PYTORCH_LMS_CONF": "lms_pack:False, lms_host_placement:False",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,lms_size_mb:4",
+    }
+    assert _lms_setup.overridden_conf_keys(environ) == [
+        "PYTORCH_LMS_CONF: lms_pack",
+        "PYTORCH_CUDA_ALLOC_CONF: lms_size_mb",
+    ]
+    assert _lms_setup.overridden_conf_keys({"PYTORCH_LMS_CONF": "lms_host_limit_mb:64"}) == []
+    for name in (
+        "set_limit_lms",
+        "set_size_lms",
+        "set_prefetch_lms",
+        "set_speculative_lms",
+        "set_packing_lms",
+        "set_enabled_lms",
+        "reset_accumulated_lms_stats",
+        "reset_peak_lms_stats",
+    ):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None, raising=False)
+    monkeypatch.delattr(torch.cuda, "set_schedule_lms", raising=False)
+    for variable in _lms_setup.CONF_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("PYTORCH_LMS_CONF", "lms_pack:False")
+    with pytest.warns(UserWarning, match=r"do not apply.*PYTORCH_LMS_CONF: lms_pack.*lms_nopack"):
+        _lms_setup.apply_lms(_lms_setup.LmsSettings(enabled=True))
+
+
 class FakeRecompute:
     """torch.cuda's recompute switch: set_recompute_lms and get_recompute_lms, calls logged."""
 
