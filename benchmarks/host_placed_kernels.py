@@ -33,6 +33,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "examples"))
 
 ALLOCATOR_SOURCE = r"""
 #include <cuda_runtime_api.h>
@@ -168,17 +169,14 @@ def cases(torch: Any) -> dict[str, Case]:
 def probe(library: Path, names: Sequence[str] | None) -> dict[str, Any]:
     """Runs the cases (all, or ``names``) and returns the record."""
     import torch
+    from _lms_setup import deterministic
     from harness import record_environment
 
     allocator = torch.cuda.memory.CUDAPluggableAllocator(str(library), "probe_alloc", "probe_free")
     torch.cuda.memory.change_current_allocator(allocator)
     switch = ctypes.CDLL(str(library))
     switch.probe_host_bytes.restype = ctypes.c_size_t
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    deterministic()
     every = cases(torch)
     results: dict[str, Any] = {}
     for name, (make, run) in every.items():

@@ -166,6 +166,21 @@ def apply_lms(settings: LmsSettings) -> None:
     torch.cuda.reset_peak_lms_stats()
 
 
+def deterministic(cudnn_enabled: bool | None = None) -> None:
+    """Settings under which seeded runs repeat bit for bit: deterministic algorithms (a
+    warning, not an error, where an operator has none), cuDNN deterministic and without
+    benchmarking, no TF32. ``cudnn_enabled`` turns cuDNN on or off too (None: as it is)."""
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    if cudnn_enabled is not None:
+        torch.backends.cudnn.enabled = cudnn_enabled
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def lms_available() -> bool:
     import torch
 

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from lms_paths import use_shared_modules
+
+use_shared_modules()
+from _lms_setup import deterministic  # noqa: E402  (examples/: shared with the benchmarks)
 
 MiB = 1024 * 1024
 
@@ -52,14 +56,6 @@ def reset_lms() -> None:
         torch.cuda.set_host_placement_lms(True)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-
-
-def deterministic() -> None:
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 @contextlib.contextmanager

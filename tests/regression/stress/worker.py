@@ -59,6 +59,7 @@ from typing import Any
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
+from _lms_setup import deterministic  # examples/, on sys.path with harness
 from harness import provenance as checkout_provenance  # on sys.path through this package's __init__
 from harness import wait_pid, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -164,16 +165,6 @@ def ensure_lms_api() -> str:
         sys.path.insert(0, str(extension))
         import torch_lms  # noqa: F401
     return "extension"
-
-
-def deterministic(cudnn_enabled: bool = True) -> None:
-    """Seeded, deterministic kernels, no TF32."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cudnn.enabled = cudnn_enabled
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 def param_hash(tensors: list[torch.Tensor]) -> str:
