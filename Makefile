@@ -9,7 +9,9 @@
 #
 # Variables (set on the command line, e.g. `make patch TAG=v2.6.0 SOURCES=../tarballs`):
 #   TAG      release tag from config/tags.yaml (default v2.6.0)
-#   SOURCES  folder holding the tag's release tarball (checked by sha256) instead of GitHub
+#   SOURCES  folder holding the tag's release tarball (checked by sha256) instead of GitHub;
+#            for `make test`, the tarballs the tests of real PyTorch sources read (the folder
+#            must exist: `make sources SOURCES=DIR` fills it; without SOURCES those tests skip)
 #   REMOTE   git remote to clone the tag from instead of GitHub (e.g. file:///srv/pytorch.git)
 #   MIRROR   local clone holding the tag, instead of GitHub
 #            (default, none of the three: clone the tag from GitHub with its submodules)
@@ -72,7 +74,18 @@ patches: venv ## regenerate patches/TAG/ from engine/ + integration/TAG/ (all ta
 	$(LMSTOOL) patches $(TAGS_GIVEN) $(SOURCE_ARGS)
 	$(LMSTOOL) series-size --readme README.md
 
-test: venv ## run the test suite (the tests of real PyTorch sources use the tarballs in SOURCES)
+# `make test SOURCES=DIR` with no folder DIR would pass with the tests of real PyTorch sources
+# skipped (they look for their tarballs there): stop before anything is installed or run.
+ifneq ($(filter test,$(MAKECMDGOALS)),)
+ifneq ($(strip $(SOURCES)),)
+ifeq ($(wildcard $(strip $(SOURCES))/.),)
+$(error make test: SOURCES=$(strip $(SOURCES)) is not a folder, so the tests of real PyTorch \
+	sources would all skip. Run `make sources SOURCES=$(strip $(SOURCES))` to download the \
+	tarballs there, name the folder that holds them, or leave out SOURCES= to run without them)
+endif
+endif
+endif
+test: venv ## run the test suite (SOURCES=DIR: an existing folder of the tarballs the tests of real PyTorch sources read)
 	LMS_SOURCES='$(if $(strip $(SOURCES)),$(abspath $(SOURCES)))' $(PY) -m pytest tests -ra
 
 # C++ checked by clang-format with PyTorch's style (.clang-format at the root).

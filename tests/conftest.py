@@ -6,6 +6,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
@@ -14,3 +16,15 @@ if str(REPO_ROOT) not in sys.path:  # run from a checkout without `pip install -
 # to the make commands its messages suggest): the tests check those messages as a plain call
 # writes them, whatever make was given.
 os.environ.pop("LMSTOOL_MAKE_VARS", None)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Stops the run when $LMS_SOURCES names no folder: each test of real PyTorch sources would
+    skip for want of its tarball, and the run would pass with them all left out."""
+    sources = os.environ.get("LMS_SOURCES", "").strip()
+    if sources and not Path(sources).is_dir():
+        raise pytest.UsageError(
+            f"LMS_SOURCES={sources} is not a folder, so the tests of real PyTorch sources would "
+            f"all skip. Download their release tarballs there (`make sources SOURCES={sources}`), "
+            f"name the folder that holds them, or unset LMS_SOURCES to run without them"
+        )

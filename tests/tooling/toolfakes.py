@@ -163,3 +163,24 @@ class Fake:
 
     def checkout(self, dest: Path) -> Path:
         return checkout(self.matrix, self.tag, dest, self.spec, self.project)
+
+
+# Variables an enclosing `make test SOURCES=...` passes down (MAKEFLAGS carries its
+# command-line variables) or that a user may have exported: a make run by a test sees none.
+_MAKE_INHERITED = {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES"}
+_MAKE_VARIABLES = {"SOURCES", "REMOTE", "MIRROR", "TAG", "WORK", "VENV", "LMS_SOURCES"}
+
+
+def run_make(*args: str) -> subprocess.CompletedProcess[str]:
+    """``make -n ARGS`` in this checkout with a clean environment (no variables of an
+    enclosing make or of the user): prints the recipes and runs none of them."""
+    skip = _MAKE_INHERITED | _MAKE_VARIABLES
+    env = {k: v for k, v in os.environ.items() if k not in skip}
+    return subprocess.run(
+        ["make", "-n", "--no-print-directory", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
