@@ -1,10 +1,10 @@
 """The build plan of `lmstool build`: one configuration, the steps that build it.
 
-:func:`make_config` checks ARCH, CUDA and PYTHON against the tag's matrix and fixes every
-path and name of the build; :func:`plan` turns it into the steps (check out, apply, build
-environment, wheel, repair, conda package, channel, regression suite); nothing here touches
-the file system. :mod:`lmstool.steps` runs them, :mod:`lmstool.preflight` checks the host
-first.
+:func:`make_config` checks ARCH, CUDA and PYTHON against the tag's matrix, refuses a
+PYTHON_EXE that is not there, and fixes every path and name of the build; :func:`plan` turns
+it into the steps (check out, apply, build environment, wheel, repair, conda package,
+channel, regression suite); nothing here writes to the file system. :mod:`lmstool.steps` runs
+them, :mod:`lmstool.preflight` checks the host first (an interpreter's version included).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -75,6 +76,24 @@ ARCH_ENV: dict[str, dict[str, str]] = {
     "x86_64": {"USE_MKLDNN": "1", "USE_FBGEMM": "1"},
     "ppc64le": {"USE_MKLDNN": "0", "USE_FBGEMM": "0"},
 }
+
+
+def check_python_exe(python_exe: str, python: str) -> None:
+    """Refuses a PYTHON_EXE given by the user that is neither an executable file nor a command
+    on PATH: every step that makes a virtual environment runs it, so the plan of such a build
+    is not one that can run."""
+    if shutil.which(python_exe) is not None:
+        return
+    what = (
+        f"{python_exe} does not exist or is not executable"
+        if os.sep in python_exe
+        else f"there is no command {python_exe} on PATH"
+    )
+    raise LmsToolError(
+        f"{option('python_exe', python_exe)} names no interpreter: {what}. "
+        f"Pass {option('python_exe', 'PATH')} naming a Python {python} interpreter, or leave "
+        f"out {option('python_exe')} to use python{python}"
+    )
 
 
 def validate_versions(matrix: Matrix, tag: str, arch: str, cuda: str, python: str) -> None:
@@ -195,7 +214,9 @@ def make_config(
     conda_name: str = "pytorch",
     run_tests: bool = True,
 ) -> BuildConfig:
-    """The configuration of one build; refuses a tag without a series and unsupported values."""
+    """The configuration of one build; refuses a tag without a series, unsupported values and
+    a ``python_exe`` that is not there (the default, ``pythonX.Y``, is left to preflight: a dry
+    run shows the plan on a host without it)."""
     entry = matrix.require_series(tag or matrix.default_tag)
     arch = check_arch(arch or (host_arch() if host_arch() in ARCHES else "x86_64"))
     cudas = entry.cudas(arch)
@@ -210,6 +231,8 @@ def make_config(
         current = f"{sys.version_info.major}.{sys.version_info.minor}"
         python = current if current in entry.python else entry.python[-1]
     validate_versions(matrix, entry.name, arch, cuda, python)
+    if python_exe:
+        check_python_exe(python_exe, python)
     if max_jobs is not None and max_jobs < 1:
         raise LmsToolError(f"MAX_JOBS must be at least 1, not {max_jobs}: pass MAX_JOBS=1 or more")
     arch_list = cuda_arch_list or matrix.cuda_info(cuda).arch_list[arch]

@@ -46,7 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.add_argument("--build-number", type=int, default=0, help="conda build number")
     parser.add_argument("--cuda-arch-list", help="override TORCH_CUDA_ARCH_LIST")
     parser.add_argument(
-        "--python-exe", help="interpreter that makes the build venv (default: pythonX.Y)"
+        "--python-exe",
+        help="interpreter that makes the build venv: a path or a command on PATH, which must "
+        "exist (default: pythonX.Y, checked by preflight)",
     )
     parser.add_argument("--conda-name", default="pytorch", help="conda package name")
     parser.add_argument(

@@ -194,6 +194,39 @@ def test_bad_arguments(
     assert out == ""
 
 
+def test_missing_python_exe_is_refused_by_the_plan(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PYTHON_EXE that is not there is refused before a plan is shown, even a dry run's."""
+    bindir = tmp_path / "bin"
+    exe = bindir / "python2"
+    args = ("build", "v2.6.0", "--arch", "x86_64", "--python", "3.11", "--dry-run")
+    args += ("--work", str(tmp_path / "w"))
+    code, out, err = run_cli(capsys, *args, "--python-exe", str(exe))
+    assert code == 2 and out == ""
+    assert f"--python-exe {exe} names no interpreter: {exe} does not exist" in err
+    assert "Pass --python-exe PATH naming a Python 3.11 interpreter" in err
+    assert "leave out --python-exe to use python3.11" in err
+    exe.parent.mkdir()
+    exe.write_text("#!/bin/sh\n")  # there, but not executable
+    code, out, err = run_cli(capsys, *args, "--python-exe", str(exe))
+    assert code == 2 and "is not executable" in err
+    monkeypatch.setenv("PATH", str(bindir))
+    code, out, err = run_cli(capsys, *args, "--python-exe", "python3.11")
+    assert code == 2 and "there is no command python3.11 on PATH" in err
+    monkeypatch.setenv("LMSTOOL_FRONTEND", "make")
+    code, out, err = run_cli(capsys, *args, "--python-exe", str(exe))
+    assert code == 2 and f"PYTHON_EXE={exe} names no interpreter" in err
+    assert "leave out PYTHON_EXE= to use python3.11" in err and "--python-exe" not in err
+    # An executable file, or a command on PATH, makes the build's environments.
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    for given in (str(exe), "python2"):
+        code, out, err = run_cli(capsys, *args, "--python-exe", given)
+        assert code == 0, err
+        assert f"sh -c '{given} -m venv" in out
+    assert not (tmp_path / "w").exists(), "a dry run must not create anything"
+
+
 def test_unknown_tag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(capsys, "build", "v0.0.1", "--work", str(tmp_path), "--dry-run")
     assert code == 2
