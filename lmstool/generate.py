@@ -344,6 +344,50 @@ def compare_series(committed: Path, fresh: Path) -> list[str]:
     return out
 
 
+def regenerate_fix(tag: TagConfig) -> str:
+    """What brings a committed series up to date with engine/ and integration/<tag>/."""
+    return f"run `{make_command(f'make patches TAG={tag.name}')}` and commit {tag.series}"
+
+
+def quick_staleness(
+    repo_root: Path, tag: TagConfig, *, engine_dir: Path | None = None
+) -> list[str]:
+    """How ``tag``'s committed series differs from what engine/ and integration/<tag>/ give
+    now, one line each (:func:`compare_series`'s), found without the pristine tree.
+
+    An engine patch only adds new files, so its bytes do not depend on the tree it is made
+    on: the ``.engine`` entries are committed (by the code that generates the series) onto an
+    empty commit and formatted with the series' options, then compared with the committed
+    ones; the integration patches, kept only in the committed series, are compared as they
+    are. That covers an edited engine file or ``.engine`` header and a series file that lists
+    other entries, in well under a second. Whether the integration patches still apply is
+    :func:`verify_tag`'s to check (``make verify``).
+    """
+    engine_dir = engine_dir or repo_root / "engine"
+    committed = tag.series_dir(repo_root)
+    entries = read_series(tag.integration_dir(repo_root), committed)
+    check_engine_coverage(entries, engine_dir)
+    engine_entries = [e for e in entries if e.kind == "engine"]
+    with tempfile.TemporaryDirectory(prefix=f"lms-check-{tag.name}-") as tmp:
+        fresh = Path(tmp) / "fresh"
+        fresh.mkdir()
+        if engine_entries:
+            with git.Repo.init(Path(tmp) / "tree") as repo:
+                empty = pinned_env({"GIT_AUTHOR_NAME": "-", "GIT_AUTHOR_EMAIL": "-"})
+                repo.git.commit("--quiet", "--allow-empty", "-m", "empty", env=empty)
+                base = repo.head.commit.hexsha
+                for entry in engine_entries:
+                    _commit_engine(repo, entry, engine_dir)
+                out = Path(tmp) / "out"
+                out.mkdir()
+                for path in name_patches(format_patches(repo, base, out), engine_entries):
+                    os.replace(path, fresh / path.name)
+        for entry in entries:
+            if entry.kind == "patch":
+                shutil.copyfile(entry.path, fresh / entry.patch_name)
+        return compare_series(committed, fresh)
+
+
 def verify_tag(sources: Sources, tag: TagConfig, *, engine_dir: Path | None = None) -> VerifyReport:
     """Check that ``tag``'s committed series applies and equals a fresh generation."""
     repo_root = sources.repo_root
@@ -360,7 +404,7 @@ def verify_tag(sources: Sources, tag: TagConfig, *, engine_dir: Path | None = No
         else:
             report.notes.append("source only, no series")
         return report
-    fix = f"run `{make_command(f'make patches TAG={tag.name}')}` and commit {tag.series}"
+    fix = regenerate_fix(tag)
     with tempfile.TemporaryDirectory(prefix=f"lms-verify-{tag.name}-") as tmp:
         tree = Path(tmp) / "tree"
         sources.clone(tag, tree).close()

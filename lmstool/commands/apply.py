@@ -3,11 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from lmstool.commands.common import default_tree
-from lmstool.matrix import load_matrix
+from lmstool.errors import LmsToolError
+from lmstool.generate import quick_staleness
+from lmstool.hints import command
+from lmstool.matrix import TagConfig, load_matrix
 from lmstool.series import apply_series
+
+
+def stale_warning(repo: Path, tag: TagConfig, tree: Path) -> str | None:
+    """The warning for a committed series that engine/ or integration/<tag>/ have moved past
+    (an engine edited and not regenerated): what is applied then lacks those changes, and
+    `apply` alone would say only that the series is there."""
+    try:
+        differences = quick_staleness(repo, tag)
+    except LmsToolError as exc:
+        return f"cannot compare {tag.series} with engine/ and {tag.integration}: {exc}"
+    if not differences:
+        return None
+    regenerate = command(f"lmstool patches {tag.name}", f"make patches TAG={tag.name}")
+    again = command(f"lmstool apply {tag.name} --tree {tree}", f"make patch TAG={tag.name}")
+    lines = [
+        f"{tag.series} is out of date with engine/ and {tag.integration}: the tree gets the "
+        f"committed series, without the changes made there since",
+        *[f"  {line}" for line in differences],
+        f"Regenerate it with {regenerate}, then run {again} again (it replaces the series it "
+        f"applied before)",
+    ]
+    return "\n".join(lines)
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
@@ -15,8 +41,14 @@ def cmd_apply(args: argparse.Namespace) -> int:
     tag = matrix.get_tag(args.tag) if args.series else matrix.require_series(args.tag)
     tree = args.tree or default_tree(args.repo, tag.name)
     patch_dir = args.series or tag.series_dir(args.repo)
-    result = apply_series(tree, tag.name, patch_dir)
-    print(result.message)
+    # Only the committed series has sources to be out of date with.
+    warning = None if args.series else stale_warning(args.repo, tag, tree)
+    try:
+        result = apply_series(tree, tag.name, patch_dir)
+        print(result.message)
+    finally:
+        if warning:
+            print(f"lmstool apply: warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -28,7 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
             "Apply the committed series of TAG to a clean checkout of TAG with `git am` "
             "(no 3-way merge; fixed committer, committer date = author date, so re-applying "
             "gives the same commits). An already applied series is detected and left alone; "
-            "on failure the tree is restored and the failing patch and hunk are named."
+            "on failure the tree is restored and the failing patch and hunk are named. A "
+            "committed series that engine/ or integration/TAG/ have changed since it was "
+            "generated is applied as committed, with a warning naming the stale patches."
         ),
     )
     p.add_argument("tag", metavar="TAG", help="tag from config/tags.yaml")

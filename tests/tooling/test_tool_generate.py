@@ -7,10 +7,18 @@ from pathlib import Path
 
 import git
 import pytest
-from toolfakes import FAKE_TAG, Fake, commit_edit, run_cli
+from toolfakes import FAKE_TAG, REPO_ROOT, Fake, commit_edit, run_cli
 
 from lmstool.errors import LmsToolError
-from lmstool.generate import Sources, check_engine_coverage, generate, read_series, verify_tag
+from lmstool.generate import (
+    Sources,
+    check_engine_coverage,
+    generate,
+    quick_staleness,
+    read_series,
+    verify_tag,
+)
+from lmstool.matrix import load_matrix
 from lmstool.series import export_series, series_files
 
 ENGINE_HEADER = """\
@@ -112,6 +120,85 @@ def test_verify_detects_stale_missing_extra(fake: Fake, tmp_path: Path) -> None:
     proc = run_cli(*args, cache=fake.cache)
     assert proc.returncode == 1
     assert "0002-c10-core-storage-access-hook.patch does not exist" in proc.stdout
+
+
+def test_quick_staleness_agrees_with_generation(fake: Fake, tmp_path: Path) -> None:
+    """The check `apply` runs without the pristine tree finds what verify would."""
+    setup_integration(fake, tmp_path)
+    committed = fake.project / "patches" / FAKE_TAG
+    generate(Sources(fake.matrix, fake.spec, fake.project), fake.tag, committed)
+    assert quick_staleness(fake.project, fake.tag) == []
+    engine_patch = committed / "0001-c10-cuda-add-engine.patch"
+    # An engine file edited, or added, after the series was generated.
+    engine_h = fake.project / "engine" / "c10" / "cuda" / "LargeModelSupport.h"
+    original = engine_h.read_text()
+    engine_h.write_text(original + "// a change not regenerated\n")
+    assert quick_staleness(fake.project, fake.tag) == [
+        f"stale: {engine_patch} differs from the generated patch"
+    ]
+    engine_h.write_text(original)
+    added = engine_h.with_name("LargeModelSupportExtra.h")
+    added.write_text("#pragma once\n")
+    assert quick_staleness(fake.project, fake.tag) == [
+        f"stale: {engine_patch} differs from the generated patch"
+    ]
+    added.unlink()
+    # The .engine entry's header edited in integration/<tag>/.
+    header = fake.project / "integration" / FAKE_TAG / "0001-c10-cuda-add-engine.engine"
+    header.write_text(header.read_text().replace("pinned host pool", "pinned host buffers"))
+    assert quick_staleness(fake.project, fake.tag) == [
+        f"stale: {engine_patch} differs from the generated patch"
+    ]
+    header.write_text(ENGINE_HEADER)
+    assert quick_staleness(fake.project, fake.tag) == []
+    # A patch the series file does not list.
+    (committed / "0003-left-over.patch").write_text(engine_patch.read_text())
+    assert quick_staleness(fake.project, fake.tag) == [
+        f"extra: {committed / '0003-left-over.patch'} (not in the generated series)"
+    ]
+
+
+def test_every_committed_series_is_current_with_engine() -> None:
+    """Each committed series holds the engine patches engine/ makes now (`make patches`
+    regenerates them; `make verify` checks the whole series against the pristine tag)."""
+    matrix = load_matrix(REPO_ROOT)
+    tags = matrix.tags_with_series()
+    assert tags
+    for tag in tags:
+        assert quick_staleness(REPO_ROOT, tag) == [], f"run `make patches TAG={tag.name}`"
+
+
+def test_apply_warns_of_a_stale_committed_series(fake: Fake, tmp_path: Path) -> None:
+    """`make patch` after an engine edit says the committed series lacks it, whether the
+    series is applied now or was before."""
+    setup_integration(fake, tmp_path)
+    generate(
+        Sources(fake.matrix, fake.spec, fake.project), fake.tag, fake.project / "patches" / FAKE_TAG
+    )
+    tree = fake.checkout(tmp_path / "tree")
+    args = ("--repo", str(fake.project), "apply", FAKE_TAG, "--tree", str(tree))
+    proc = run_cli(*args)
+    assert proc.returncode == 0 and "applied 2 patches" in proc.stdout
+    assert "warning" not in proc.stderr
+    engine_h = fake.project / "engine" / "c10" / "cuda" / "LargeModelSupport.h"
+    engine_h.write_text(engine_h.read_text() + "// a change not regenerated\n")
+    proc = run_cli(*args)
+    assert proc.returncode == 0 and "already applied" in proc.stdout
+    assert (
+        f"warning: patches/{FAKE_TAG} is out of date with engine/ and integration/{FAKE_TAG}"
+        in proc.stderr
+    )
+    assert "0001-c10-cuda-add-engine.patch differs from the generated patch" in proc.stderr
+    assert f"Regenerate it with `lmstool patches {FAKE_TAG}`" in proc.stderr
+    # Under make, the commands are make's, with the user's source.
+    proc = run_cli(*args, env={"LMSTOOL_FRONTEND": "make", "LMSTOOL_MAKE_VARS": "SOURCES=/t"})
+    assert f"`make patches TAG={FAKE_TAG} SOURCES=/t`" in proc.stderr
+    assert f"then run `make patch TAG={FAKE_TAG} SOURCES=/t` again" in proc.stderr
+    # A series folder given on the command line has no sources to be stale against.
+    series = tmp_path / "series"
+    shutil.copytree(fake.project / "patches" / FAKE_TAG, series)
+    proc = run_cli(*args, "--series", str(series))
+    assert proc.returncode == 0 and "warning" not in proc.stderr
 
 
 def test_verify_source_only_and_unavailable(fake: Fake, tmp_path: Path) -> None:

@@ -121,9 +121,12 @@ def commit_edit(
     repo.git.commit("-q", "-m", message, env=env)
 
 
-def run_cli(*args: str, cache: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m lmstool ARGS`` from this checkout; output captured as text."""
-    env = dict(os.environ)
+def run_cli(
+    *args: str, cache: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m lmstool ARGS`` from this checkout (``env`` added to the environment);
+    output captured as text."""
+    env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if cache is not None:
         env["LMS_CACHE"] = str(cache)
