@@ -96,6 +96,11 @@ def tracked_changes(repo: git.Repo) -> list[str]:
     return [line for line in out.splitlines() if line.strip()]
 
 
+def applied_by_lmstool(commit: git.Commit) -> bool:
+    """True for a commit that ``git am`` of a series made here (its pinned committer)."""
+    return commit.committer.name == COMMITTER_NAME and commit.committer.email == COMMITTER_EMAIL
+
+
 def operation_in_progress(repo: git.Repo) -> str | None:
     gitdir = Path(repo.git_dir)
     for name, what in (

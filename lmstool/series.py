@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,8 +22,7 @@ import git
 
 from lmstool.errors import LmsToolError
 from lmstool.gitutil import (
-    COMMITTER_EMAIL,
-    COMMITTER_NAME,
+    applied_by_lmstool,
     open_repo,
     operation_in_progress,
     pinned_env,
@@ -31,7 +30,7 @@ from lmstool.gitutil import (
     run_git,
     tracked_changes,
 )
-from lmstool.hints import command, make_command, option
+from lmstool.hints import command, make_command, option, via_make
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +142,33 @@ class PatchFailure:
         return "\n".join(lines)
 
 
+def adds_files_only(path: Path) -> bool:
+    """True for a patch whose every file is a new file (an engine patch of the series)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    files = len(re.findall(r"^diff --git ", text, re.M))
+    return files > 0 and files == len(re.findall(r"^new file mode ", text, re.M))
+
+
+def where_to_fix(failure: PatchFailure, tag: str) -> str:
+    """Where the change that does not fit is made, for the message of a failed apply: an
+    integration patch is kept only as its file in the series, an engine patch is generated
+    from engine/."""
+    regenerate = f"`{make_command(f'make patches TAG={tag}')}`"
+    if failure.patch is None:
+        return f"rebase it onto {tag} and run {regenerate} (CONTRIBUTING.md, 'Changing a patch')"
+    if adds_files_only(failure.patch):
+        return (
+            f"{failure.patch} is an engine patch, generated from engine/: it only adds files, "
+            f"so this tree has some of them already (engine files must be new files in {tag}; "
+            f"start from a fresh checkout, or rename the engine file and run {regenerate})"
+        )
+    return (
+        f"the failing hunk lives in {failure.patch}, the only copy of that integration patch: "
+        f"rebase the patch onto {tag} there and run {regenerate} (CONTRIBUTING.md, 'Changing "
+        f"a patch')"
+    )
+
+
 class SeriesApplyError(LmsToolError):
     def __init__(self, failure: PatchFailure, advice: str) -> None:
         super().__init__(f"{failure.describe()}\n{advice}")
@@ -181,13 +207,14 @@ def git_am(
     repo: git.Repo,
     patches: Sequence[Path],
     *,
-    advice: str,
+    advice: str | Callable[[PatchFailure], str],
     offset: int = 0,
     total: int | None = None,
 ) -> None:
     """``git am`` the patch files onto HEAD; on failure restore HEAD and the tree and raise.
 
-    ``offset``/``total`` place ``patches`` within a longer series for the error message.
+    ``advice`` ends the error: a text, or a function of the failure that names where to fix
+    it. ``offset``/``total`` place ``patches`` within a longer series for the error message.
     """
     if not patches:
         return
@@ -218,7 +245,8 @@ def git_am(
                 f"{failure.describe()}\nafter `git am --abort` the tree is not as before "
                 f"(HEAD was {before_head}); check {repo.working_tree_dir} with `git status`"
             ) from None
-        raise SeriesApplyError(failure, advice) from None
+        text = advice if isinstance(advice, str) else advice(failure)
+        raise SeriesApplyError(failure, text) from None
 
 
 def _patch_id(repo_path: Path, diff: bytes) -> str | None:
@@ -318,7 +346,7 @@ def apply_series(tree: Path, tag: str, patch_dir: Path) -> ApplyResult:
                 f"{fresh_checkout(tree, tag)}"
             )
         above = list(repo.iter_commits(f"{tag_commit.hexsha}..HEAD"))
-        if above and all(_applied_by_lmstool(c) for c in above):
+        if above and all(applied_by_lmstool(c) for c in above):
             return _replace_series(repo, tree, tag, tag_commit, len(above), patches, patch_dir)
         if have:
             for m in range(n, 0, -1):
@@ -336,22 +364,32 @@ def apply_series(tree: Path, tag: str, patch_dir: Path) -> ApplyResult:
                         f"are already in {tree} but not as the series' commits; start from a "
                         f"fresh checkout ({fresh_checkout(tree, tag)}) and apply again"
                     )
+        own = [c for c in above if not applied_by_lmstool(c)]
+        # The series is made for the tag itself: on commits of the user's own it may be those
+        # that it does not fit.
+        elsewhere = (
+            f"`{make_command(f'make patch TAG={tag}')}` with another WORK=DIR"
+            if via_make()
+            else f"`lmstool checkout {tag} --dest DIR`, then `lmstool apply {tag} --tree DIR`"
+        )
+        yours = (
+            f"{tree} has {len(own)} commit(s) of your own above {tag} (newest: "
+            f"{own[0].hexsha[:12]} '{own[0].summary}'); the series is made for {tag} itself, so "
+            f"they may be what it does not fit: to tell, apply it to a fresh checkout in "
+            f"another folder ({elsewhere}). Otherwise, "
+            if own
+            else "The series does not fit this tree: "
+        )
         log.info("applying %d patches from %s to %s", n, patch_dir, tree)
         git_am(
             repo,
             patches,
-            advice=(
-                f"nothing was applied: HEAD and the tree of {tree} are as before. The series "
-                f"does not fit this tree: rebase it (edit the hunk in integration/{tag}/, "
-                f"`{make_command(f'make patches TAG={tag}')}`; see CONTRIBUTING.md)"
+            advice=lambda failure: (
+                f"nothing was applied: HEAD and the tree of {tree} are as before. {yours}"
+                f"{where_to_fix(failure, tag)}"
             ),
         )
         return ApplyResult(n, False, f"applied {n} patches; HEAD is {repo.head.commit.hexsha[:12]}")
-
-
-def _applied_by_lmstool(commit: git.Commit) -> bool:
-    """True for a commit that ``git am`` of a series made here (its pinned committer)."""
-    return commit.committer.name == COMMITTER_NAME and commit.committer.email == COMMITTER_EMAIL
 
 
 def _replace_series(
@@ -387,10 +425,9 @@ def _replace_series(
     git_am(
         repo,
         patches,
-        advice=(
+        advice=lambda failure: (
             f"the tree is at {tag}; the series it held before is on branch {keep}. The "
-            f"series does not fit this tree: rebase it (edit the hunk in integration/{tag}/, "
-            f"`{make_command(f'make patches TAG={tag}')}`; see CONTRIBUTING.md)"
+            f"series does not fit {tag}: {where_to_fix(failure, tag)}"
         ),
     )
     return ApplyResult(

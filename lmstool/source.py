@@ -39,7 +39,13 @@ from typing import IO
 import git
 
 from lmstool.errors import LmsToolError
-from lmstool.gitutil import operation_in_progress, pinned_env, resolve_commit, tracked_changes
+from lmstool.gitutil import (
+    applied_by_lmstool,
+    operation_in_progress,
+    pinned_env,
+    resolve_commit,
+    tracked_changes,
+)
 from lmstool.hints import option
 from lmstool.matrix import Matrix, TagConfig, Tarball
 
@@ -489,21 +495,43 @@ def _operation_in(dest: Path) -> str | None:
         return operation_in_progress(repo)
 
 
-def _reusable(dest: Path, tag: TagConfig) -> bool:
-    """True when ``dest`` is a clean checkout of ``tag`` (the series may be applied on it)."""
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def _what_is_there(dest: Path, tag: TagConfig) -> tuple[bool, str]:
+    """Whether the existing ``dest`` can serve as the checkout of ``tag`` (the tag in HEAD's
+    history, no uncommitted changes to tracked files), and what it is, for the message: a
+    pristine checkout, one with an applied series, one with commits of the user's own."""
     try:
         repo = git.Repo(dest)
     except (git.NoSuchPathError, git.InvalidGitRepositoryError):
-        return False
+        return False, "not a git checkout"
     with repo:
-        if Path(repo.working_tree_dir or "").resolve() != dest.resolve():
-            return False
+        top = Path(repo.working_tree_dir or "").resolve()
+        if top != dest.resolve():
+            return False, f"a folder inside the git checkout {top}, not a checkout itself"
         tag_commit = resolve_commit(repo, tag.name)
         if tag_commit is None or not repo.head.is_valid():
-            return False
+            return False, f"a git checkout without {tag.name}"
         if not repo.is_ancestor(tag_commit, repo.head.commit):
-            return False
-        return not tracked_changes(repo)
+            return False, f"a git checkout whose HEAD does not contain {tag.name}"
+        dirty = tracked_changes(repo)
+        if dirty:
+            return False, (
+                f"a checkout of {tag.name} with uncommitted changes to "
+                f"{_plural(len(dirty), 'file')} (e.g. {dirty[0].strip()})"
+            )
+        above = list(repo.iter_commits(f"{tag_commit.hexsha}..HEAD"))
+        if not above:
+            return True, f"a pristine checkout of {tag.name}"
+        own = [c for c in above if not applied_by_lmstool(c)]  # newest first
+        series = len(above) - len(own)
+        parts = [_plural(series, "commit") + " of an applied series"] if series else []
+        if own:
+            newest = own[0].summary
+            parts.append(f"{_plural(len(own), 'commit')} of your own (newest: {newest!r})")
+        return True, f"a checkout of {tag.name} with {' and '.join(parts)} above the tag"
 
 
 def checkout(matrix: Matrix, tag: TagConfig, dest: Path, spec: SourceSpec, repo_root: Path) -> Path:
@@ -522,12 +550,14 @@ def checkout(matrix: Matrix, tag: TagConfig, dest: Path, spec: SourceSpec, repo_
                     f"was left untouched: finish or abort it there (git -C {dest} am --abort), "
                     f"or move it away or pass another {option('dest', 'DIR')}"
                 )
-            if _reusable(dest, tag):
-                log.info("%s is already a clean checkout of %s; reusing it", dest, tag.name)
+            reusable, what = _what_is_there(dest, tag)
+            if reusable:
+                log.info("%s is %s; reusing it as it is", dest, what)
                 return dest
             raise LmsToolError(
-                f"{dest} exists and is not a clean checkout of {tag.name}; it was left "
-                f"untouched: move it away or pass another {option('dest', 'DIR')}"
+                f"{dest} exists and is {what}; it was left untouched (a checkout is reused when "
+                f"{tag.name} is in its history and it has no uncommitted changes): move it away "
+                f"or pass another {option('dest', 'DIR')}"
             )
     start = time.monotonic()
     if spec.remote is not None or (spec.sources is None and spec.mirror is None):

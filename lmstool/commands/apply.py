@@ -57,7 +57,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "apply",
         help="apply patches/TAG/*.patch to a checkout with git am",
         description=(
-            "Apply the committed series of TAG to a clean checkout of TAG with `git am` "
+            "Apply the committed series of TAG with `git am` to a checkout of TAG without "
+            "uncommitted changes "
             "(no 3-way merge; fixed committer, committer date = author date, so re-applying "
             "gives the same commits). An already applied series is detected and left alone; "
             "on failure the tree is restored and the failing patch and hunk are named. A "

@@ -26,8 +26,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         description=(
             "Get TAG's PyTorch source as a git repository on branch lms-TAG at the tag, from "
             "GitHub (default, with submodules), a local mirror, or a release tarball in "
-            "--sources (sha256 checked first; imported once into a cache). An existing clean "
-            "checkout of TAG at DEST is reused; anything else there is left alone."
+            "--sources (sha256 checked first; imported once into a cache). An existing "
+            "checkout at DEST with TAG in its history and no uncommitted changes is reused as "
+            "it is (the message says whether it holds a series or commits of your own); "
+            "anything else there is left alone."
         ),
     )
     p.add_argument("tag", metavar="TAG", help="tag from config/tags.yaml, e.g. v2.6.0")

@@ -107,7 +107,7 @@ def test_cli_checkout_real(pristine: Pristine, cache: Path, tmp_path: Path) -> N
     repo = git.Repo(dest)
     assert repo.head.commit.hexsha == PRISTINE_COMMIT
     assert repo.active_branch.name == "lms-v2.6.0" and not repo.is_dirty(untracked_files=True)
-    again = run_cli(*args)  # a clean checkout of the tag is reused
+    again = run_cli(*args)  # a pristine checkout of the tag is reused
     assert again.returncode == 0 and "reusing it" in again.stderr
 
 

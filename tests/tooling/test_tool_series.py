@@ -136,10 +136,51 @@ def test_conflict_names_patch_and_hunk_and_restores(
     assert "patch 2/2 0002-c10-cuda-reclaim-in-the-allocator.patch" in msg
     assert "('c10/cuda: reclaim in the allocator')" in msg
     assert "failed hunk: c10/cuda/CUDACachingAllocator.h hunk #1: @@ -28,6 +28,7 @@" in msg
-    assert "rebase it" in msg and "CONTRIBUTING.md" in msg
+    # The hunk lives in the series' own file, and the tree's own commit may be the cause.
+    patch = series / "0002-c10-cuda-reclaim-in-the-allocator.patch"
+    assert f"the failing hunk lives in {patch}, the only copy of that integration patch" in msg
+    assert "integration/" not in msg and "CONTRIBUTING.md" in msg
+    assert "has 1 commit(s) of your own above v0.1.0" in msg and "'upstream change'" in msg
+    assert "to tell, apply it to a fresh checkout in another folder (`lmstool checkout" in msg
+    assert "rm -rf" not in msg, "a tree with commits of one's own is never to be removed"
     assert exc.value.failure.hunks[0].number == 1
     assert tree_state(fake_tree) == before  # HEAD and `git status` exactly as before
     assert not (Path(repo.git_dir) / "rebase-apply").exists()
+
+
+def test_failing_hunk_names_its_patch_file(fake: Fake, fake_tree: Path, tmp_path: Path) -> None:
+    """On the pristine tag, a hunk that does not fit sends the user to the file it lives in:
+    an integration patch is kept only in the series (CONTRIBUTING.md), not in integration/."""
+    series = _make_series(fake, tmp_path)
+    patch = series / "0002-c10-cuda-reclaim-in-the-allocator.patch"
+    patch.write_text(patch.read_text().replace(" // CUDACachingAllocator line 29", " // gone"))
+    with pytest.raises(SeriesApplyError) as exc:
+        apply_series(fake_tree, FAKE_TAG, series)
+    msg = str(exc.value)
+    assert f"The series does not fit this tree: the failing hunk lives in {patch}" in msg
+    assert "rebase the patch onto v0.1.0 there and run `make patches TAG=v0.1.0`" in msg
+    assert "integration/" not in msg and "of your own" not in msg
+
+
+def test_engine_patch_meeting_its_files_says_so(
+    fake: Fake, fake_tree: Path, tmp_path: Path
+) -> None:
+    """A patch that only adds files fails where the tree has them: it is generated from
+    engine/, so there is no hunk to rebase."""
+    dev = git.Repo(fake.checkout(tmp_path / "dev"))
+    engine_h = Path(dev.working_tree_dir or ".") / "c10" / "cuda" / "LargeModelSupport.h"
+    engine_h.write_text("#pragma once\n")
+    dev.git.add(str(engine_h))
+    dev.git.commit("-q", "-m", "c10/cuda: add the engine", env={"GIT_AUTHOR_NAME": "x"})
+    series = tmp_path / "series"
+    export_series(Path(dev.working_tree_dir or "."), FAKE_TAG, series)
+    (fake_tree / "c10" / "cuda" / "LargeModelSupport.h").write_text("// left here\n")
+    with pytest.raises(SeriesApplyError) as exc:
+        apply_series(fake_tree, FAKE_TAG, series)
+    msg = str(exc.value)
+    patch = series_files(series)[0]
+    assert f"{patch} is an engine patch, generated from engine/: it only adds files" in msg
+    assert "integration/" not in msg
 
 
 def test_conflict_via_cli(fake: Fake, fake_tree: Path, tmp_path: Path) -> None:

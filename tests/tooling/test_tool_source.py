@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import re
 import shutil
@@ -19,6 +20,7 @@ from toolfakes import (
     FAKE_TOP,
     MTIME,
     Fake,
+    commit_edit,
     make_tarball,
     run_cli,
     write_matrix,
@@ -144,9 +146,43 @@ def test_existing_checkout_reused(fake: Fake, fake_tree: Path) -> None:
     assert git.Repo(fake_tree).head.commit.hexsha == head
 
 
+def test_reused_checkout_is_called_what_it_is(
+    fake: Fake, fake_tree: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reused checkout is named for what it holds: the tag alone, an applied series, or
+    commits of the user's own (not "a clean checkout" for all three)."""
+    caplog.set_level(logging.INFO, logger="lmstool.source")
+    fake.checkout(fake_tree)
+    assert f"{fake_tree} is a pristine checkout of v0.1.0; reusing it as it is" in caplog.text
+    repo = git.Repo(fake_tree)
+    commit_edit(
+        repo, "README.md", "fake upstream\n", "mine\n", "my own change",
+        "2025-02-05T00:00:00+00:00",
+    )  # fmt: skip
+    caplog.clear()
+    fake.checkout(fake_tree)
+    assert (
+        "is a checkout of v0.1.0 with 1 commit of your own (newest: 'my own change') above the "
+        "tag; reusing it as it is"
+    ) in caplog.text
+    assert "pristine" not in caplog.text and "clean" not in caplog.text
+    env = pinned_env({"GIT_AUTHOR_NAME": "x", "GIT_AUTHOR_EMAIL": "x@x"})
+    repo.git.commit("-q", "--allow-empty", "-m", "as git am of a series makes it", env=env)
+    caplog.clear()
+    fake.checkout(fake_tree)
+    assert (
+        "with 1 commit of an applied series and 1 commit of your own (newest: 'my own change') "
+        "above the tag"
+    ) in caplog.text
+
+
 def test_existing_dirty_checkout_left_alone(fake: Fake, fake_tree: Path) -> None:
     (fake_tree / "README.md").write_text("local edit\n")
-    with pytest.raises(LmsToolError, match=r"clean checkout of v0\.1\.0; it was left untouched"):
+    with pytest.raises(
+        LmsToolError,
+        match=r"is a checkout of v0\.1\.0 with uncommitted changes to 1 file \(e\.g\. M "
+        r"README\.md\); it was left untouched",
+    ):
         fake.checkout(fake_tree)
     assert (fake_tree / "README.md").read_text() == "local edit\n"
 
