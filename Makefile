@@ -14,7 +14,10 @@
 #            must exist: `make sources SOURCES=DIR` fills it; without SOURCES those tests skip)
 #   REMOTE   git remote to clone the tag from instead of GitHub (e.g. file:///srv/pytorch.git)
 #   MIRROR   local clone holding the tag, instead of GitHub
-#            (default, none of the three: clone the tag from GitHub with its submodules)
+#            (default, none of the three: clone the tag from GitHub with its submodules;
+#            given together, MIRROR wins over REMOTE and REMOTE over SOURCES, and the targets
+#            that check out a tag say so in one line: SOURCES kept in the environment for
+#            `make test` does not stop a `make patch MIRROR=PATH`)
 #   WORK     scratch area for checkouts, builds and the source cache (git-ignored)
 #   VENV     virtual environment with the tooling and test dependencies
 
@@ -33,7 +36,15 @@ PY := $(VENV)/bin/python
 export LMSTOOL_MAKE_VARS := $(strip $(foreach v,SOURCES REMOTE MIRROR,$(if $(strip $($(v))),$(v)=$($(v)))) \
 	$(if $(filter-out work,$(WORK)),WORK=$(WORK)))
 LMSTOOL := LMSTOOL_FRONTEND=make $(PY) -m lmstool
+# Where the targets that check out a tag (patch, verify, patches, build) get it: the first of
+# MIRROR, REMOTE and SOURCES given, else GitHub. SOURCE_NOTICE, a recipe line, says which won
+# when more than one was given (it prints while make expands the recipe, -n included).
+SOURCE_VARS := $(strip $(foreach v,MIRROR REMOTE SOURCES,$(if $(strip $($(v))),$(v))))
+SOURCE_USED := $(if $(SOURCE_VARS),$(firstword $(SOURCE_VARS))=$(strip $($(firstword $(SOURCE_VARS)))))
+SOURCE_UNUSED := $(foreach v,$(wordlist 2,3,$(SOURCE_VARS)),$(v)=$(strip $($(v))))
 SOURCE_ARGS := $(if $(strip $(MIRROR)),--mirror $(MIRROR),$(if $(strip $(REMOTE)),--remote $(REMOTE),$(if $(strip $(SOURCES)),--sources $(SOURCES))))
+SOURCE_NOTICE = $(if $(SOURCE_UNUSED),$(info make: the tag comes from $(SOURCE_USED); \
+	$(SOURCE_UNUSED) not used for it (MIRROR wins over REMOTE, REMOTE over SOURCES)))
 TREE := $(WORK)/pytorch-$(TAG)
 # `make patches` / `make verify`: only TAG when it was given, otherwise every tag.
 TAGS_GIVEN := $(if $(filter command line environment,$(origin TAG)),$(TAG))
@@ -42,7 +53,9 @@ TAGS_GIVEN := $(if $(filter command line environment,$(origin TAG)),$(TAG))
 .PHONY: help deps venv sources patch verify patches test lint recipe-sync
 
 help: ## list the targets
-	@echo "PyTorch Large Model Support (TAG=$(TAG), source: $(or $(MIRROR),$(REMOTE),$(SOURCES),GitHub), WORK=$(WORK))"
+	@echo "PyTorch Large Model Support (TAG=$(TAG), source: $(or $(SOURCE_USED),GitHub)$(if $(SOURCE_UNUSED), ($(SOURCE_UNUSED) not used)), WORK=$(WORK))"
+	@echo "A tag is checked out from MIRROR=PATH, else REMOTE=URL, else SOURCES=DIR, else GitHub;"
+	@echo "make test reads the tarballs in SOURCES=DIR for the tests of real PyTorch sources."
 	@echo
 	@grep -hE '^[a-zA-Z0-9_.-]+:.*## ' $(MAKEFILE_LIST) \
 		| awk -F':.*## ' '{printf "  make %-14s %s\n", $$1, $$2}'
@@ -63,14 +76,17 @@ sources: venv ## download the source tarballs of every tag with a series (or TAG
 	$(LMSTOOL) fetch $(TAGS_GIVEN) --to $(or $(strip $(SOURCES)),$(WORK)/sources)
 
 patch: venv ## check out TAG into WORK/pytorch-TAG and apply its series
+	$(SOURCE_NOTICE)
 	$(LMSTOOL) checkout $(TAG) --require-series --dest $(TREE) $(SOURCE_ARGS)
 	$(LMSTOOL) apply $(TAG) --tree $(TREE)
 	@echo "patched tree ready to build: $(abspath $(TREE))"
 
 verify: venv ## check every committed series applies and is up to date (or TAG=...)
+	$(SOURCE_NOTICE)
 	$(LMSTOOL) verify $(TAGS_GIVEN) $(SOURCE_ARGS)
 
 patches: venv ## regenerate patches/TAG/ from engine/ + integration/TAG/ (all tags unless TAG=...)
+	$(SOURCE_NOTICE)
 	$(LMSTOOL) patches $(TAGS_GIVEN) $(SOURCE_ARGS)
 	$(LMSTOOL) series-size --readme README.md
 

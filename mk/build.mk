@@ -2,6 +2,7 @@
 #
 #   make build TAG=v2.6.0 [ARCH=x86_64|ppc64le] [CUDA=12.6] [PYTHON=3.11] [PYTHON_EXE=PATH]
 #              [SOURCES=DIR | REMOTE=URL | MIRROR=PATH] [WORK=work] [MAX_JOBS=N]
+#              (one source: MIRROR wins over REMOTE, REMOTE over SOURCES, as in the Makefile)
 #              [DRY_RUN=1] [PREFLIGHT=1] [SKIP_TESTS=1]
 #   make channel [CHANNEL=DIR]                      reindex the private conda channel in DIR
 #                                                   (default WORK/channel)
@@ -29,7 +30,7 @@ LMS_BUILD_ARGS = $(TAG) --work $(WORK) \
 	$(if $(CUDA),--cuda $(CUDA)) \
 	$(if $(PYTHON),--python $(PYTHON)) \
 	$(if $(PYTHON_EXE),--python-exe $(PYTHON_EXE)) \
-	$(if $(strip $(MIRROR)),--mirror $(MIRROR),$(if $(strip $(REMOTE)),--remote $(REMOTE),$(if $(strip $(SOURCES)),--sources $(SOURCES)))) \
+	$(SOURCE_ARGS) \
 	$(if $(MAX_JOBS),--max-jobs $(MAX_JOBS)) \
 	$(if $(filter 1 yes true,$(SKIP_TESTS)),--skip-tests) \
 	$(if $(filter 1 yes true,$(DRY_RUN)),--dry-run) \
@@ -37,6 +38,7 @@ LMS_BUILD_ARGS = $(TAG) --work $(WORK) \
 
 .PHONY: build channel recipe-render
 build: venv ## check out, patch, build wheel + conda package, run the regression suite (DRY_RUN=1: plan only)
+	$(SOURCE_NOTICE)
 	$(LMSTOOL) build $(LMS_BUILD_ARGS)
 
 channel: venv ## index the private conda channel in CHANNEL=DIR (default WORK/channel)

@@ -54,3 +54,50 @@ def test_pytest_refuses_lms_sources_that_does_not_exist(tmp_path: Path) -> None:
     env["LMS_SOURCES"] = str(tmp_path)
     done = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _lmstool_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if " -m lmstool " in line]
+
+
+@needs_make
+@pytest.mark.parametrize("target", ["patch", "verify", "patches", "build"])
+def test_one_source_wins_and_make_says_which(target: str) -> None:
+    """SOURCES with MIRROR (or REMOTE): the checkout comes from one, and make says which in one
+    line (SOURCES may be kept in the environment for `make test`)."""
+    done = run_make(target, "PY=python3", "SOURCES=/tarballs", "MIRROR=/clone")
+    assert done.returncode == 0, done.stderr
+    notice = (
+        "make: the tag comes from MIRROR=/clone; SOURCES=/tarballs not used for it (MIRROR wins "
+        "over REMOTE, REMOTE over SOURCES)"
+    )
+    assert done.stdout.splitlines().count(notice) == 1
+    first = _lmstool_lines(done.stdout)[0]
+    assert "--mirror /clone" in first and "--sources" not in first
+    done = run_make(target, "PY=python3", "SOURCES=/tarballs", "REMOTE=file:///r.git")
+    assert "make: the tag comes from REMOTE=file:///r.git; SOURCES=/tarballs not used" in (
+        done.stdout
+    )
+    assert "--remote file:///r.git" in _lmstool_lines(done.stdout)[0]
+    # One source alone needs no word.
+    for alone in ("SOURCES=/tarballs", "MIRROR=/clone", "REMOTE=file:///r.git"):
+        assert "make: the tag comes from" not in run_make(target, "PY=python3", alone).stdout
+
+
+@needs_make
+def test_make_test_reads_sources_whatever_mirror_says(tmp_path: Path) -> None:
+    done = run_make("test", f"SOURCES={tmp_path}", "MIRROR=/clone")
+    assert done.returncode == 0, done.stderr
+    assert "make: the tag comes from" not in done.stdout
+    assert f"LMS_SOURCES='{tmp_path}'" in done.stdout
+
+
+@needs_make
+def test_make_help_says_which_source_wins() -> None:
+    done = run_make("help", "SOURCES=/tarballs", "MIRROR=/clone")
+    assert "source: MIRROR=/clone (SOURCES=/tarballs not used)" in done.stdout
+    assert "from MIRROR=PATH, else REMOTE=URL, else SOURCES=DIR, else GitHub" in done.stdout
+    assert "source: GitHub," in run_make("help").stdout
+    lines = (REPO_ROOT / "Makefile").read_text().splitlines()
+    header = " ".join(line.lstrip("# ") for line in lines[: lines.index("")] if line)
+    assert "MIRROR wins over REMOTE and REMOTE over SOURCES" in header
