@@ -41,15 +41,21 @@ def cmd_tags(args: argparse.Namespace) -> int:
         for key, value in values.items():
             print(f"{key}={shlex.quote(value)}")
         return 0
-    rows = [_as_dict(matrix, t) for t in matrix.tags.values()]
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([_as_dict(matrix, t) for t in matrix.tags.values()], indent=2))
         return 0
-    for row in rows:
-        series = row["series"] if row["has_series"] else "source only"
-        default = " (default)" if row["default"] else ""
-        print(f"{row['tag']}{default}: {series}; Python {', '.join(row['python'])}")  # type: ignore[arg-type]
+    for tag in matrix.tags.values():
+        series = tag.series.as_posix() if tag.has_series(matrix.repo) else "source only"
+        default = " (default)" if tag.name == matrix.default_tag else ""
+        print(f"{tag.name}{default}: {series}; Python {', '.join(tag.python)}; {_cuda_text(tag)}")
     return 0
+
+
+def _cuda_text(tag: TagConfig) -> str:
+    """The CUDA versions a build of ``tag`` supports, per architecture (they differ: NVIDIA's
+    last ppc64le toolkit is older than the newest x86_64 one)."""
+    per_arch = [f"on {arch}: {', '.join(cudas)}" for arch, cudas in tag.cuda.items() if cudas]
+    return "CUDA " + "; ".join(per_arch) if per_arch else "no CUDA version listed"
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -57,7 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
         "tags",
         help="list the supported tags (config/tags.yaml)",
         description=(
-            "List the supported tags with their series and Python versions, as JSON "
+            "List the supported tags with their series, Python versions and CUDA versions "
+            "per architecture (config/tags.yaml), as JSON "
             "(--json), or one tag as shell assignments (--shell [TAG]: LMS_TAG, "
             "LMS_VERSION, LMS_SERIES, LMS_TARBALLS) for scripts."
         ),

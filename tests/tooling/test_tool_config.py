@@ -77,6 +77,25 @@ def test_missing_matrix(tmp_path: Path) -> None:
         load_matrix(tmp_path)
 
 
+def test_tags_lists_python_and_cuda_per_architecture() -> None:
+    """`lmstool tags` shows what a build of each tag supports: Python and, per architecture,
+    CUDA (config/tags.yaml)."""
+    matrix = load_matrix(REPO_ROOT)
+    proc = run_cli("tags")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == len(matrix.tags)
+    for line, tag in zip(lines, matrix.tags.values()):
+        assert line.startswith(
+            f"{tag.name}{' (default)' if tag.name == matrix.default_tag else ''}:"
+        )
+        assert f"; Python {', '.join(tag.python)};" in line
+        for arch, cudas in tag.cuda.items():
+            assert f"on {arch}: {', '.join(cudas)}" in line
+    first = matrix.get_tag("v2.6.0")
+    assert f"CUDA on x86_64: {', '.join(first.cudas('x86_64'))}; on ppc64le: " in proc.stdout
+
+
 def test_every_command_has_help() -> None:
     assert run_cli("--help").returncode == 0
     for command in ("checkout", "apply", "export", "patches", "verify"):
