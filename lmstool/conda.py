@@ -130,9 +130,9 @@ LMS_MODULE = "torch/cuda/lms.py"
 
 def check_torch_wheel(path: Path, tag: str, cuda: str) -> None:
     """Refuses a torch wheel that is not what a package of ``tag`` with LMS for CUDA
-    ``cuda`` must hold: another PyTorch version, a CPU build or a build for another CUDA
-    (``torch/version.py``), or a build without the LMS series (no ``torch/cuda/lms.py``).
-    Each error says which, and what to pass instead."""
+    ``cuda`` must hold: a CPU-only build (whatever its version), another PyTorch version or a
+    build for another CUDA (``torch/version.py``), or a build without the LMS series (no
+    ``torch/cuda/lms.py``). Each error says which, and what to pass instead."""
     wheel = WheelInfo.parse(path)
     try:
         with zipfile.ZipFile(path) as archive:
@@ -151,17 +151,22 @@ def check_torch_wheel(path: Path, tag: str, cuda: str) -> None:
     version = found[1] if found else wheel.version
     release = version.split("+")[0]
     wanted = tag.removeprefix("v")
+    built = _CUDA_LINE.search(version_py)
+    built_cuda = None if built is None or built[1] == "None" else built[2]
+    # A CPU-only build is refused for being one before its version is looked at: a stock CPU
+    # wheel (the torch of a CPU machine's pip) is the likely mistake, and no --tag fixes it.
+    if not built_cuda:
+        said = "cuda = None" if built is not None else "no cuda line"
+        other = f", and of {release} rather than {tag}" if release != wanted else ""
+        raise LmsToolError(
+            f"{path.name} is a CPU-only build of PyTorch {version} (torch/version.py: {said})"
+            f"{other}; an LMS package holds a CUDA build of {tag} with the LMS series: build "
+            f"that wheel with a CUDA toolkit (`make build TAG={tag}`)"
+        )
     if release != wanted:
         raise LmsToolError(
             f"{path.name} is PyTorch {version}, not {tag}: package the wheel built from {tag}, "
             f"or pass --tag v{release} if that tag has a series"
-        )
-    built = _CUDA_LINE.search(version_py)
-    built_cuda = None if built is None or built[1] == "None" else built[2]
-    if not built_cuda:
-        raise LmsToolError(
-            f"{path.name} is a CPU build of PyTorch (torch/version.py: cuda = None); LMS "
-            "packages are CUDA builds: build the wheel with a CUDA toolkit (`make build`)"
         )
     if built_cuda != cuda:
         raise LmsToolError(

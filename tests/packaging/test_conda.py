@@ -122,12 +122,21 @@ def test_torch_wheel_check(tmp_path: Path) -> None:
         conda.check_torch_wheel(good, "v1.13.1", "12.6")
     with pytest.raises(LmsToolError, match=r"built with CUDA 12\.6, not 12\.4: pass --cuda 12\.6"):
         conda.check_torch_wheel(good, "v2.6.0", "12.4")
+    # A CPU wheel is refused for being CPU-only, whatever its version.
     stock = make_wheel(tmp_path / "stock", version="2.13.0+cpu")
-    with pytest.raises(LmsToolError, match=r"PyTorch 2\.13\.0\+cpu, not v2\.6\.0"):
+    with pytest.raises(
+        LmsToolError,
+        match=r"is a CPU-only build of PyTorch 2\.13\.0\+cpu \(torch/version\.py: cuda = None\), "
+        r"and of 2\.13\.0 rather than v2\.6\.0",
+    ):
         conda.check_torch_wheel(stock, "v2.6.0", "12.6")
     cpu = make_wheel(tmp_path / "cpu", version="2.6.0+cpu")
-    with pytest.raises(LmsToolError, match="CPU build"):
+    with pytest.raises(LmsToolError, match=r"CPU-only build of PyTorch 2\.6\.0\+cpu \(torch/"):
         conda.check_torch_wheel(cpu, "v2.6.0", "12.6")
+    # A CUDA build of another version is refused for its version.
+    other = make_wheel(tmp_path / "other", version="2.13.0+cu126")
+    with pytest.raises(LmsToolError, match=r"PyTorch 2\.13\.0\+cu126, not v2\.6\.0"):
+        conda.check_torch_wheel(other, "v2.6.0", "12.6")
     files = {
         "torch/__init__.py": "__version__ = '2.6.0+cu126'\n",
         "torch/version.py": "__version__ = '2.6.0+cu126'\ncuda = '12.6'\n",
@@ -146,7 +155,8 @@ def test_conda_package_cli_refuses_a_stock_wheel(
     stock = make_wheel(tmp_path / "stock", version="2.13.0+cpu")
     code = main(["conda-package", str(stock), "--cuda", "12.6", "--output-dir", str(tmp_path)])
     assert code != 0
-    assert "not v2.6.0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "is a CPU-only build of PyTorch 2.13.0+cpu" in err and "rather than v2.6.0" in err
     assert not list(tmp_path.rglob("*.conda"))
 
 
