@@ -88,7 +88,7 @@ verify: venv ## check every committed series applies and is up to date (or TAG=.
 patches: venv ## regenerate patches/TAG/ from engine/ + integration/TAG/ (all tags unless TAG=...)
 	$(SOURCE_NOTICE)
 	$(LMSTOOL) patches $(TAGS_GIVEN) $(SOURCE_ARGS)
-	$(LMSTOOL) series-size --readme README.md
+	$(LMSTOOL) series-size --readme docs/tooling.md
 
 # `make test SOURCES=DIR` with no folder DIR would pass with the tests of real PyTorch sources
 # skipped (they look for their tarballs there): stop before anything is installed or run.

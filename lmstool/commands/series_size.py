@@ -1,4 +1,4 @@
-"""``lmstool series-size``: the size of each committed series, for the README's table."""
+"""``lmstool series-size``: the size of each committed series, for the table of docs/tooling.md."""
 
 from __future__ import annotations
 

@@ -108,13 +108,13 @@ def test_committed_readme_is_up_to_date() -> None:
     assert summarize.main(["--readme", str(REPO / "benchmarks/README.md"), "--check"]) == 0
 
 
-def test_readme_nocap_table_is_up_to_date() -> None:
-    """README.md's no-cap table is what the committed no-cap results make (regenerate it with
-    `python benchmarks/summarize.py --nocap benchmarks/results/nocap/<run> --readme
-    README.md`)."""
+def test_docs_nocap_table_is_up_to_date() -> None:
+    """docs/results.md's no-cap table is what the committed no-cap results make (regenerate it
+    with `python benchmarks/summarize.py --nocap benchmarks/results/nocap/<run> --readme
+    docs/results.md`)."""
     runs = sorted(p for p in (REPO / "benchmarks/results/nocap").iterdir() if p.is_dir())
     assert runs, "no committed no-cap results"
-    readme = REPO / "README.md"
+    readme = REPO / summarize.SECTION_FILES["nocap-table"]
     assert summarize.main(["--nocap", str(runs[-1]), "--readme", str(readme), "--check"]) == 0
 
 
@@ -144,9 +144,10 @@ def test_committed_goals_are_rescored(tmp_path: Path) -> None:
 
 
 def test_readme_tables_are_up_to_date() -> None:
-    """README.md's generated tables (no cap, the regression matrix, the comparison under a
-    cap), benchmarks/README.md's summary and the index of benchmarks/results/ are what the
-    committed results make (regenerate them with `python benchmarks/summarize.py --tables`)."""
+    """README.md's summary, the tables of docs/results.md (no cap, the regression matrix, the
+    comparison under a cap, the stress suite, recompute), benchmarks/README.md's summary and
+    the index of benchmarks/results/ are what the committed results make (regenerate them
+    with `python benchmarks/summarize.py --tables`)."""
     assert summarize.main(["--tables", "--check"]) == 0
 
 
@@ -178,9 +179,11 @@ def test_results_index(tmp_path: Path) -> None:
 
 
 def test_committed_results_follow_the_layout() -> None:
-    """benchmarks/results/<topic>/<date>-<device>-<commit>/ for every run folder."""
+    """benchmarks/results/<topic>/<date>-<device>-<commit>/ for every run folder; beside the
+    topics only the index (README.md) and the narrative of the runs (HISTORY.md)."""
     assert "not in the layout" not in summarize.results_index()
-    loose = [p.name for p in summarize.RESULTS.iterdir() if p.is_file() and p.name != "README.md"]
+    documents = ("README.md", "HISTORY.md")
+    loose = [p.name for p in summarize.RESULTS.iterdir() if p.is_file() and p.name not in documents]
     assert not loose, loose
 
 
@@ -489,3 +492,104 @@ def test_hybrid_table_and_goals(tmp_path: Path) -> None:
     # 4x: faster than paging, checkpointing out of memory; no cap: slower than checkpointing.
     assert "out of memory) at 4x and with no cap: ResNet-152 4x; not: GPT no cap 1.5x." in text
     assert "No lms_hybrid results" in summarize.hybrid_summary(tmp_path / "x", "here", SHA)
+
+
+def test_every_generated_section_lives_once_in_its_file() -> None:
+    """Each section SECTION_FILES names has its markers once, in its file and in no other of
+    the files it names, so --tables writes each table in one place."""
+    files = {REPO / f for f in summarize.SECTION_FILES.values()}
+    for name, where in summarize.SECTION_FILES.items():
+        begin = f"<!-- {name}:begin"
+        for path in files:
+            count = path.read_text().count(begin)
+            assert count == (1 if path == REPO / where else 0), (name, path)
+    markers = (
+        summarize.SUMMARY_BEGIN,
+        summarize.NOCAP_BEGIN,
+        summarize.MATRIX_CAPPED_BEGIN,
+        summarize.MATRIX_BEYOND_BEGIN,
+        summarize.CAPPED_BEGIN,
+        summarize.STRESS_BEGIN,
+        summarize.HYBRID_BEGIN,
+        summarize.HYBRID_STRESS_BEGIN,
+        summarize.BEGIN,
+        summarize.INDEX_BEGIN,
+    )
+    assert sorted(summarize.section_name(m) for m in markers) == sorted(summarize.SECTION_FILES)
+
+
+def test_engine_cell_says_which_engine() -> None:
+    folder = Path("benchmarks/results/matrix/2030-01-01-h100-abc1234")
+    env = {"device": "NVIDIA H100 80GB HBM3", "date": "2030-01-02T03:04:05"}
+    recorded = {**env, "engine_commit": "def5678" + "0" * 33, "engine_sources_sha256": SHA}
+    cell = summarize.engine_cell(
+        [(folder, env), (folder, recorded), (folder, {**recorded, "engine_sources_sha256": "b"})],
+        SHA,
+    )
+    assert cell == (
+        "abc1234 (folder name), H100, 2030-01-02; def5678 (this checkout's), H100, 2030-01-02; "
+        "def5678 (not this checkout's), H100, 2030-01-02"
+    )
+    bare = summarize.engine_cell([(Path("x"), {"device": "GPU A"})], SHA)
+    assert bare == "unrecorded, GPU A, "
+
+
+def test_lms_summary_rows(tmp_path: Path) -> None:
+    """One row per kind of run, counted from the same results as the detailed tables."""
+    capped = _hybrid_run(
+        "resnet152",
+        "capped",
+        [
+            ("baseline", None, "ok", 0.25),  # type: ignore[list-item]
+            ("lms_fits", None, "ok", 0.26),  # type: ignore[list-item]
+            ("lms", 2.0, "ok", 0.5),
+            ("checkpoint", 2.0, "ok", 0.3),
+            ("save_on_cpu", 2.0, "ok", 1.0),
+            ("lms", 4.0, "ok", 1.0),
+            ("checkpoint", 4.0, "oom", 0.0),
+            ("save_on_cpu", 4.0, "oom", 0.0),
+        ],
+    )
+    (tmp_path / "compare").mkdir()
+    (tmp_path / "compare/compare-resnet152.json").write_text(json.dumps(capped))
+    gib = 1 << 30
+    write_matrix(
+        tmp_path / "matrix",
+        {"device": "GPU A", "date": "2030-01-02", "engine_commit": "abcdef1"},
+        matrix_entry(
+            "test_capped[lstm-half]",
+            family="lstm",
+            cap="1/2",
+            s_per_iter=1.0,
+            reference_s_per_iter=0.5,
+            bit_identical=True,
+        ),
+        matrix_entry(
+            "test_ddp_two_gpus",
+            family="ddp_resnet50",
+            cap="1/2 per GPU",
+            s_per_iter=0.9,
+            reference_s_per_iter=[0.3, 0.3],
+            bit_identical=[True, False],
+        ),
+        matrix_entry("test_nocap[2x]", cap="none (2x)", s_per_iter=5.0, deficit_bytes=gib),
+    )
+    tables = {
+        "nocap": [tmp_path / "none"],
+        "capped": [tmp_path / "compare"],
+        "matrix": [tmp_path / "matrix"],
+        "stress": [tmp_path / "none"],
+    }
+    text = summarize.lms_summary(tables, SHA)
+    rows = [line for line in text.splitlines() if line.startswith("| ")][2:]
+    assert len(rows) == 4  # capped, matrix capped, beyond, everything fits
+    assert rows[0].startswith("| Under a memory cap of 1/2, 1/4 of the peak: ResNet-152 | ")
+    assert "| trains 2 of 2 | 2.0x to 4.0x the uncapped time |" in rows[0]
+    assert "`save_on_cpu`: LMS faster in 1 of 1, out of memory in 1 more" in rows[0]
+    assert "checkpointing: LMS faster in 0 of 1, out of memory in 1 more" in rows[0]
+    assert "| abcdef1 (this checkout's), Fake GPU, 2030-01-01 |" in rows[0]
+    assert "| 2 of 2 pass; 1 of 2 bit-identical to the uncapped run | 2.0x to 3.0x " in rows[1]
+    assert rows[2].startswith("| Beyond the device") and "| 1 of 1 pass " in rows[2]
+    assert "| +4.0% against LMS off |" in rows[3]
+    empty = {key: [tmp_path / "none"] for key in tables}
+    assert summarize.lms_summary(empty, SHA) == "No GPU results are committed yet."
