@@ -1,7 +1,7 @@
 """Markdown cells of the regression matrix's rows (``regression-results.json``).
 
 The one source of the cell formatting of two tables of the matrix:
-``benchmarks/summarize.py --matrix`` (the README's tables) and
+``benchmarks/summarize.py --matrix`` (the tables of docs/results.md) and
 ``tests/regression/lms_matrix_summary.py`` (``matrix-summary.md`` of a GPU run), which finds
 this module through ``lms_paths.use_shared_modules``. Standard library only: it runs from a
 bare checkout.

@@ -1,4 +1,4 @@
-# Engine tiers (see README, "Verification ladder"):
+# Engine tiers (see docs/tooling.md, "Verification ladder"):
 #   make engine                  T1: patched c10 + c10_cuda of TAG built on the simulated GPU,
 #                                engine suite and simgpu tests run (RUNTIME=real on a GPU host)
 #   make ppc64le                 the same cross-built for ppc64le and run under qemu-user

@@ -33,7 +33,7 @@ MiB = 1024**2
 GiB = 1024**3
 
 # Every LMS process leaves 5% of the device free: its limit is the device less what anything
-# but its own caching allocator holds, less this headroom (README, "Using LMS").
+# but its own caching allocator holds, less this headroom (docs/using-lms.md, "The limit").
 LMS_HEADROOM_SHARE = 0.05
 # Device memory a process holds outside its caching allocator: its CUDA context and the
 # cuBLAS workspace (about 0.6 GB a process on an H100: the 1.1x no-cap row of 2026-11-23 ran
