@@ -49,6 +49,20 @@ OWN_SOURCES = ("csrc/StockAllocatorBackend.cpp", "csrc/Module.cpp")
 # The pure-Python files of the package besides the engine's API modules.
 PACKAGE_FILES = ("__init__.py", "_integration.py", "_support.py")
 WARNING_FLAGS = ("-Wall", "-Wextra", "-Wno-unused-parameter")
+# The torch releases prebuilt packages are made for (`make dropin` builds each): every release
+# of the supported minors (_support.SUPPORTED_MINORS) that the package index serves. 2.15 is
+# not among them: these machines' pip is capped at torch 2.14.1, so its wheel cannot be had.
+RELEASES = ("2.11.0", "2.12.0", "2.12.1", "2.13.0", "2.14.0", "2.14.1")
+
+
+def newest_per_minor(releases: Sequence[str] = RELEASES) -> list[str]:
+    """The newest release of each minor: what the compile check covers by default."""
+    newest: dict[str, tuple[int, ...]] = {}
+    for release in releases:
+        numbers = tuple(int(x) for x in release.split("."))
+        key = ".".join(release.split(".")[:2])
+        newest[key] = max(newest.get(key, numbers), numbers)
+    return [".".join(map(str, v)) for _, v in sorted(newest.items(), key=lambda kv: kv[1])]
 
 
 def support() -> ModuleType:
