@@ -50,6 +50,18 @@ def _engine_manifest():
     return module
 
 
+def _load_support():
+    """torch_lms/_support.py (standard library only): supported torch releases, naming."""
+    path = HERE / "torch_lms" / "_support.py"
+    spec = importlib.util.spec_from_file_location("torch_lms_support", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"torch_lms: {path} is missing; build from a project checkout")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SUPPORT = _load_support()
 MANIFEST = _engine_manifest()
 ENGINE_FILES = [p.as_posix() for p in MANIFEST.cxx_files(ENGINE)]
 ENGINE_SOURCES = [p.as_posix() for p in MANIFEST.cxx_sources(ENGINE)]
@@ -88,6 +100,20 @@ def cuda_home() -> Path:
     )
 
 
+def write_build_info(torch_version: str, cuda: str, version: str) -> None:
+    """torch_lms/_build_info.py (git-ignored): the torch and CUDA this copy is built against,
+    which the import-time check compares with the torch it is loaded into."""
+    text = (
+        "# Written by extension/setup.py: the torch this copy of torch_lms was built against.\n"
+        f"TORCH_VERSION = {torch_version!r}\n"
+        f"CUDA_VERSION = {cuda!r}\n"
+        f"PACKAGE_VERSION = {version!r}\n"
+    )
+    path = HERE / "torch_lms" / "_build_info.py"
+    if not path.is_file() or path.read_text() != text:
+        path.write_text(text)
+
+
 def main() -> None:
     if torch.version.cuda is None:
         raise SystemExit(
@@ -98,7 +124,11 @@ def main() -> None:
             f"torch {torch.__version__} already has Large Model Support built in: "
             "use torch.cuda.set_enabled_lms() and do not install torch_lms"
         )
+    if not SUPPORT.is_supported(torch.__version__):
+        raise SystemExit(SUPPORT.unsupported_message(torch.__version__))
     vendor_shared_sources()
+    version = SUPPORT.package_version(torch.__version__)
+    write_build_info(torch.__version__, torch.version.cuda, version)
     cuda = cuda_home()
     lib_dirs = [str(d) for d in (cuda / "lib64", cuda / "lib") if d.is_dir()]
     sources = [
@@ -116,8 +146,8 @@ def main() -> None:
         extra_compile_args={"cxx": ["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"]},
     )
     setup(
-        name="torch_lms",
-        version="0.1.0",
+        name=SUPPORT.DIST_NAME,
+        version=f"{version}+{SUPPORT.cuda_label(torch.version.cuda)}",
         description="Large Model Support (tensor swapping to host memory) for stock PyTorch",
         packages=["torch_lms"],
         package_dir={"torch_lms": "torch_lms"},

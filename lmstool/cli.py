@@ -35,6 +35,7 @@ COMMAND_MODULES = (
     "lmstool.commands.channel",
     "lmstool.commands.recipe",
     "lmstool.commands.torchcheck",
+    "lmstool.commands.dropin",
 )
 # Packages the commands need (pyproject.toml's dependencies), by import name.
 REQUIRED_MODULES = {"git": "GitPython", "yaml": "PyYAML", "jinja2": "Jinja2"}

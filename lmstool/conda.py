@@ -4,8 +4,8 @@
   (``lib/pythonX.Y/site-packages``, ``bin/`` for scripts and entry points), writes the
   ``info/`` metadata conda clients read (index.json, paths.json, files, about.json, has_prefix)
   and creates the archive with conda-package-handling.
-* :func:`index_channel` writes ``repodata.json`` for every subdir of a channel (and an empty
-  ``noarch``) in the format conda, mamba and rattler read.
+* :func:`index_channel` indexes a channel with py-rattler's indexer (``rattler.index``), which
+  writes ``repodata.json`` for every subdir (and an empty ``noarch``) as conda-index does.
 * :func:`install` solves specs against such a channel with py-rattler and links the result
   into a prefix, offline; the target platform can be another architecture (rattler only
   links files, it runs nothing from the package).
@@ -357,6 +357,7 @@ def wheel_to_conda(
     name: str = "pytorch",
     version: str | None = None,
     build_number: int = 0,
+    build: str | None = None,
     about: Mapping[str, Any] | None = None,
     python: str | None = None,
     timestamp_ms: int | None = None,
@@ -393,7 +394,7 @@ def wheel_to_conda(
             "--python or rebuild the wheel"
         )
     version = version or wheel.public_version
-    build = conda_build_string(python, cuda, build_number)
+    build = build or conda_build_string(python, cuda, build_number)
     subdir = CONDA_SUBDIRS[arch]
     nodot = python.replace(".", "")
     major, minor = python.split(".")
@@ -482,7 +483,11 @@ def _package_files(folder: Path) -> list[Path]:
 
 
 def index_channel(channel: Path) -> dict[str, int]:
-    """Write <subdir>/repodata.json for every subdir (and noarch); return package counts."""
+    """Index every subdir of CHANNEL (and noarch) with py-rattler; return package counts.
+
+    A package whose index.json names another subdir than its folder is refused first: the
+    indexer would list it under the folder's subdir, where no client of its platform looks.
+    """
     if not channel.is_dir():
         other = f", or index another with {option('channel', 'DIR')}" if via_make() else ""
         raise LmsToolError(
@@ -490,12 +495,9 @@ def index_channel(channel: Path) -> dict[str, int]:
         )
     subdirs = {p.name for p in channel.iterdir() if p.is_dir() and not p.name.startswith(".")}
     subdirs.add("noarch")
-    counts: dict[str, int] = {}
     for subdir in sorted(subdirs):
         folder = channel / subdir
         folder.mkdir(exist_ok=True)
-        packages: dict[str, Any] = {}
-        packages_conda: dict[str, Any] = {}
         for package in _package_files(folder):
             record = read_index(package)
             if record.get("subdir", subdir) != subdir:
@@ -504,26 +506,26 @@ def index_channel(channel: Path) -> dict[str, int]:
                     f"move it to {channel / str(record.get('subdir'))} (lmstool channel add "
                     "does this)"
                 )
-            record.update(
-                {
-                    "md5": _md5(package),
-                    "sha256": _sha256(package),
-                    "size": package.stat().st_size,
-                    "subdir": subdir,
-                }
-            )
-            (packages_conda if package.name.endswith(".conda") else packages)[package.name] = record
-        repodata = {
-            "info": {"subdir": subdir},
-            "packages": packages,
-            "packages.conda": packages_conda,
-            "removed": [],
-            "repodata_version": 1,
-        }
-        (folder / "repodata.json").write_text(
-            json.dumps(repodata, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+    _need_rattler()  # a clear message when py-rattler is missing
+    from rattler.index import index_fs
+
+    try:
+        # force: a package rebuilt under the same file name is read again, not taken from
+        # the previous repodata.json. Plain repodata.json only: what every client reads.
+        asyncio.run(
+            index_fs(channel, write_zst=False, write_shards=False, force=True)  # type: ignore[arg-type]
         )
-        counts[subdir] = len(packages) + len(packages_conda)
+    except Exception as exc:
+        raise LmsToolError(f"py-rattler could not index {channel}: {exc}") from None
+    counts: dict[str, int] = {}
+    for subdir in sorted(subdirs):
+        path = channel / subdir / "repodata.json"
+        if not path.is_file():
+            raise LmsToolError(f"py-rattler wrote no {path}")
+        repodata = json.loads(path.read_text(encoding="utf-8"))
+        counts[subdir] = len(repodata.get("packages") or {}) + len(
+            repodata.get("packages.conda") or {}
+        )
     return counts
 
 

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmstool import manifest
+from lmstool import dropin, manifest, torchwheels
 from lmstool.errors import LmsToolError
 
 log = logging.getLogger(__name__)
@@ -285,4 +285,83 @@ def report(results: list[CompileResult]) -> bool:
         elif r.own and r.own_warnings:
             ok = False
             print("\n".join(r.own_warnings))
+    return ok
+
+
+# --------------------------------------------------------------------------------------------
+# The drop-in extension against each supported torch release's own headers
+
+
+@dataclass
+class DropinCheck:
+    """The syntax check of the drop-in's sources against one torch release's wheel."""
+
+    release: str
+    wheel: str  # the wheel's file name, or why there is none
+    standard: int
+    results: list[dropin.CompileResult]
+    missing: str = ""  # why the release was not checked (no wheel and no downloads)
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and all(r.ok for r in self.results)
+
+
+def check_dropin(
+    releases: list[str],
+    *,
+    cache: Path | None = None,
+    allow_download: bool = True,
+    cuda_home: Path = Path("/usr/local/cuda"),
+    cxx: str | None = None,
+    jobs: int = 2,
+) -> list[DropinCheck]:
+    """Check that every source of the drop-in compiles (-fsyntax-only, -Wall -Wextra -Werror)
+    against each release's own wheel headers, with the C++ standard that wheel's
+    TorchConfig.cmake names. A CPU wheel of a release serves as well as a CUDA one (same
+    headers but the generated cuda_cmake_macros.h). The wheel comes from the cache, from a
+    folder pip is configured with, or is downloaded once (``allow_download``)."""
+    cache = cache or torchwheels.default_cache()
+    cuda_include = cuda_home / "include"
+    if not (cuda_include / "cuda_runtime_api.h").is_file():
+        raise LmsToolError(f"no CUDA toolkit at {cuda_home} (pass --cuda-home)")
+    python = dropin.python_target()
+    cxx = cxx or dropin.default_cxx()
+    checks = []
+    for release in releases:
+        try:
+            wheel = torchwheels.locate(
+                release, None, cache=cache, allow_download=allow_download, allow_cpu=True
+            )
+        except LmsToolError as exc:
+            if allow_download:
+                raise
+            checks.append(DropinCheck(release, "", 0, [], missing=str(exc)))
+            continue
+        root = torchwheels.unpack(wheel, cache / "unpacked", libraries=False)
+        extra = dropin.cuda_macros_dir(root, root / "generated")
+        flags = dropin.compile_flags(
+            root, wheel.cxx_standard, python, cuda_include, extra_includes=extra, werror=True
+        )
+        results = dropin.compile_all(dropin.sources(), flags, obj_dir=None, cxx=cxx, jobs=jobs)
+        checks.append(DropinCheck(release, wheel.path.name, wheel.cxx_standard, results))
+    return checks
+
+
+def report_dropin(checks: list[DropinCheck]) -> bool:
+    ok = True
+    for check in checks:
+        if check.missing:
+            ok = False
+            print(f"torchcheck: drop-in on torch {check.release}: NOT CHECKED: {check.missing}")
+            continue
+        seconds = sum(r.seconds for r in check.results)
+        status = "ok" if check.ok else "FAILED"
+        print(
+            f"torchcheck: drop-in on torch {check.release} ({check.wheel}, "
+            f"C++{check.standard}): {len(check.results)} sources {status} ({seconds:.1f} s)"
+        )
+        if not check.ok:
+            ok = False
+            print(dropin.failures(check.results))
     return ok

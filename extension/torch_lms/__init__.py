@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from torch_lms import _support
+
 
 def _check_torch() -> None:
     if hasattr(torch._C, "_cuda_lms_setEnabled"):
@@ -25,6 +27,21 @@ def _check_torch() -> None:
             f"torch_lms: torch {torch.__version__} is a CPU-only build; Large Model Support "
             "needs a CUDA build of PyTorch"
         )
+    # Before the extension module loads: built for another torch, it fails with undefined
+    # symbols or, worse, loads and calls into an allocator interface of another layout.
+    try:
+        from torch_lms import _build_info
+    except ImportError:
+        raise ImportError(
+            "torch_lms: _build_info.py is missing, so this copy was not built (or not by "
+            "extension/setup.py or lmstool dropin): build it against the installed torch "
+            "(extension/README.md) or install a prebuilt package"
+        ) from None
+    problem = _support.mismatch(
+        _build_info.TORCH_VERSION, _build_info.CUDA_VERSION, torch.__version__, torch.version.cuda
+    )
+    if problem:
+        raise ImportError(problem)
     if not torch.cuda.is_available():
         raise ImportError(
             "torch_lms: no usable CUDA device (torch.cuda.is_available() is False); "
@@ -36,10 +53,10 @@ _check_torch()
 
 # lms is the shared torch/cuda/lms.py, copied into the package at build time (with
 # _lms_graph.py, which lms.py imports when Inductor's configuration is imported).
-from torch_lms import _C, lms  # noqa: E402
+from torch_lms import _C, _build_info, lms  # noqa: E402
 from torch_lms._integration import API_NAMES, install  # noqa: E402
 
 install(_C, lms)
 
 __all__ = ["API_NAMES", "lms"]
-__version__ = "0.1.0"
+__version__ = _build_info.PACKAGE_VERSION

@@ -114,3 +114,31 @@ def test_import_refuses_torch_without_cuda() -> None:
     assert proc.returncode != 0
     assert "ImportError: torch_lms:" in proc.stderr
     assert "CUDA" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("release", ["2.11.0", "2.12.1", "2.13.0", "2.14.1"])
+def test_extension_compiles_against_each_supported_torch(release: str, tmp_path: Path) -> None:
+    """Every source of the drop-in against the release's own wheel headers and C++ standard
+    (lmstool torchcheck --dropin). The wheel is taken from the cache ($LMS_TORCH_WHEELS) or a
+    folder pip is configured with, else downloaded once (about 530 MB, half a minute here);
+    LMS_TORCH_DOWNLOAD=0 forbids that and skips, naming the command that checks it."""
+    from lmstool import dropin, torchcheck
+
+    assert release in dropin.newest_per_minor()
+    if shutil.which(os.environ.get("CXX", "g++")) is None:
+        pytest.skip("no C++ compiler (g++ or $CXX) on PATH")
+    cuda_include = _cuda_include()
+    if cuda_include is None:
+        pytest.skip("CUDA runtime headers not found (set CUDA_HOME)")
+    allow = os.environ.get("LMS_TORCH_DOWNLOAD", "1") != "0"
+    (check,) = torchcheck.check_dropin(
+        [release], allow_download=allow, cuda_home=cuda_include.parent
+    )
+    if check.missing:
+        pytest.skip(
+            f"torch {release} not checked: {check.missing}; run "
+            f"`python -m lmstool torchcheck --dropin --torch {release}`"
+        )
+    assert check.ok, dropin.failures(check.results)
+    assert check.standard == (17 if release == "2.11.0" else 20)
