@@ -1,6 +1,6 @@
 """Build torch_lms: Large Model Support for an installed stock PyTorch wheel.
 
-    pip install --no-build-isolation --no-deps -e extension     # or
+    pip install --no-build-isolation ./extension     # or
     cd extension && python setup.py build_ext --inplace
 
 Needs the CUDA build of torch this extension will run with (headers come with
@@ -30,7 +30,7 @@ try:
 except ImportError as exc:  # pragma: no cover - reported to the user
     raise SystemExit(
         "torch_lms builds against the installed PyTorch: install a CUDA build of torch "
-        "first and build with `pip install --no-build-isolation -e extension`"
+        "first and build with `pip install --no-build-isolation ./extension`"
     ) from exc
 
 HERE = Path(__file__).resolve().parent

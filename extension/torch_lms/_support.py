@@ -110,5 +110,5 @@ def mismatch(built_torch: str, built_cuda: str, torch_version: str, torch_cuda: 
     return (
         f"{head}. Install the package built for this torch: "
         f"{install_hint(torch_version, torch_cuda)}; or build it from source against this "
-        "torch (pip install --no-build-isolation --no-deps -e extension, in a project checkout)"
+        "torch (pip install --no-build-isolation ./extension, in a project checkout)"
     )
