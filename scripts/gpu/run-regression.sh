@@ -25,7 +25,7 @@ exec > >(tee "$OUT/run-regression.log") 2>&1
 
 "$ROOT/scripts/gpu/environment.sh" "$PY" torchvision "the torchvision model tests will be skipped"
 
-PYTHON="$PY" "$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log"
+PYTHON="$PY" "$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log" --if-missing
 
 echo "== regression suite"
 export PYTHONPATH="$ROOT/extension${PYTHONPATH:+:$PYTHONPATH}"
