@@ -188,7 +188,8 @@ def test_usable_host_memory_takes_the_lower_of_host_and_cgroup(tmp_path: Path) -
 # What became of a worker
 # ---------------------------------------------------------------------------------------
 
-# The engine's device out-of-memory message (LargeModelSupport.cpp, describeOutOfMemory):
+# The engine's device out-of-memory message (LargeModelSupportOutOfMemory.cpp,
+# describeOutOfMemory):
 # it names pinned host memory in its list of what could not be paged out.
 DEVICE_OOM = (
     "CUDA out of memory with Large Model Support. Tried to allocate 1152.00 MiB on device 0 "

@@ -666,7 +666,7 @@ def test_every_conf_key_is_parsed_listed_and_documented() -> None:
     import re
 
     engine = LMS_PY.parents[3] / "engine/c10/cuda"
-    source = (engine / "LargeModelSupport.cpp").read_text()
+    source = (engine / "LargeModelSupportOptions.cpp").read_text()
     parsed = set(re.findall(r'key == "(lms[a-z_]*)"', source))
     assert "lms_host_limit_mb" in parsed
     listed = re.search(r"kKeys =\s*((?:\"[^\"]*\"\s*)+);", source)

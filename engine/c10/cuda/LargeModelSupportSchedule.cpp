@@ -1,6 +1,20 @@
+// The learned swap schedule: AccessSchedule, which learns the repeating
+// order of operators and predicts each storage's next use
+// (LargeModelSupportSchedule.h), and the policy that the engine drives with
+// it at operator boundaries, below.
+
 #include <c10/cuda/LargeModelSupportSchedule.h>
 
+#include <c10/cuda/LargeModelSupportInternal.h>
+
+#include <c10/util/SmallVector.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <vector>
 
 namespace c10::cuda::lms {
 
@@ -282,6 +296,433 @@ void AccessSchedule::reset() {
   deaths_.clear();
   detections_ = 0;
   fallbacks_ = 0;
+}
+
+// ---------------------------------------------------------------------------
+// The schedule's policy: what the engine does with it
+// ---------------------------------------------------------------------------
+//
+// AccessSchedule (LargeModelSupportSchedule.h) learns the repeating order of
+// operators and predicts each storage's next use. While it is active:
+// - victims are the inactive storages used furthest in the future (Belady),
+//   never one needed within the lookahead window if another will do;
+// - at every operator boundary, storages whose next use is beyond the window
+//   are paged out early, on the D2H stream, whenever less than the prefetch
+//   budget is free under the limit; their memory is released once the copy
+//   is done, so no compute stream waits for it (draining);
+// - storages used within the window are paged in ahead, soonest first, on
+//   the H2D stream, while no more than the budget of prefetched bytes waits
+//   to be used; the consumer then waits only on a copy that has (almost
+//   always) completed.
+// Both directions run on their own streams, so they overlap each other and
+// compute. Without a schedule, reclaim is least recently used and page-ins
+// happen on demand on the consumer's stream.
+
+namespace detail {
+
+std::mutex g_schedule_mutex;
+
+// Process-wide: an operator's inputs may live on several devices, and the
+// operator clock must be one.
+AccessSchedule& theSchedule() {
+  static AccessSchedule* schedule = [] {
+    auto* made = new AccessSchedule(); // never destroyed
+    // PYTORCH_LMS_SCHEDULE_LOG=1 prints every operator that breaks the
+    // learned schedule to stderr (a diagnostic, not a setting);
+    // PYTORCH_LMS_SCHEDULE_LOG=FIRST-LAST also prints the operators with
+    // clocks FIRST to LAST, each with its inputs.
+    const char* log = std::getenv("PYTORCH_LMS_SCHEDULE_LOG");
+    const std::string_view text = log != nullptr ? log : "";
+    made->setLogging(!text.empty() && text != "0");
+    if (const size_t dash = text.find('-'); dash != std::string_view::npos) {
+      const std::string first(text.substr(0, dash));
+      const std::string last(text.substr(dash + 1));
+      made->setTracedOperators(
+          std::strtoull(first.c_str(), nullptr, 10),
+          std::strtoull(last.c_str(), nullptr, 10));
+    }
+    return made;
+  }();
+  return *schedule;
+}
+
+// Clock of the last operator the schedule recorded; stamps storages' touches
+// without taking the schedule's lock.
+std::atomic<uint64_t> g_op_clock{0};
+// Allocations since the operator of g_op_clock began: an allocation's gap.
+std::atomic<uint64_t> g_births_in_op{0};
+
+// A use of `r` by the running operator, resident or over the bus: the
+// learned schedule measures distances from the last one (see
+// AccessSchedule::Use). A use for a recompute only ends what the recompute
+// needed it for.
+void noteUse(Record& r) {
+  r.needed_by.store(0, std::memory_order_relaxed);
+  if (t_recompute_pins > 0) {
+    return;
+  }
+  const uint64_t now = g_op_clock.load(std::memory_order_relaxed);
+  const uint64_t last = r.touch.load(std::memory_order_relaxed);
+  if (now > last) {
+    r.gap.store(now - last, std::memory_order_relaxed);
+    r.touch.store(now, std::memory_order_relaxed);
+  }
+}
+
+size_t prefetchBudget(size_t limit, size_t paged_in_per_iteration) {
+  if (const size_t bytes = g_prefetch_budget.load(); bytes > 0) {
+    return bytes;
+  }
+  // An eighth of the limit, up to a quarter as an iteration pages in more
+  // than the limit holds. Below that, copies rarely bound the iteration, and
+  // a larger budget only pages out more early (the margin it keeps free).
+  // Past it, they do: the H2D stream must never wait for room, and the extra
+  // early page-outs pay for themselves. A quarter was faster than an eighth
+  // where iterations paged in several times the limit and slower where they
+  // paged in less; half was no faster than a quarter (measured on an H100:
+  // benchmarks/results/probes/2026-11-24-h100-unrecorded/prefetch-budget/).
+  const double scale = std::clamp(
+      static_cast<double>(paged_in_per_iteration) /
+          static_cast<double>(std::max<size_t>(limit, 1)),
+      1.0,
+      2.0);
+  return static_cast<size_t>(static_cast<double>(limit / 8) * scale);
+}
+
+void removeUpcoming(DeviceEngine& e, Record& r) {
+  if (r.upcoming) {
+    e.upcoming.erase(r.upcoming_at);
+    r.upcoming = false;
+  }
+}
+
+// Files a paged-out storage under the clock of its next use. Engine lock held.
+void addUpcoming(DeviceEngine& e, Record& r) {
+  if (r.upcoming || !g_schedule_enabled.load()) {
+    return;
+  }
+  uint64_t next = AccessSchedule::kNever;
+  {
+    std::lock_guard<std::mutex> lock(g_schedule_mutex);
+    next = theSchedule().nextUse(r.touch.load(), r.size, r.gap.load());
+  }
+  if (next != AccessSchedule::kNever) {
+    r.upcoming_at = e.upcoming.emplace(next, &r);
+    r.upcoming = true;
+  }
+}
+
+// The inactive storage to page out next, or null. With an active schedule:
+// the one whose next use is furthest (storages the schedule never sees again
+// first, least recently used first among equals); with `protect_until` set
+// (an early page-out, which makes room ahead of need), only one whose next
+// use comes after that clock, and none that the schedule expects to be freed
+// unused by then: its memory comes back without a copy. (When memory is
+// needed now, such a storage is the cheapest victim: one copy out, none
+// back.) Without a schedule: the least recently used, and none when
+// `protect_until` is set. Engine lock held.
+Record* pickVictim(DeviceEngine& e, size_t threshold, uint64_t protect_until) {
+  if (g_schedule_enabled.load()) {
+    std::lock_guard<std::mutex> lock(g_schedule_mutex);
+    const AccessSchedule& schedule = theSchedule();
+    if (schedule.active()) {
+      Record* best = nullptr;
+      uint64_t best_next = 0;
+      for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
+        if (r->size < threshold) {
+          continue;
+        }
+        const uint64_t touch = r->touch.load();
+        const uint64_t gap = r->gap.load();
+        uint64_t next = schedule.nextUse(touch, r->size, gap);
+        const uint64_t needed = r->needed_by.load(std::memory_order_relaxed);
+        if (needed != 0) {
+          if (protect_until != 0) {
+            continue; // kept for a recompute: no early page-out
+          }
+          next = std::min(next, needed);
+        }
+        if (protect_until != 0 &&
+            schedule.deathBeforeUse(touch, r->size, gap) <= protect_until) {
+          continue;
+        }
+        if (best == nullptr || next > best_next) {
+          best = r;
+          best_next = next;
+        }
+      }
+      if (best != nullptr && protect_until != 0 && best_next <= protect_until) {
+        return nullptr;
+      }
+      if (best != nullptr) {
+        ++e.stats.schedule_victims;
+      }
+      return best;
+    }
+  }
+  if (protect_until != 0) {
+    return nullptr;
+  }
+  for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
+    if (r->size >= threshold) {
+      return r;
+    }
+  }
+  return nullptr;
+}
+
+namespace {
+
+// Operators between two searches for victims to page out ahead of the
+// iteration's peak after one found none (pageOutAheadOfPeak).
+constexpr uint64_t kPeakRetryOps = 8;
+
+uint64_t lookaheadOps(uint64_t period) {
+  if (const int ops = g_lookahead_ops.load(); ops > 0) {
+    return static_cast<uint64_t>(ops);
+  }
+  // An eighth of an iteration: far enough ahead for copies of the sizes one
+  // layer uses to complete, near enough that prefetched storages do not
+  // crowd out the allocations in between.
+  return std::clamp<uint64_t>(period / 8, 4, 512);
+}
+
+// Measures the page-in bytes of each whole iteration of the schedule (from
+// one boundary a period after the last to the next). Engine lock held.
+void measureIteration(DeviceEngine& e, uint64_t now, uint64_t period) {
+  const int64_t paged_in = e.stats.pagein_bytes;
+  if (now < e.iteration_began) {
+    // A clock that went back (the schedule was reset): start over.
+    e.iteration_began = now;
+    e.iteration_pagein_base = paged_in;
+    e.pagein_last_iteration = 0;
+    return;
+  }
+  if (now - e.iteration_began < period) {
+    return;
+  }
+  e.pagein_last_iteration =
+      static_cast<size_t>(paged_in - e.iteration_pagein_base);
+  e.iteration_began = now;
+  e.iteration_pagein_base = paged_in;
+}
+
+// Next uses change with the schedule: refile every paged-out storage. Engine
+// lock held.
+void refileUpcoming(DeviceEngine& e, uint64_t generation) {
+  for (auto& [next, r] : e.upcoming) {
+    (void)next;
+    r->upcoming = false;
+  }
+  e.upcoming.clear();
+  for (List* list : {&e.pagedout_list, &e.draining_list, &e.dropped_list}) {
+    for (Record* r = list->head; r != nullptr; r = r->next) {
+      addUpcoming(e, *r);
+    }
+  }
+  e.upcoming_generation = generation;
+}
+
+// Keeps `margin` bytes free under the limit by paging out early the storages
+// used furthest in the future, none used before `protect_until`.
+void pageOutEarly(
+    DeviceEngine& e,
+    size_t allocated,
+    uint64_t protect_until,
+    size_t limit,
+    size_t margin) {
+  const size_t threshold = g_size_threshold.load();
+  pageOutEarlyFor(e, allocated, limit, margin, [&] {
+    return pickVictim(e, threshold, protect_until);
+  });
+}
+
+// Records the demand at this operator boundary (the bytes the live storages
+// would take on the device: allocated, plus paged out and no longer
+// allocated) and, once a whole iteration has been seen, its peak. Engine
+// lock held.
+void recordDemand(
+    DeviceEngine& e,
+    uint64_t now,
+    uint64_t period,
+    uint64_t generation,
+    size_t allocated) {
+  if (e.demand_generation != generation || now < e.demand_began) {
+    e.demand_generation = generation;
+    e.demand_began = now;
+    e.demand_max = 0;
+    e.peak_bytes = 0;
+    e.peak_retry = 0;
+  }
+  if (now - e.demand_began >= period) {
+    e.peak_bytes = e.demand_max;
+    e.peak_phase = e.demand_max_phase;
+    e.demand_began = now;
+    e.demand_max = 0;
+  }
+  const auto off =
+      static_cast<size_t>(std::max<int64_t>(e.stats.pagedout_bytes.current, 0));
+  const size_t demand =
+      allocated + (off > e.draining_bytes ? off - e.draining_bytes : 0);
+  if (demand > e.demand_max) {
+    e.demand_max = demand;
+    e.demand_max_phase = now % period;
+  }
+}
+
+// Pages out early, from the start of the iteration, what must be off the
+// device at its peak of demand: storages whose next use comes after the peak,
+// furthest first, until the bytes off the device cover the peak's excess over
+// the limit (pageOutEarly() still keeps the budget's room free as the peak
+// nears). pageOutEarly() alone makes room only as the limit nears, so the
+// D2H stream idled through the first part of a forward pass and then bounded
+// the rest of it; the same storages leave earlier now, while compute runs (the
+// victims are those Belady's choice takes at the peak: at any clock before
+// it, the storages used furthest in the future that are still resident).
+// The copies queued at once stay within the budget, so that a storage is
+// not held on the device waiting for its turn longer than the budget takes
+// to copy. Memory that dies before the peak is never paged out for it.
+void pageOutAheadOfPeak(
+    DeviceEngine& e,
+    size_t allocated,
+    uint64_t now,
+    uint64_t period,
+    uint64_t generation,
+    size_t limit,
+    size_t budget) {
+  uint64_t peak_clock = 0;
+  size_t wanted = 0;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    recordDemand(e, now, period, generation, allocated);
+    if (e.peak_bytes == 0 || now < e.peak_retry) {
+      return;
+    }
+    const uint64_t ahead = (e.peak_phase + period - now % period) % period;
+    const size_t must = e.peak_bytes > limit ? e.peak_bytes - limit : 0;
+    const auto off = static_cast<size_t>(
+        std::max<int64_t>(e.stats.pagedout_bytes.current, 0));
+    if (ahead == 0 || must <= off || e.draining_bytes >= budget) {
+      return;
+    }
+    peak_clock = now + ahead;
+    wanted = std::min(must - off, budget - e.draining_bytes);
+  }
+  const size_t threshold = g_size_threshold.load();
+  size_t bytes = 0;
+  const int64_t made = pageOutVictims(
+      e, wanted, [&] { return pickVictim(e, threshold, peak_clock); }, bytes);
+  std::lock_guard<std::mutex> lock(e.mutex);
+  e.stats.peak_pageout_count += made;
+  e.stats.peak_pageout_bytes += static_cast<int64_t>(bytes);
+  if (bytes < wanted) {
+    // Nothing resident is used after the peak (yet): a search is a pass over
+    // the reclaim list, so the next one waits for a few operators to add
+    // storages to it.
+    e.peak_retry = now + std::clamp<uint64_t>(period / 32, 1, kPeakRetryOps);
+  }
+}
+
+// What the schedule does at an operator boundary for one device.
+void scheduleTick(DeviceEngine& e) {
+  drainPageOuts(e, 0);
+  uint64_t now = 0;
+  uint64_t period = 0;
+  uint64_t generation = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_schedule_mutex);
+    const AccessSchedule& schedule = theSchedule();
+    if (!schedule.active()) {
+      return;
+    }
+    now = schedule.now();
+    period = schedule.period();
+    generation = schedule.generation();
+  }
+  const size_t limit = effectiveLimit(e);
+  size_t budget = 0;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    if (e.upcoming_generation != generation) {
+      refileUpcoming(e, generation);
+    }
+    measureIteration(e, now, period);
+    budget = prefetchBudget(limit, e.pagein_last_iteration);
+  }
+  const uint64_t window = lookaheadOps(period);
+  prefetchUpcoming(e, now, window, budget);
+  // Early page-outs keep their device memory until drained: both read the
+  // bytes allocated after the page-ins above.
+  const size_t allocated = backend().allocatedBytes(e.device);
+  pageOutEarly(e, allocated, now + window, limit, budget);
+  pageOutAheadOfPeak(e, allocated, now, period, generation, limit, budget);
+}
+
+} // namespace
+
+} // namespace detail
+
+using namespace detail;
+
+void resetSchedule() {
+  std::lock_guard<std::mutex> lock(g_schedule_mutex);
+  theSchedule().reset();
+  g_op_clock.store(0);
+}
+
+void beginOperator(
+    std::string_view name,
+    c10::ArrayRef<c10::StorageImpl*> inputs) {
+  if (!isEnabled() || !g_schedule_enabled.load()) {
+    return;
+  }
+  c10::SmallVector<AccessSchedule::Use, 16> uses;
+  DeviceEngine* device_engine = nullptr;
+  for (c10::StorageImpl* storage : inputs) {
+    if (Record* r = recordOf(*storage)) {
+      uses.push_back(
+          AccessSchedule::Use{r->touch.load(), r->size, r->gap.load()});
+      device_engine = r->engine;
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(g_schedule_mutex);
+    g_op_clock.store(theSchedule().record(name, uses.data(), uses.size()));
+    g_births_in_op.store(0);
+    if (theSchedule().logging()) {
+      if (const std::string report = theSchedule().takeDropReport();
+          !report.empty()) {
+        std::fprintf(
+            stderr,
+            "Large Model Support: the swap schedule: %s\n",
+            report.c_str());
+      }
+    }
+  }
+  if (device_engine != nullptr) {
+    scheduleTick(*device_engine);
+    return;
+  }
+  // No managed input says where the operator runs: serve every device that
+  // has LMS storages (usually the one).
+  std::vector<DeviceEngine*> engines;
+  {
+    std::lock_guard<std::mutex> lock(g_engines_mutex);
+    engines = g_engines;
+  }
+  for (DeviceEngine* e : engines) {
+    if (e == nullptr) {
+      continue;
+    }
+    bool managed = false;
+    {
+      std::lock_guard<std::mutex> lock(e->mutex);
+      managed = e->stats.managed_bytes.current > 0;
+    }
+    if (managed) {
+      scheduleTick(*e);
+    }
+  }
 }
 
 } // namespace c10::cuda::lms
