@@ -73,12 +73,22 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-HERE = Path(__file__).resolve().parent
-for _path in (HERE, HERE.parent / "examples"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from _lms_setup import (  # noqa: E402
+from lmsbench.harness import ENV_COLUMNS as ENV_COLUMNS  # summarize.py reads it from here
+from lmsbench.harness import (
+    RECORD_ENV_COLUMNS,
+    Deadline,
+    add_amp_option,
+    add_gpt_options,
+    add_out_option,
+    add_step_options,
+    add_time_budget_option,
+    checkout_env,
+    csv_env_columns,
+    markdown_table,
+    write_csv,
+    write_json,
+)
+from lmsbench.lms_setup import (
     EXIT_OOM,
     GiB,
     LmsSettings,
@@ -89,7 +99,7 @@ from _lms_setup import (  # noqa: E402
     positive_float,
     positive_int,
 )
-from _search import (  # noqa: E402
+from lmsbench.search import (
     Outcome,
     Probe,
     ProbeError,
@@ -98,21 +108,8 @@ from _search import (  # noqa: E402
     python_command,
     subprocess_probe,
 )
-from harness import ENV_COLUMNS as ENV_COLUMNS  # noqa: E402  (summarize.py reads it here)
-from harness import (  # noqa: E402
-    RECORD_ENV_COLUMNS,
-    Deadline,
-    add_amp_option,
-    add_gpt_options,
-    add_out_option,
-    add_step_options,
-    add_time_budget_option,
-    csv_env_columns,
-    markdown_table,
-    write_csv,
-    write_json,
-)
 
+HERE = Path(__file__).resolve().parent
 MODELS = ("resnet152", "vit_l", "gpt")
 REGIMES = ("capped", "nocap")
 # Methods measured at batch B under every cap, or at each batch of the no-cap regime: what
@@ -2048,7 +2045,7 @@ def model_argv(args: argparse.Namespace) -> list[str]:
 
 
 def make_workload(args: argparse.Namespace) -> Any:
-    import models
+    from benchmarks import models
 
     if args.model == "resnet152":
         return models.resnet152_workload(args.image_size or 512, args.classes)
@@ -2271,9 +2268,10 @@ def train_measure(
     With ``lms``, LMS's recompute is turned on for RECOMPUTE_METHODS (lms_hybrid) and off for
     every other LMS row before LMS is applied and the model built, and put back as it was
     after LMS is off again (rows share a process)."""
-    import models
     import torch
-    from _lms_setup import (
+
+    from benchmarks import models
+    from lmsbench.lms_setup import (
         apply_lms,
         is_oom,
         lms_recompute_operators,
@@ -2479,7 +2477,8 @@ def measure_saved_bytes(
     LMS off: what offload and save_on_cpu keep in pinned host memory. ``device``: the current
     CUDA device where None."""
     import torch
-    from _lms_setup import settle
+
+    from lmsbench.lms_setup import settle
 
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -2548,7 +2547,8 @@ def profile_steps(
     import tempfile
 
     import torch
-    from stream_profile import analyze
+
+    from benchmarks.stream_profile import analyze
 
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     torch.cuda.synchronize()
@@ -2614,7 +2614,7 @@ def describe(m: Measurement) -> str:
 
 def run_probe(args: argparse.Namespace) -> int:
     """One search probe: trains ``--probe-iterations`` steps; exit 0 or EXIT_OOM."""
-    from _lms_setup import ensure_lms_api
+    from lmsbench.lms_setup import ensure_lms_api
 
     workload = make_workload(args)
     lms = None
@@ -2655,7 +2655,7 @@ def search_batch(
             argv.append("--probe-lms")
         return python_command(str(Path(__file__).resolve()), argv)
 
-    probe = subprocess_probe(command, timeout_s=args.probe_timeout_s, log=log)
+    probe = subprocess_probe(command, timeout_s=args.probe_timeout_s, env=checkout_env(), log=log)
     return find_largest(
         probe,
         start,
@@ -2699,7 +2699,8 @@ def run_benchmark(args: argparse.Namespace, methods_given: bool = True) -> int:
     import signal
 
     import torch
-    from _lms_setup import LmsUnavailable, ensure_lms_api, environment
+
+    from lmsbench.lms_setup import LmsUnavailable, ensure_lms_api, environment
 
     if not torch.cuda.is_available():
         print("compare.py: no CUDA device: the benchmark needs a GPU", file=sys.stderr)

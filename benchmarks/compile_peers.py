@@ -78,23 +78,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-HERE = Path(__file__).resolve().parent
-for _path in (HERE, HERE.parent / "examples"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-import harness  # noqa: E402
-from _lms_setup import (  # noqa: E402
-    GiB,
-    MiB,
-    add_limit_share_option,
-    add_lms_tuning_options,
-    fraction,
-    nonneg_float,
-    positive_float,
-    positive_int,
-)
-from harness import (  # noqa: E402
+from lmsbench import harness
+from lmsbench.harness import (
     Deadline,
     add_amp_option,
     add_gpt_options,
@@ -107,6 +92,16 @@ from harness import (  # noqa: E402
     serve_worker,
     write_csv,
     write_json,
+)
+from lmsbench.lms_setup import (
+    GiB,
+    MiB,
+    add_limit_share_option,
+    add_lms_tuning_options,
+    fraction,
+    nonneg_float,
+    positive_float,
+    positive_int,
 )
 
 # Configurations, in the order they run at each cap (the reference runs first, uncapped).
@@ -866,7 +861,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
             result["detail"] = "no CUDA device"
             return result
         if spec["lms"]:  # before CUDA is initialized, as the drop-in extension expects
-            from _lms_setup import LmsUnavailable, ensure_lms_api
+            from lmsbench.lms_setup import LmsUnavailable, ensure_lms_api
 
             try:
                 result["lms_backend"] = ensure_lms_api()
@@ -930,9 +925,10 @@ def _train(
 ) -> None:
     import contextlib
 
-    import models
     import torch
-    from _lms_setup import memory_cap
+
+    from benchmarks import models
+    from lmsbench.lms_setup import memory_cap
 
     cuda = device.type == "cuda"
     cfg = models.GPTConfig(**spec["gpt"])

@@ -47,9 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-
-from _lms_setup import ensure_lms_api, positive_int, versions
+from lmsbench.harness import checkout_env
+from lmsbench.lms_setup import ensure_lms_api, positive_int, versions
 
 CONFIGS = ("off", "on", "no_schedule", "unmanaged")
 # Activations: 32 rows of 1024 float32 features, 128 KiB.
@@ -233,7 +232,7 @@ def run_row(config: str, size: str, args: argparse.Namespace) -> dict[str, Any]:
         "--iterations",
         str(args.iterations),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, env=checkout_env(), check=False)
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         return {

@@ -24,16 +24,11 @@ import ctypes
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "examples"))
 
 ALLOCATOR_SOURCE = r"""
 #include <cuda_runtime_api.h>
@@ -169,8 +164,9 @@ def cases(torch: Any) -> dict[str, Case]:
 def probe(library: Path, names: Sequence[str] | None) -> dict[str, Any]:
     """Runs the cases (all, or ``names``) and returns the record."""
     import torch
-    from _lms_setup import deterministic
-    from harness import record_environment
+
+    from lmsbench.harness import record_environment
+    from lmsbench.lms_setup import deterministic
 
     allocator = torch.cuda.memory.CUDAPluggableAllocator(str(library), "probe_alloc", "probe_free")
     torch.cuda.memory.change_current_allocator(allocator)

@@ -20,12 +20,7 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "examples"))
 
 GiB = 1 << 30
 ALLOCATOR_KEYS = (
@@ -98,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.batch, args.image_size, args.iterations) < 1 or args.profile_iterations < 0:
         parser.error("--batch, --image-size and --iterations must be >= 1")
 
-    import models
     import torch
-    from _lms_setup import LmsSettings, apply_lms, ensure_lms_api
+
+    from benchmarks import models
+    from lmsbench.lms_setup import LmsSettings, apply_lms, ensure_lms_api
 
     if not torch.cuda.is_available():
         print("nocap_probe.py: no CUDA device", file=sys.stderr)
@@ -139,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         f"peak reserved GiB {torch.cuda.max_memory_reserved() / GiB:.2f}"
     )
     if args.profile_iterations:
-        from compare import profile_steps
+        from benchmarks.compare import profile_steps
 
         profile_steps(step, args.iterations, args.profile_iterations, print)
     return 0

@@ -29,13 +29,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-
-from _lms_setup import positive_int
+from lmsbench.lms_setup import positive_int
 
 CONFIGS = ("plain", "depth_only", "inputs", "inputs_outputs")
 
@@ -117,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("observer_cost.py: needs a CUDA device (the stack it times runs on the GPU)")
         return 2
-    import host_overhead
+    from benchmarks import host_overhead
 
     ext = load_inline(
         "lms_observer_cost",

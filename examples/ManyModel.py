@@ -16,6 +16,11 @@ Search (every probe a fresh subprocess; reports both and their ratio)::
 On a PyTorch built with the LMS patch series the API is ``torch.cuda.set_enabled_lms`` and
 friends; on a stock CUDA wheel the drop-in extension ``torch_lms`` is imported when
 ``--lms`` is given (from the Python path or this checkout's ``extension/`` folder).
+
+Needs torch and torchvision, and this checkout's ``lmsbench`` package: installed (``make
+venv``, or ``pip install -e .`` at the repository root) or on the Python path
+(``PYTHONPATH=<repository root> python examples/ManyModel.py ...``). ``lmsstats.py`` beside it
+writes the statistics (``--stats-csv``, ``--stats-png``; the PNG needs matplotlib).
 """
 
 from __future__ import annotations
@@ -29,9 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _lms_setup import (
+from lmsbench.lms_setup import (
     EXIT_OOM,
     GiB,
     LmsSettings,
@@ -41,7 +44,7 @@ from _lms_setup import (
     positive_float,
     positive_int,
 )
-from _search import SearchResult, find_largest, python_command, subprocess_probe
+from lmsbench.search import SearchResult, find_largest, python_command, subprocess_probe
 
 SEARCH_DEFAULT_MAX = {"batch": 4096, "image-size": 8192}
 
@@ -335,8 +338,9 @@ def build_model(name: str, num_classes: int, image_size: int) -> Any:
 def train(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
-    from _lms_setup import apply_lms, ensure_lms_api, is_oom, lms_available, memory_cap
     from lmsstats import LmsStatsLogger, format_summary
+
+    from lmsbench.lms_setup import apply_lms, ensure_lms_api, is_oom, lms_available, memory_cap
 
     if not torch.cuda.is_available():
         print("ManyModel.py: no CUDA device", file=sys.stderr)

@@ -23,6 +23,9 @@ As a program::
     lmsstats.py plot stats.csv stats.png        # the timeline from a CSV (e.g. made on a GPU
                                                 # machine without matplotlib)
     lmsstats.py summary stats.csv               # totals and per-iteration means
+
+It stands alone (the standard library; torch while logging, matplotlib for the PNG): copy it
+beside a training script, or import it from this folder (``ManyModel.py`` does).
 """
 
 from __future__ import annotations

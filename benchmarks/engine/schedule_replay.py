@@ -1,6 +1,6 @@
 """How well the learned swap schedule serves repeating training traces on the simulated GPU.
 
-Generates repeating operator traces (``tests/engine/trace_gen.py --repeat``: the same operators
+Generates repeating operator traces (``lmsbench/trace_gen.py --repeat``: the same operators
 and sizes every iteration, as in real training) over every model family and optimizer of the
 generator, replays each with one or more ``trace_replay`` binaries (built against the simulated
 GPU by ``standalone/build.sh --runtime sim``; give two to compare engines) and prints, per
@@ -8,7 +8,7 @@ binary, the page-outs, page-ins, page-ins ahead of use (prefetches) and page-ins
 (the operator waited for the copy), summed over the traces, with the ratios of each binary to
 the first. A trace that does not end ``ok`` is listed: the figures then compare unlike runs.
 
-    python benchmarks/engine/schedule_replay.py --replayer work/ci/engine-sim-v2.6.0/trace_replay
+    python -m benchmarks.engine.schedule_replay --replayer work/ci/engine-sim-v2.6.0/trace_replay
 """
 
 from __future__ import annotations
@@ -22,10 +22,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "engine"))
-
-from trace_gen import FAMILIES, OPTIMIZERS, generate  # noqa: E402
+from lmsbench.trace_gen import FAMILIES, OPTIMIZERS, generate
 
 COUNTS = ("pageouts", "pageins", "prefetches")
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prints what a GPU run depends on, at the top of its log: the date, the engine that runs (its
-# commit, whether the tree had changes and its sources hash: examples/_lms_setup.py's
+# commit, whether the tree had changes and its sources hash: lmsbench/lms_setup.py's
 # provenance, so a log names its engine even when the run is stopped before it writes
 # results), the GPUs, host memory, torch and CUDA, and the version of each optional module
 # named (or, where one is missing, what the run does without it). Shared by the
@@ -14,11 +14,9 @@ shift
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 echo "== environment"
 date -u +%Y-%m-%dT%H:%M:%SZ
-"$py" - "$root" <<'PY' || echo "engine: unknown (examples/_lms_setup.py did not load)"
-import sys
-
-sys.path.insert(0, sys.argv[1] + "/examples")
-from _lms_setup import provenance
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$py" - <<'PY' \
+  || echo "engine: unknown (lmsbench/lms_setup.py did not load)"
+from lmsbench.lms_setup import provenance
 
 found = provenance()
 print(

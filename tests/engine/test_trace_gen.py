@@ -1,4 +1,4 @@
-"""The operator-trace generator (trace_gen.py) on its own: no build, no simulated GPU."""
+"""The operator-trace generator (lmsbench/trace_gen.py) on its own: no build, no simulated GPU."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from trace_gen import (
+
+from lmsbench.trace_gen import (
     FAMILIES,
     FAULT_PLANS,
     KIB,
@@ -234,7 +235,7 @@ def test_command_line_writes_the_trace_and_the_replay_command(tmp_path: Path) ->
     out = tmp_path / "seed9.trace"
     args = ["--seed", "9", "--plan", "host_alloc", "--out", str(out), "--replayer", "/x/replay"]
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.engine.trace_gen", *args],
+        [sys.executable, "-m", "lmsbench.trace_gen", *args],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -1,13 +1,13 @@
 """Random operator traces replayed through the LMS engine on the simulated GPU, under faults.
 
-Each seed gives a random training run (``trace_gen.py``); ``trace_replay`` runs it through the
-patched caching allocator and the engine on simgpu once per fault plan (none, failing device
-allocations, failing pinned host allocations, a device partly taken by another process, failing
-copies), each in a process of its own so that a segfault or an abort is seen as a crash instead of
-ending the suite. What the engine must do is known from the trace: never crash, never hand an
-operator a storage that is not resident, never lose or corrupt a byte, leave nothing pinned and
-leak no device or pinned host memory after an error, and run out of memory only where an
-operator's unreclaimable working set cannot fit the device (or an injected fault fired).
+Each seed gives a random training run (``lmsbench/trace_gen.py``); ``trace_replay`` runs it
+through the patched caching allocator and the engine on simgpu once per fault plan (none, failing
+device allocations, failing pinned host allocations, a device partly taken by another process,
+failing copies), each in a process of its own so that a segfault or an abort is seen as a crash
+instead of ending the suite. What the engine must do is known from the trace: never crash, never
+hand an operator a storage that is not resident, never lose or corrupt a byte, leave nothing
+pinned and leak no device or pinned host memory after an error, and run out of memory only where
+an operator's unreclaimable working set cannot fit the device (or an injected fault fired).
 
 A wrong outcome is reported with the commands that regenerate and replay its trace.
 ``LMS_TRACE_SEEDS`` sets the number of seeds (default 100).
@@ -28,7 +28,8 @@ from typing import Any
 
 import pytest
 from test_engine_sim import executable
-from trace_gen import FAULT_PLANS, REGIMES, Trace, fault_args, generate
+
+from lmsbench.trace_gen import FAULT_PLANS, REGIMES, Trace, fault_args, generate
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +70,7 @@ class Replay:
     def reproduce(self) -> str:
         """The commands that regenerate the trace and replay it."""
         gen = (
-            f"{sys.executable} -m tests.engine.trace_gen --seed {self.seed} --plan {self.plan} "
+            f"{sys.executable} -m lmsbench.trace_gen --seed {self.seed} --plan {self.plan} "
             f"{self.gen_args}--out {self.trace_file}"
         )
         return f"{gen}\nSIMGPU_SCRIBBLE=1 {' '.join(self.command)}"
@@ -397,8 +398,7 @@ def test_schedule_replay_benchmark_counts_demand_page_ins(
 ) -> None:
     """benchmarks/engine/schedule_replay.py replays repeating traces with a replayer given
     twice and prints one row per replayer, the second's ratio to the first."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "engine"))
-    import schedule_replay
+    from benchmarks.engine import schedule_replay
 
     binary = executable(sim_build, "trace_replay")
     argv = ["--replayer", str(binary), "--replayer", str(binary), "--seeds", "4"]

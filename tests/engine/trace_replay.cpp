@@ -1,4 +1,4 @@
-// Replays an operator trace (tests/engine/trace_gen.py describes the format)
+// Replays an operator trace (lmsbench/trace_gen.py describes the format)
 // through the LMS engine and the patched caching allocator on the simulated
 // GPU, and checks that nothing is lost, corrupted or leaked.
 //

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("torch.nn", reason="needs a torch wheel (the CPU one is enough)")
-import models
 import torch
-from models import GPT, Checkpointed, GPTConfig, SaveOnCpuCounter
+
+from benchmarks import models
+from benchmarks.models import GPT, Checkpointed, GPTConfig, SaveOnCpuCounter
 
 SMALL = GPTConfig(vocab=97, seq=16, dim=32, layers=3, heads=4)
 

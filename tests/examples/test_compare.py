@@ -11,9 +11,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import compare
 import pytest
-from compare import (
+
+from benchmarks import compare
+from benchmarks.compare import (
     Bandwidth,
     Measurement,
     batch_bounds,
@@ -635,8 +636,9 @@ def test_lms_nopack_is_lms_with_packing_off_and_is_run_by_naming_it() -> None:
 def test_apply_lms_sets_packing_and_refuses_to_turn_off_what_a_build_lacks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import _lms_setup
     import torch
+
+    from lmsbench import lms_setup
 
     calls: list[tuple[str, Any]] = []
     for name in (
@@ -658,36 +660,37 @@ def test_apply_lms_sets_packing_and_refuses_to_turn_off_what_a_build_lacks(
         lambda enabled: calls.append(("set_packing_lms", (enabled,))),
         raising=False,
     )
-    _lms_setup.apply_lms(_lms_setup.LmsSettings(enabled=True, packing=False))
+    lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True, packing=False))
     assert ("set_packing_lms", (False,)) in calls
     # Set before LMS is enabled, like every other knob.
     names = [name for name, _ in calls]
     assert names.index("set_packing_lms") < names.index("set_enabled_lms")
     calls.clear()
-    _lms_setup.apply_lms(_lms_setup.LmsSettings(enabled=True))
+    lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True))
     assert ("set_packing_lms", (True,)) in calls
     # A build without the switch does not pack: on is what it does, off is refused.
     monkeypatch.delattr(torch.cuda, "set_packing_lms")
-    _lms_setup.apply_lms(_lms_setup.LmsSettings(enabled=True))
-    with pytest.raises(_lms_setup.LmsUnavailable, match="set_packing_lms"):
-        _lms_setup.apply_lms(_lms_setup.LmsSettings(enabled=True, packing=False))
+    lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True))
+    with pytest.raises(lms_setup.LmsUnavailable, match="set_packing_lms"):
+        lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True, packing=False))
 
 
 def test_apply_lms_names_the_environment_settings_it_overrides(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import _lms_setup
     import torch
+
+    from lmsbench import lms_setup
 
     environ = {
         "PYTORCH_LMS_CONF": "lms_pack:False, lms_host_placement:False",
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,lms_size_mb:4",
     }
-    assert _lms_setup.overridden_conf_keys(environ) == [
+    assert lms_setup.overridden_conf_keys(environ) == [
         "PYTORCH_LMS_CONF: lms_pack",
         "PYTORCH_CUDA_ALLOC_CONF: lms_size_mb",
     ]
-    assert _lms_setup.overridden_conf_keys({"PYTORCH_LMS_CONF": "lms_host_limit_mb:64"}) == []
+    assert lms_setup.overridden_conf_keys({"PYTORCH_LMS_CONF": "lms_host_limit_mb:64"}) == []
     for name in (
         "set_limit_lms",
         "set_size_lms",
@@ -700,11 +703,11 @@ def test_apply_lms_names_the_environment_settings_it_overrides(
     ):
         monkeypatch.setattr(torch.cuda, name, lambda *a: None, raising=False)
     monkeypatch.delattr(torch.cuda, "set_schedule_lms", raising=False)
-    for variable in _lms_setup.CONF_VARIABLES:
+    for variable in lms_setup.CONF_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     monkeypatch.setenv("PYTORCH_LMS_CONF", "lms_pack:False")
     with pytest.warns(UserWarning, match=r"do not apply.*PYTORCH_LMS_CONF: lms_pack.*lms_nopack"):
-        _lms_setup.apply_lms(_lms_setup.LmsSettings(enabled=True))
+        lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True))
 
 
 class FakeRecompute:
@@ -774,11 +777,11 @@ def test_lms_hybrid_without_recompute_is_an_error(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     torch = pytest.importorskip("torch")
-    import _lms_setup
+    from lmsbench import lms_setup
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delattr(torch.cuda, "set_recompute_lms", raising=False)
-    monkeypatch.setattr(_lms_setup, "ensure_lms_api", lambda: "extension")
+    monkeypatch.setattr(lms_setup, "ensure_lms_api", lambda: "extension")
     argv = ["--model", "gpt", "--methods", "lms,lms_hybrid", "--out", str(tmp_path)]
     assert compare.main(argv) == 2
     assert "compare.py: lms_hybrid needs torch.cuda.set_recompute_lms" in capsys.readouterr().err
@@ -860,7 +863,7 @@ def test_packed_operators_per_iteration_in_the_row() -> None:
 
 
 def test_written_csv_reads_back_with_the_committed_columns(tmp_path: Path) -> None:
-    import summarize
+    from benchmarks import summarize
 
     assert set(compare.MEASUREMENT_COLUMNS) < set(compare.CAPPED_CSV_COLUMNS)
     assert compare.CAPPED_CSV_COLUMNS[-1] == "detail"
@@ -909,10 +912,10 @@ class TinyWorkload:
 def fake_cuda_training(
     monkeypatch: pytest.MonkeyPatch, recompute: bool, state: bool = False
 ) -> tuple[Any, list[tuple[str, Any]], FakeRecompute]:
-    """torch.cuda and _lms_setup faked so that train_measure runs on the CPU: LMS's calls go
+    """torch.cuda and lms_setup faked so that train_measure runs on the CPU: LMS's calls go
     to the event log; ``recompute``: torch.cuda has set_recompute_lms (currently ``state``)."""
     torch = pytest.importorskip("torch")
-    import _lms_setup
+    from lmsbench import lms_setup
 
     events: list[tuple[str, Any]] = []
     cuda = FakeRecompute(events, state)
@@ -931,9 +934,9 @@ def fake_cuda_training(
     else:
         monkeypatch.delattr(torch.cuda, "set_recompute_lms", raising=False)
     stats = iter([STATS_BEFORE, STATS_AFTER])
-    monkeypatch.setattr(_lms_setup, "lms_stats", lambda: dict(next(stats)))
+    monkeypatch.setattr(lms_setup, "lms_stats", lambda: dict(next(stats)))
     monkeypatch.setattr(
-        _lms_setup, "apply_lms", lambda s: events.append(("apply_lms", s.enabled, cuda.state))
+        lms_setup, "apply_lms", lambda s: events.append(("apply_lms", s.enabled, cuda.state))
     )
     monkeypatch.setattr(compare, "reset_rss_peak", lambda: False)
     return torch, events, cuda

@@ -11,10 +11,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-import _lms_setup
-import compare
 import pytest
-from compare import (
+
+from benchmarks import compare
+from benchmarks.compare import (
     Bandwidth,
     CappedPoint,
     CappedReference,
@@ -30,6 +30,7 @@ from compare import (
     one_batch_memory_model,
     second_fit_batch,
 )
+from lmsbench import lms_setup
 
 GB = 1e9
 GiB = 1 << 30
@@ -223,7 +224,7 @@ def test_host_and_time_estimates() -> None:
 
 def test_measure_saved_bytes_on_the_cpu() -> None:
     torch = pytest.importorskip("torch", reason="counts what autograd saves")
-    import models
+    from benchmarks import models
 
     workload = models.gpt_workload(models.GPTConfig(vocab=64, seq=16, dim=32, layers=2, heads=2))
     args = nocap_args(Path("unused"))
@@ -778,22 +779,22 @@ def test_help_shows_both_regimes_defaults() -> None:
 
 
 def test_porcelain_dirty() -> None:
-    assert not _lms_setup.porcelain_dirty("")
-    assert not _lms_setup.porcelain_dirty("?? out/x.json\n?? benchmarks/results/nocap/a.csv\n")
-    assert _lms_setup.porcelain_dirty("?? benchmarks/new.py\n")
-    assert _lms_setup.porcelain_dirty(
+    assert not lms_setup.porcelain_dirty("")
+    assert not lms_setup.porcelain_dirty("?? out/x.json\n?? benchmarks/results/nocap/a.csv\n")
+    assert lms_setup.porcelain_dirty("?? benchmarks/new.py\n")
+    assert lms_setup.porcelain_dirty(
         " M benchmarks/results/compare/2026-11-24-h100-unrecorded/compare-gpt.csv\n"
     )
-    assert _lms_setup.porcelain_dirty("R  a.py -> b.py\n")
+    assert lms_setup.porcelain_dirty("R  a.py -> b.py\n")
 
 
 def test_provenance_without_git_or_nvidia_smi(monkeypatch: pytest.MonkeyPatch) -> None:
     def missing(*args: Any, **kwargs: Any) -> Any:
         raise FileNotFoundError("no such program")
 
-    monkeypatch.setattr(_lms_setup.subprocess, "run", missing)
+    monkeypatch.setattr(lms_setup.subprocess, "run", missing)
     monkeypatch.delenv("LMS_ENGINE_COMMIT", raising=False)
-    found = _lms_setup.provenance()
+    found = lms_setup.provenance()
     assert len(found.pop("engine_sources_sha256")) == 64  # from the files, not git
     assert found == {"engine_commit": "unknown", "engine_dirty": "unknown", "driver": "unknown"}
 
@@ -802,22 +803,22 @@ def test_provenance_from_the_sender(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     """A copy whose .git is stale: the commit and dirty flag the sender gives win."""
     monkeypatch.setenv("LMS_ENGINE_COMMIT", "ac61784")
     monkeypatch.setenv("LMS_ENGINE_DIRTY", "0")
-    found = _lms_setup.provenance(tmp_path)
+    found = lms_setup.provenance(tmp_path)
     assert found["engine_commit"] == "ac61784" and found["engine_dirty"] is False
     assert found["engine_sources_sha256"] == "unknown"  # no engine/ in tmp_path
     monkeypatch.setenv("LMS_ENGINE_DIRTY", "1")
-    assert _lms_setup.provenance(tmp_path)["engine_dirty"] is True
+    assert lms_setup.provenance(tmp_path)["engine_dirty"] is True
     monkeypatch.delenv("LMS_ENGINE_DIRTY")
-    assert _lms_setup.provenance(tmp_path)["engine_dirty"] == "unknown"
+    assert lms_setup.provenance(tmp_path)["engine_dirty"] == "unknown"
 
 
 def test_engine_sources_hash_follows_the_files(tmp_path: Path) -> None:
     (tmp_path / "engine" / "c10").mkdir(parents=True)
     (tmp_path / "engine" / "c10" / "a.cpp").write_text("int a;\n")
-    first = _lms_setup.engine_sources_sha256(tmp_path)
-    assert first == _lms_setup.engine_sources_sha256(tmp_path)
+    first = lms_setup.engine_sources_sha256(tmp_path)
+    assert first == lms_setup.engine_sources_sha256(tmp_path)
     (tmp_path / "engine" / "c10" / "a.cpp").write_text("int b;\n")
-    assert _lms_setup.engine_sources_sha256(tmp_path) != first
+    assert lms_setup.engine_sources_sha256(tmp_path) != first
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -835,18 +836,18 @@ def test_provenance_of_a_checkout(
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "r.json").write_text("{}")
-    first = _lms_setup.provenance(tmp_path)
+    first = lms_setup.provenance(tmp_path)
     assert len(first["engine_commit"]) == 40 and first["engine_dirty"] is False
     assert first["driver"]  # a version, or "unknown" without nvidia-smi
     (tmp_path / "a.py").write_text("x = 2\n")
-    assert _lms_setup.provenance(tmp_path)["engine_dirty"] is True
-    assert _lms_setup.provenance(tmp_path / "out")["engine_dirty"] is True  # the same repo
-    plain = _lms_setup.provenance(tmp_path_factory.mktemp("not-a-checkout"))
+    assert lms_setup.provenance(tmp_path)["engine_dirty"] is True
+    assert lms_setup.provenance(tmp_path / "out")["engine_dirty"] is True  # the same repo
+    plain = lms_setup.provenance(tmp_path_factory.mktemp("not-a-checkout"))
     assert plain["engine_commit"] == "unknown" and plain["engine_dirty"] == "unknown"
 
 
 def test_environment_records_provenance() -> None:
     pytest.importorskip("torch", reason="environment() reads torch's versions")
-    env = _lms_setup.environment()
+    env = lms_setup.environment()
     for key in ("engine_commit", "engine_dirty", "driver", "torch", "cuda", "date"):
         assert key in env, key

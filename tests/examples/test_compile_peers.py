@@ -13,9 +13,10 @@ import types
 from pathlib import Path
 from typing import Any
 
-import compile_peers
 import pytest
-from compile_peers import (
+
+from benchmarks import compile_peers
+from benchmarks.compile_peers import (
     OffloadSupport,
     Row,
     cap_label,
@@ -26,7 +27,7 @@ from compile_peers import (
     write_outputs,
 )
 
-SCRIPT = Path(compile_peers.__file__)
+REPO = Path(compile_peers.__file__).resolve().parents[1]
 GiB = 1 << 30
 TINY = [
     "--gpt-layers",
@@ -55,8 +56,13 @@ def parse(*argv: str) -> argparse.Namespace:
 
 
 def run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.compile_peers ARGV`` from the repository root, as documented."""
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "benchmarks.compile_peers", *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
     )
 
 
@@ -557,7 +563,7 @@ def test_offload_passes_mark_and_count() -> None:
 
 
 def test_lms_options_are_the_shared_ones_and_keep_the_old_spellings() -> None:
-    # One declaration (_lms_setup.add_lms_tuning_options) for compare.py, ManyModel.py and
+    # One declaration (lms_setup.add_lms_tuning_options) for compare.py, ManyModel.py and
     # this script; the spellings this script used first still parse.
     new = compile_peers.build_parser().parse_args(["--size-mb", "2", "--prefetch", "1"])
     old = compile_peers.build_parser().parse_args(["--lms-size-mb", "2", "--lms-prefetch", "1"])

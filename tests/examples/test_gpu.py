@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from lmsbench.harness import checkout_env
+
 REPO = Path(__file__).resolve().parents[2]
 
 try:
@@ -25,7 +27,7 @@ pytestmark = [
 
 
 def _lms_or_skip() -> None:
-    from _lms_setup import LmsUnavailable, ensure_lms_api
+    from lmsbench.lms_setup import LmsUnavailable, ensure_lms_api
 
     try:
         ensure_lms_api()
@@ -34,15 +36,15 @@ def _lms_or_skip() -> None:
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO / "extension"), *filter(None, [env.get("PYTHONPATH")])]
-    )
+    """The session's environment with the drop-in extension's folder and the checkout on the
+    Python path, for the scripts run as programs."""
+    env = checkout_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "extension"), env["PYTHONPATH"]])
     return env
 
 
 def test_bandwidth_measurement_is_plausible() -> None:
-    import compare
+    from benchmarks import compare
 
     bw = compare.measure_bandwidth(64 << 20, repeats=2)
     for value in (bw.d2h, bw.h2d, bw.bidirectional):

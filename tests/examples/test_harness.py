@@ -1,4 +1,4 @@
-"""benchmarks/harness.py: a workload in a process of its own, shared options, one record
+"""lmsbench/harness.py: a workload in a process of its own, shared options, one record
 schema with provenance; compare.py, compile_peers.py, the stress suite and the regression
 matrix use it."""
 
@@ -15,16 +15,15 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-import compare
-import compile_peers
-import harness
 import pytest
+
+from benchmarks import compare, compile_peers
+from lmsbench import harness
 
 WORKER = textwrap.dedent(
     """
     import sys, time
-    sys.path.insert(0, {benchmarks!r})
-    import harness
+    from lmsbench import harness
 
     def run(spec):
         if spec["mode"] == "sleep":
@@ -32,7 +31,7 @@ WORKER = textwrap.dedent(
         if spec["mode"] == "crash":
             print("dying now")
             sys.exit(7)
-        return {{"status": "ok", "detail": "done", "value": spec["value"] * 2}}
+        return {"status": "ok", "detail": "done", "value": spec["value"] * 2}
 
     if __name__ == "__main__":
         sys.exit(harness.serve_worker(__import__("pathlib").Path(sys.argv[2]), run))
@@ -43,7 +42,7 @@ WORKER = textwrap.dedent(
 @pytest.fixture
 def worker(tmp_path: Path) -> Path:
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(benchmarks=str(harness.HERE)))
+    script.write_text(WORKER)
     return script
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import host_overhead
 import pytest
-from host_overhead import parse_args, summarize
+
+from benchmarks import host_overhead
+from benchmarks.host_overhead import parse_args, summarize
 
 
 def row(config: str, size: str, us_per_iter: float, operators: int = 100) -> dict[str, object]:

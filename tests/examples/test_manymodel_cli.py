@@ -10,7 +10,9 @@ from pathlib import Path
 
 import ManyModel
 import pytest
-from _search import Outcome, Probe, SearchResult
+
+from lmsbench.harness import checkout_env
+from lmsbench.search import Outcome, Probe, SearchResult
 
 SCRIPT = Path(ManyModel.__file__)
 
@@ -154,8 +156,14 @@ def test_ratio_text() -> None:
 
 
 def test_help_runs_as_a_program() -> None:
+    """``python examples/ManyModel.py --help`` with the checkout on the Python path (as its
+    docstring says: installed, or on ``PYTHONPATH``)."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=False
+        [sys.executable, str(SCRIPT), "--help"],
+        capture_output=True,
+        text=True,
+        env=checkout_env(),
+        check=False,
     )
     assert done.returncode == 0
     for flag in (

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import observer_cost
 import pytest
+
+from benchmarks import observer_cost
 
 
 def test_summary_gives_medians_and_the_difference_from_no_callback() -> None:

@@ -3,10 +3,9 @@ what runs without a GPU (the counter arithmetic, argument checks)."""
 
 from __future__ import annotations
 
-import host_pinning
-import host_placed_kernels
-import nocap_probe
 import pytest
+
+from benchmarks import host_pinning, host_placed_kernels, nocap_probe
 
 GiB = 1 << 30
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import sys
 
 import pytest
-from _lms_setup import EXIT_OOM
-from _search import (
+
+from lmsbench.lms_setup import EXIT_OOM
+from lmsbench.search import (
     Outcome,
     Probe,
     ProbeError,

@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-import stream_profile
-from stream_profile import analyze, intersect, merge, subtract
+
+from benchmarks import stream_profile
+from benchmarks.stream_profile import analyze, intersect, merge, subtract
 
 GiB = 1 << 30
 

@@ -6,10 +6,10 @@ import json
 import shutil
 from pathlib import Path
 
-import compare
 import pytest
-import summarize
-from compare import Bandwidth, Measurement, evaluate_goals, fill_roofline
+
+from benchmarks import compare, summarize
+from benchmarks.compare import Bandwidth, Measurement, evaluate_goals, fill_roofline
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {

@@ -94,7 +94,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     out = os.environ.get("LMS_RESULTS_DIR", "").strip()
     if not out or not _RESULTS:
         return
-    from lms_results import session_environment, write_results
+    from tests.regression.lms_results import session_environment, write_results
 
     write_results(Path(out), session_environment(_BACKEND, CUDNN_ENABLED), _RESULTS)
 
@@ -105,7 +105,7 @@ def lms_clean(request: pytest.FixtureRequest) -> Any:
     if _SKIP_REASON is not None:
         yield
         return
-    from lms_regression_harness import reset_lms
+    from tests.regression.lms_regression_harness import reset_lms
 
     reset_lms()
     start = time.perf_counter()

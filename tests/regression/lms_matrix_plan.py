@@ -24,10 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lms_paths import use_shared_modules
-
-use_shared_modules()
-from harness import first_line, signal_name  # noqa: E402
+from lmsbench.harness import first_line, signal_name
 
 MiB = 1024**2
 GiB = 1024**3

@@ -1,6 +1,6 @@
 """Markdown table of the LMS regression matrix from ``regression-results.json``.
 
-    python tests/regression/lms_matrix_summary.py out/matrix*/regression-results.json
+    python -m tests.regression.lms_matrix_summary out/matrix*/regression-results.json
 
 One row per test of ``test_families.py`` (a skipped one is named by its test id): family,
 cap, seconds per iteration (LMS run and uncapped reference), bytes paged out per iteration,
@@ -20,15 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-from lms_paths import use_shared_modules  # noqa: E402
-
-use_shared_modules()
-from harness import engine_words, markdown_table, write_text  # noqa: E402
-from matrix_cells import gib, host_budget, ms, seconds, workers, yes  # noqa: E402
+from lmsbench.harness import engine_words, markdown_table, write_text
+from lmsbench.matrix_cells import gib, host_budget, ms, seconds, workers, yes
 
 COLUMNS = (
     "family",

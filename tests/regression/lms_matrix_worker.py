@@ -21,8 +21,10 @@ Commands:
 ``ddp``     DistributedDataParallel on two GPUs (``mp.spawn``, NCCL): the uncapped
             reference twice, then capped at ``--cap-share`` of each rank's own peak, LMS on.
 
-Run as a script (``python tests/regression/lms_matrix_worker.py COMMAND ...``): its folder
-is then on ``sys.path``, and ``torch_lms`` comes from ``PYTHONPATH`` as in the test session.
+Run as a script (``python tests/regression/lms_matrix_worker.py COMMAND ...``) in the
+environment of ``lmsbench.harness.worker_env``: the repository root first on ``PYTHONPATH``
+(for ``lmsbench`` and ``tests.regression``), and ``torch_lms`` from ``PYTHONPATH`` as in the
+test session.
 """
 
 from __future__ import annotations
@@ -49,16 +51,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-from lms_paths import use_shared_modules  # noqa: E402
-
-use_shared_modules()
-from _lms_setup import nonneg_int, positive_int  # noqa: E402
-from harness import write_json  # noqa: E402
-from lms_families import (  # noqa: E402
+from lmsbench.harness import write_json
+from lmsbench.lms_setup import nonneg_int, positive_int
+from tests.regression.lms_families import (
     DeepMLP,
     Family,
     family,
@@ -68,7 +63,7 @@ from lms_families import (  # noqa: E402
     mlp_tokens_for,
     train_step,
 )
-from lms_regression_harness import (  # noqa: E402
+from tests.regression.lms_regression_harness import (
     MiB,
     RunResult,
     deterministic,
@@ -796,7 +791,7 @@ def ddp_model() -> tuple[nn.Module, str]:
     try:
         import torchvision.models as models
     except ImportError:
-        from lms_families import HighResCNN
+        from tests.regression.lms_families import HighResCNN
 
         return HighResCNN(32, 4, levels=3, classes=DDP_CLASSES), "HighResCNN (no torchvision)"
     return models.resnet50(weights=None, num_classes=DDP_CLASSES), "torchvision resnet50"

@@ -12,10 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from lms_paths import use_shared_modules
 
-use_shared_modules()
-from _lms_setup import deterministic  # noqa: E402  (examples/: shared with the benchmarks)
+from lmsbench.lms_setup import deterministic
 
 MiB = 1024 * 1024
 

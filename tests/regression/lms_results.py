@@ -3,8 +3,8 @@
 
 Every row names what it was measured with: the engine commit, whether the checkout had
 changes, the hash of the engine's sources, torch, CUDA, the NVIDIA driver and the device
-(:data:`ROW_PROVENANCE`), in the record schema of ``benchmarks/harness.py``. The engine fields
-come from ``examples/_lms_setup.provenance`` (git, or ``LMS_ENGINE_COMMIT`` /
+(:data:`ROW_PROVENANCE`), in the record schema of ``lmsbench/harness.py``. The engine fields
+come from ``lmsbench.lms_setup.provenance`` (git, or ``LMS_ENGINE_COMMIT`` /
 ``LMS_ENGINE_DIRTY`` for a copy of the checkout whose .git is not the sender's). Nothing here
 imports torch at module level.
 """
@@ -16,10 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lms_paths import use_shared_modules
-
-use_shared_modules()
-from harness import (  # noqa: E402
+from lmsbench.harness import (
     RECORD_PROVENANCE,
     record_environment,
     with_provenance,

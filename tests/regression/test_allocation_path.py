@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("torch.nn", reason="PyTorch is not installed")
 import torch
-from lms_regression_harness import MiB, deterministic, lms_summary, memory_cap
+
+from tests.regression.lms_regression_harness import MiB, deterministic, lms_summary, memory_cap
 
 GiB = 1024 * MiB
 

@@ -25,8 +25,9 @@ import pytest
 
 pytest.importorskip("torch.nn", reason="PyTorch is not installed")
 import torch
-from lms_families import TransformerLM
-from lms_regression_harness import (
+
+from tests.regression.lms_families import TransformerLM
+from tests.regression.lms_regression_harness import (
     Batch,
     check_capped_training,
     first_difference,
@@ -190,7 +191,7 @@ def _reduce_overhead_references(
     """Two uncapped runs of :func:`_train_reduce_overhead`: the first's losses and parameters,
     the second's, the first's peak, and whether they repeat bit for bit (only then is
     bit-identity the bar; recorded as ``reference_repeats``)."""
-    from lms_regression_harness import settle
+    from tests.regression.lms_regression_harness import settle
 
     settle()
     losses, params, peak = _train_reduce_overhead(steps=steps)
@@ -207,7 +208,7 @@ def test_reduce_overhead_under_a_cap_that_leaves_room_for_the_graph_pool(
 ) -> None:
     """CUDA graphs' private pools are never paged out; LMS pages out what lies outside them
     (Adam's state here) to make room, reports the pools' size, and trains bit-identically."""
-    from lms_regression_harness import lms_summary, memory_cap
+    from tests.regression.lms_regression_harness import lms_summary, memory_cap
 
     reference, reference_2, peak, repeats = _reduce_overhead_references(5, record)
     adam_state = 2 * sum(p.numel() * p.element_size() for p in reference[1])  # its parameters
@@ -275,7 +276,7 @@ def test_graph_pool_that_cannot_fit_falls_back_to_running_without_graphs(
     activations alone, which its warm-up keeps in the pool, do not fit), the warm-up runs out
     of memory in the pool: LMS warns once, the compiled code runs without CUDA graphs from then
     on, paged like eager code, and training gives the uncapped run's losses and parameters."""
-    from lms_regression_harness import lms_summary, memory_cap
+    from tests.regression.lms_regression_harness import lms_summary, memory_cap
 
     reference, reference_2, peak, repeats = _reduce_overhead_references(3, record)
     cap = peak // 4
@@ -313,7 +314,7 @@ def _train_resnet50_reduce_overhead(steps: int) -> tuple[Any, list[torch.Tensor]
     mode="reduce-overhead", in a fresh CUDA graph tree (the graphs and the pool of an earlier
     run go back to the device first); returns the run and the model's buffers (batch norm
     statistics, which the compiled forward mutates) after it."""
-    from lms_regression_harness import settle, train
+    from tests.regression.lms_regression_harness import settle, train
 
     models = pytest.importorskip("torchvision.models", reason="torchvision is not installed")
     torch._dynamo.reset()
@@ -336,7 +337,7 @@ def _settle_graphs_and_workspaces() -> None:
     """No CUDA graph tree and no cuBLAS workspace left: CUDA graph trees clear cuBLAS's
     workspaces around each warm-up and capture, compiled code without CUDA graphs keeps them
     for the life of the process, and neither is memory of the model or of LMS."""
-    from lms_regression_harness import release_library_workspaces, settle
+    from tests.regression.lms_regression_harness import release_library_workspaces, settle
 
     torch._dynamo.reset()
     release_library_workspaces()
@@ -353,7 +354,7 @@ def test_compiled_resnet50_reduce_overhead_at_half_its_peak(
     gradients, parameters and batch norm statistics). Two uncapped runs are compared first:
     where CUDA graph replays are not repeatable here, the capped run is held to their
     spread."""
-    from lms_regression_harness import (
+    from tests.regression.lms_regression_harness import (
         MiB,
         first_difference,
         host_bytes,
@@ -449,7 +450,7 @@ def _train_compiled_decoder() -> tuple[Any, float]:
     import statistics
     import time
 
-    from lms_regression_harness import train
+    from tests.regression.lms_regression_harness import train
 
     starts: list[float] = []
 
@@ -484,7 +485,7 @@ def test_compiled_decoder_under_a_share_of_its_compiled_peak(
     the uncapped compiled run, bit for bit. Two uncapped runs are compared first: where they
     differ, the compiled program is not repeatable on this machine, which is recorded, and
     the capped run is held to the references' own spread instead."""
-    from lms_regression_harness import (
+    from tests.regression.lms_regression_harness import (
         MiB,
         first_difference,
         host_bytes,

@@ -36,16 +36,14 @@ from typing import Any, Callable
 import pytest
 
 pytest.importorskip("torch.nn", reason="PyTorch is not installed")
-import lms_matrix_plan as plan
 import torch
-from lms_families import FAMILIES, mlp_need_bytes, mlp_tokens_for
-from lms_matrix_worker import LARGE_ALLOCATION_BYTES, MLP_LAYERS, MLP_WIDTH
-from lms_paths import use_shared_modules
-from lms_regression_harness import MiB, ensure_lms_api
 
-use_shared_modules()
-from harness import Deadline, read_json, start_process, stop_group  # noqa: E402
-from harness import worker_env as harness_worker_env  # noqa: E402
+from lmsbench.harness import Deadline, read_json, start_process, stop_group
+from lmsbench.harness import worker_env as harness_worker_env
+from tests.regression import lms_matrix_plan as plan
+from tests.regression.lms_families import FAMILIES, mlp_need_bytes, mlp_tokens_for
+from tests.regression.lms_matrix_worker import LARGE_ALLOCATION_BYTES, MLP_LAYERS, MLP_WIDTH
+from tests.regression.lms_regression_harness import MiB, ensure_lms_api
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "lms_matrix_worker.py"
@@ -68,9 +66,10 @@ SHARE_TIMEOUT_S = 480
 
 
 def worker_env() -> dict[str, str]:
-    """The test session's environment, with this folder on ``PYTHONPATH`` for ``mp.spawn``."""
-    path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
-    return harness_worker_env(deterministic=True, PYTHONPATH=path)
+    """The test session's environment for a worker, deterministic cuBLAS's included; the
+    repository root is first on its ``PYTHONPATH`` (``harness.checkout_env``), so that the
+    worker and its ``mp.spawn`` ranks import ``tests.regression`` and ``lmsbench``."""
+    return harness_worker_env(deterministic=True)
 
 
 def run_worker(args: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:

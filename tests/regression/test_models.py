@@ -13,8 +13,9 @@ import pytest
 
 pytest.importorskip("torch.nn", reason="PyTorch is not installed")
 import torch
-from lms_families import TransformerLM
-from lms_regression_harness import Batch, check_capped_training
+
+from tests.regression.lms_families import TransformerLM
+from tests.regression.lms_regression_harness import Batch, check_capped_training
 
 nn = torch.nn
 F = torch.nn.functional

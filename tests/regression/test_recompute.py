@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("torch.nn", reason="PyTorch is not installed")
 import torch
-from lms_regression_harness import (
+
+from tests.regression.lms_regression_harness import (
     MiB,
     check_capped_training,
     deterministic,

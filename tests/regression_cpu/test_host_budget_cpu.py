@@ -13,9 +13,10 @@ import signal
 from pathlib import Path
 from typing import Any
 
-import lms_matrix_plan as plan
 import pytest
-from lms_matrix_plan import GiB, MiB
+
+from tests.regression import lms_matrix_plan as plan
+from tests.regression.lms_matrix_plan import GiB, MiB
 
 H100 = 85_017_493_504  # total_memory of an NVIDIA H100 80GB HBM3 (79.2 GiB)
 HOST = 125 * GiB  # MemTotal of a 128 GiB host, less what the kernel keeps
@@ -89,8 +90,8 @@ def test_too_low_host_limit_is_half_the_deficit_in_whole_mib() -> None:
 def mlp_sizes(fraction: float) -> tuple[int, int]:
     """Need and activation size of the shared-GPU DeepMLP, as the worker computes them."""
     pytest.importorskip("torch")
-    from lms_families import mlp_need_bytes, mlp_tokens_for
-    from lms_matrix_worker import MLP_LAYERS, MLP_WIDTH
+    from tests.regression.lms_families import mlp_need_bytes, mlp_tokens_for
+    from tests.regression.lms_matrix_worker import MLP_LAYERS, MLP_WIDTH
 
     tokens = mlp_tokens_for(int(fraction * H100), MLP_WIDTH, MLP_LAYERS)
     return mlp_need_bytes(tokens, MLP_WIDTH, MLP_LAYERS), tokens * MLP_WIDTH * 4

@@ -23,19 +23,19 @@ from typing import Any
 import pytest
 
 pytest.importorskip("torch")
-import lms_families
-import lms_matrix_plan as plan
-import lms_matrix_summary
-import lms_matrix_worker as worker
 import torch
-from lms_families import FAMILIES, family, train_step
-from lms_regression_harness import (
+from torch import nn
+
+from tests.regression import lms_families, lms_matrix_summary
+from tests.regression import lms_matrix_plan as plan
+from tests.regression import lms_matrix_worker as worker
+from tests.regression.lms_families import FAMILIES, family, train_step
+from tests.regression.lms_regression_harness import (
     MiB,
     RunResult,
     first_difference,
     max_relative_difference,
 )
-from torch import nn
 
 REPO = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
@@ -341,7 +341,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
 @pytest.fixture
 def families_test() -> Any:
     """test_families.py's checks, applied here to the stand-in results."""
-    import test_families
+    from tests.regression import test_families
 
     return test_families
 
@@ -675,13 +675,12 @@ def test_file_barrier_waits_for_all_and_counts_failures(tmp_path: Path) -> None:
 FAKE_SHARE_WORKER = """
 import json, sys, time
 from pathlib import Path
-sys.path.insert(0, {regression!r})
-from lms_matrix_worker import FileBarrier, parse_args
+from tests.regression.lms_matrix_worker import FileBarrier, parse_args
 args = parse_args(sys.argv[1:])
 if args.rank == 0:
     sys.exit(3)  # dies without marking the barrier, as a crash would
 FileBarrier(args.barrier, args.processes, args.rank, timeout_s=60).wait("start")
-args.out.write_text(json.dumps({{"rank": args.rank, "stage": "done"}}))
+args.out.write_text(json.dumps({"rank": args.rank, "stage": "done"}))
 """
 
 
@@ -689,8 +688,7 @@ def test_launch_share_marks_crashed_workers(
     families_test: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     script = tmp_path / "fake_worker.py"
-    regression = str(Path(families_test.__file__).resolve().parent)
-    script.write_text(FAKE_SHARE_WORKER.format(regression=regression))
+    script.write_text(FAKE_SHARE_WORKER)
     monkeypatch.setattr(families_test, "WORKER", script)
     monkeypatch.setattr(families_test, "SHARE_TIMEOUT_S", 60)
     results = families_test.launch_share(2, 0.6, steps=1, lms=True, folder=tmp_path / "run")
@@ -702,13 +700,12 @@ def test_launch_share_marks_crashed_workers(
 
 SIGNAL_SHARE_WORKER = """
 import json, os, signal, sys
-sys.path.insert(0, {regression!r})
-from lms_matrix_worker import parse_args
+from tests.regression.lms_matrix_worker import parse_args
 args = parse_args(sys.argv[1:])
-args.out.write_text(json.dumps({{
+args.out.write_text(json.dumps({
     "rank": args.rank, "stage": "training", "wave": args.wave, "waves": args.waves,
     "cap_share": args.cap_share, "conf": os.environ.get("PYTORCH_LMS_CONF"),
-}}))
+}))
 if args.rank == 1:
     os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer would
 """
@@ -718,8 +715,7 @@ def test_launch_share_passes_arguments_and_reports_a_signal(
     families_test: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     script = tmp_path / "signal_worker.py"
-    regression = str(Path(families_test.__file__).resolve().parent)
-    script.write_text(SIGNAL_SHARE_WORKER.format(regression=regression))
+    script.write_text(SIGNAL_SHARE_WORKER)
     monkeypatch.setattr(families_test, "WORKER", script)
     monkeypatch.setattr(families_test, "SHARE_TIMEOUT_S", 60)
     env = plan.host_limit_env("extension", 512, families_test.worker_env())
@@ -1164,7 +1160,7 @@ def test_results_files_record_provenance_on_every_row(
     sources hash, torch, CUDA, driver and device it ran with."""
     import csv
 
-    import lms_results
+    from tests.regression import lms_results
 
     monkeypatch.setenv("LMS_ENGINE_COMMIT", "abc1234")
     monkeypatch.setenv("LMS_ENGINE_DIRTY", "0")

@@ -611,10 +611,10 @@ def test_every_run_of_a_case_gets_the_capped_runs_allocator_setting(tmp_path: Pa
 
 
 def test_records_carry_provenance(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import _lms_setup as setup  # on sys.path through the runner (tests/regression/lms_paths.py)
+    from lmsbench import lms_setup as setup
 
-    assert setup.__file__ == str(REPO / "examples" / "_lms_setup.py")
-    assert runner.harness.__file__ == str(REPO / "benchmarks" / "harness.py")
+    assert setup.__file__ == str(REPO / "lmsbench" / "lms_setup.py")
+    assert runner.harness.__file__ == str(REPO / "lmsbench" / "harness.py")
     monkeypatch.setenv("LMS_ENGINE_COMMIT", "0123456789abcdef")
     monkeypatch.setenv("LMS_ENGINE_DIRTY", "1")
     settings = runner.Settings(out=tmp_path, device="cpu")
@@ -855,7 +855,7 @@ def test_worker_trains_a_tiny_case_on_cpu_from_the_command_line(tmp_path: Path) 
     assert result["env"]["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
     assert result["env"]["lms_backend"] is None
     # A run's JSON names its engine without a runner to merge it in.
-    import _lms_setup as setup  # on sys.path through the worker (tests/regression/lms_paths.py)
+    from lmsbench import lms_setup as setup
 
     assert result["env"]["engine_sources_sha256"] == setup.engine_sources_sha256(REPO)
     assert result["env"]["engine_commit"] not in ("", None)

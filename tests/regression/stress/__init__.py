@@ -8,16 +8,6 @@ classifies the outcome and writes ``results.jsonl`` and ``summary.md``. See ``py
 tests.regression.stress.runner --help``. ``optrace`` traces, on a GPU, what chosen operators
 of one case allocate inside themselves, to compare a failing capped run with its reference.
 
-Importing the package makes ``harness`` (``benchmarks/harness.py``: a run in a process of its
-own under a time limit, the shared record schema) importable by its modules, through
-``tests/regression/lms_paths.py``: the package is ``tests.regression.stress`` under the
-runner's command and in ``tests/stress_cpu``, and ``stress`` (with ``tests/regression`` on
-``sys.path``) when pytest collects ``tests/regression``.
+What the suite shares with the benchmarks and the regression matrix (a run in a process of its
+own under a time limit, the shared record schema, the gate's classes) is in ``lmsbench``.
 """
-
-try:
-    from ..lms_paths import use_shared_modules
-except ImportError:  # imported as the top-level package ``stress``
-    from lms_paths import use_shared_modules
-
-use_shared_modules()

@@ -62,9 +62,9 @@ By default one fork server (``worker --serve``) imports torch once and forks a f
 per run; the child sets its allocator setting and initializes CUDA itself (the server never
 does), so every run still has its own process and CUDA context. ``--launcher spawn`` starts
 a new interpreter per run. Either way a run has a process group of its own, killed whole at
-``--run-timeout-s``, and the records follow the shared schema of ``benchmarks/harness.py``
-(its provenance fields, atomic JSON, markdown tables); ``tests/regression/lms_paths.py`` puts
-that folder on ``sys.path``.
+``--run-timeout-s``, and the records follow the shared schema of ``lmsbench/harness.py``
+(its provenance fields, atomic JSON, markdown tables); the classes and the gate are
+``lmsbench/stress_gate.py``'s.
 
 Output in ``--out``: ``results.jsonl`` (one line per case and attempt, appended as each
 finishes, with its attempt number, time, and provenance: engine commit, dirty flag, engine
@@ -86,7 +86,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import harness  # on sys.path through this package's __init__
+from lmsbench import harness
+from lmsbench.stress_gate import (
+    CLASSES,
+    GATE_FAILURES,
+    counted,
+    gate_failures,
+    gate_verdict,
+    load_records,
+    record_order,
+)
 
 from .allocator import conf_with_expandable, expandable_in_conf, user_conf
 from .generator import Case, generate
@@ -95,22 +104,6 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 WORKER_MODULE = "tests.regression.stress.worker"
 RUNNER_MODULE = "tests.regression.stress.runner"
 
-CLASSES = (
-    "identical",
-    "cap-not-binding",
-    "reference-not-repeatable",
-    "mismatch",
-    "oom-expected",
-    "oom-unexpected",
-    "crash",
-    "error",
-    "reference-failed",
-)
-# Classes that pass the gate; every other class (those below, and any the runner does not
-# know, e.g. "mismatch-explained" in results of older runners) fails it.
-GATE_PASSES = ("identical", "cap-not-binding", "reference-not-repeatable", "oom-expected")
-GATE_FAILURES = ("crash", "error", "mismatch", "oom-unexpected", "reference-failed")
-NOT_COUNTED = ("cap-not-binding",)
 CUDNN_FAMILIES = ("resnet_add", "densenet_cat", "conv3d", "lstm")
 PIN_FAILURE_MARKER = "could not all be made resident"
 GiB = float(1 << 30)
@@ -397,26 +390,6 @@ def _classify_oom(
         "reason": f"{oom_reason(message)}; {why}",
         **info,
     }
-
-
-def counted(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records that count as cases: every class but ``cap-not-binding``."""
-    return [r for r in records if r.get("class") not in NOT_COUNTED]
-
-
-def gate_failures(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The records that fail the gate: every record whose class does not pass."""
-    return [r for r in records if r.get("class") not in GATE_PASSES]
-
-
-def gate_verdict(records: list[dict[str, Any]]) -> tuple[bool, str]:
-    """Whether the gate passes over every record, and why not."""
-    failures = gate_failures(records)
-    if failures:
-        return False, f"{len(failures)} failing record(s)"
-    if not counted(records):
-        return False, "no case where the cap binds"
-    return True, ""
 
 
 class Launcher:
@@ -853,18 +826,10 @@ def _fmt_gib(value: Any) -> str:
     return f"{value / GiB:.2f}" if isinstance(value, (int, float)) and value else ""
 
 
-def _record_order(record: dict[str, Any]) -> tuple[int, str, int]:
-    return (
-        int(record["seed"]),
-        str(record.get("timestamp") or ""),
-        int(record.get("attempt") or 0),
-    )
-
-
 def latest_per_seed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The latest record of each seed (by time, then attempt), in seed order."""
     latest: dict[int, dict[str, Any]] = {}
-    for record in sorted(records, key=_record_order):
+    for record in sorted(records, key=record_order):
         latest[int(record["seed"])] = record
     return [latest[s] for s in sorted(latest)]
 
@@ -872,7 +837,7 @@ def latest_per_seed(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def rerun_seeds(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
     """The seeds with more than one record, each with its records in order."""
     by_seed: dict[int, list[dict[str, Any]]] = {}
-    for record in sorted(records, key=_record_order):
+    for record in sorted(records, key=record_order):
         by_seed.setdefault(int(record["seed"]), []).append(record)
     return {s: rs for s, rs in by_seed.items() if len(rs) > 1}
 
@@ -1015,7 +980,7 @@ def summarize(records: list[dict[str, Any]], extra: dict[str, Any] | None = None
             lines.append(f"- seed {seed}: {each}")
     others = [
         r
-        for r in sorted(records, key=_record_order)
+        for r in sorted(records, key=record_order)
         if r["class"] not in ("identical", "cap-not-binding")
     ]
     if others:
@@ -1031,25 +996,6 @@ def summarize(records: list[dict[str, Any]], extra: dict[str, Any] | None = None
                 why = str(r.get("reason", "")).split("; ", 1)[-1]
                 lines.append(f"  - why: {why}")
     return "\n".join(lines) + "\n"
-
-
-def load_records(paths: list[Path]) -> list[dict[str, Any]]:
-    """Every record of results.jsonl files (or folders holding one), in seed and time order;
-    a record found twice (the same folder given twice, or a merge merged again) is kept
-    once."""
-    seen: set[str] = set()
-    records: list[dict[str, Any]] = []
-    for path in paths:
-        file = path / "results.jsonl" if path.is_dir() else path
-        for line in file.read_text().splitlines():
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            key = json.dumps(record, sort_keys=True, default=str)
-            if key not in seen:
-                seen.add(key)
-                records.append(record)
-    return sorted(records, key=_record_order)
 
 
 def environment_of(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -1220,7 +1166,7 @@ def _run_suite_parallel(
         finally:
             for launcher in launchers:
                 launcher.close()
-    records.sort(key=_record_order)
+    records.sort(key=record_order)
     return records
 
 

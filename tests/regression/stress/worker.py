@@ -34,7 +34,7 @@ memory, 4 another exception.
 ``--serve`` turns the process into a fork server for ``runner``: it imports torch once, then
 for each JSON request on stdin forks a child that runs the case (the child initializes CUDA;
 the server never does) in a process group of its own, waits for it with a timeout
-(``benchmarks/harness.py``'s ``wait_pid``: at the limit the child's group is killed) and
+(``lmsbench/harness.py``'s ``wait_pid``: at the limit the child's group is killed) and
 answers one JSON line with the exit status. Every run still has a process of its own; only
 the interpreter start and ``import torch`` are shared.
 """
@@ -59,11 +59,12 @@ from typing import Any
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
-from _lms_setup import deterministic  # examples/, on sys.path with harness
-from harness import provenance as checkout_provenance  # on sys.path through this package's __init__
-from harness import wait_pid, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from lmsbench.harness import provenance as checkout_provenance
+from lmsbench.harness import wait_pid, write_json
+from lmsbench.lms_setup import deterministic, import_extension
 
 from . import models
 from .allocator import (
@@ -156,14 +157,7 @@ def ensure_lms_api() -> str:
     """
     if hasattr(torch.cuda, "set_enabled_lms"):
         return "patched"
-    try:
-        import torch_lms  # installs the torch.cuda LMS API
-    except ImportError:
-        extension = Path(__file__).resolve().parents[3] / "extension"
-        if not (extension / "torch_lms").is_dir() or str(extension) in sys.path:
-            raise
-        sys.path.insert(0, str(extension))
-        import torch_lms  # noqa: F401
+    import_extension()
     return "extension"
 
 

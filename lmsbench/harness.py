@@ -21,8 +21,7 @@ help each; the default is the tool's), and one record schema with provenance.
   (:func:`with_provenance`), :func:`engine_words` the engine of a record in words.
 - ``add_*_options``: the options, declared once.
 
-Outside ``benchmarks/`` (not a package), ``tests/regression/lms_paths.py`` puts this folder
-on ``sys.path``. Nothing here imports torch at module level.
+Nothing here imports torch at module level.
 """
 
 from __future__ import annotations
@@ -41,12 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable
 
-HERE = Path(__file__).resolve().parent
-for _path in (HERE, HERE.parent / "examples"):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from _lms_setup import (  # noqa: E402
+from lmsbench.lms_setup import (
+    REPO_ROOT,
     UNKNOWN,
     nonneg_int,
     positive_float,
@@ -55,7 +50,7 @@ from _lms_setup import (  # noqa: E402
     run_stamp,
     versions,
 )
-from _lms_setup import utc_now as utc_now  # noqa: E402  (a record's date)
+from lmsbench.lms_setup import utc_now as utc_now  # a record's date (the stress runner's)
 
 # ---------------------------------------------------------------------------------------
 # Records
@@ -232,11 +227,24 @@ def signal_name(number: int) -> str:
 DETERMINISTIC_CUBLAS_WORKSPACE = ":4096:8"
 
 
+def checkout_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment) with the checkout first on
+    ``PYTHONPATH``, so that a script of the checkout started in a fresh interpreter (a worker,
+    a probe) imports ``lmsbench``, ``benchmarks`` and ``tests`` as this process does: also
+    where the checkout is not installed and this process found them in its working folder
+    (``python -m benchmarks.compare`` from the repository root)."""
+    env = dict(os.environ if env is None else env)
+    root = str(REPO_ROOT)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
+    env["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    return env
+
+
 def worker_env(deterministic: bool = False, **overrides: str) -> dict[str, str]:
-    """This process's environment for a worker: unbuffered output (its log is current when it
-    is stopped), with ``deterministic`` cuBLAS's deterministic workspace unless the
-    environment chose one, and ``overrides``."""
-    env = dict(os.environ)
+    """This process's environment for a worker (:func:`checkout_env`): unbuffered output (its
+    log is current when it is stopped), with ``deterministic`` cuBLAS's deterministic
+    workspace unless the environment chose one, and ``overrides``."""
+    env = checkout_env()
     env["PYTHONUNBUFFERED"] = "1"
     if deterministic:
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", DETERMINISTIC_CUBLAS_WORKSPACE)
@@ -376,17 +384,18 @@ def _kill_and_reap(pid: int) -> int:
 def run_worker(
     script: Path, spec: dict[str, Any], log_path: Path, env: dict[str, str], timeout_s: float
 ) -> dict[str, Any]:
-    """Runs ``python SCRIPT --worker SPEC`` (:func:`run_process`), its output in ``log_path``;
-    ``spec`` (written beside the log as ``.spec.json``) gets the ``result_path`` the worker
-    writes its result to (:func:`serve_worker`). Returns that result, ``{"status":
-    "timeout"}`` for a worker past ``timeout_s`` (its group stopped) or ``{"status":
-    "error"}`` with the log's tail for one that wrote none."""
+    """Runs ``python SCRIPT --worker SPEC`` (:func:`run_process`) in ``env`` with the checkout
+    on its ``PYTHONPATH`` (:func:`checkout_env`: the worker's side, :func:`serve_worker`, is
+    in this package), its output in ``log_path``; ``spec`` (written beside the log as
+    ``.spec.json``) gets the ``result_path`` the worker writes its result to. Returns that
+    result, ``{"status": "timeout"}`` for a worker past ``timeout_s`` (its group stopped) or
+    ``{"status": "error"}`` with the log's tail for one that wrote none."""
     spec_path = log_path.with_suffix(".spec.json")
     result_path = log_path.with_suffix(".result.json")
     result_path.unlink(missing_ok=True)
     write_json(spec_path, {**spec, "result_path": str(result_path)})
     command = [sys.executable, str(script.resolve()), "--worker", str(spec_path)]
-    run = run_process(command, log_path, env, timeout_s)
+    run = run_process(command, log_path, checkout_env(env), timeout_s)
     if run.timed_out:
         return {"status": "timeout", "detail": f"stopped after {timeout_s:.0f} s"}
     result = read_json(result_path)

@@ -1,4 +1,6 @@
-"""Shared setup of the examples and benchmarks: the torch.cuda LMS API, its knobs, memory caps.
+"""LMS setup shared by the examples, the benchmarks and the tests: the torch.cuda LMS API, its
+knobs, memory caps, deterministic runs, versions and provenance, and the option types of their
+command lines.
 
 The same code runs on a PyTorch built with the Large Model Support patch series (the API is
 ``torch.cuda.set_enabled_lms`` and friends) and on a stock CUDA wheel with the drop-in
@@ -77,16 +79,28 @@ def ensure_lms_api() -> str:
     if not torch.cuda.is_available():
         raise LmsUnavailable("no CUDA device: Large Model Support needs a GPU")
     try:
-        importlib.import_module("torch_lms")
-    except ImportError as first:
-        if str(EXTENSION_DIR) in sys.path or not (EXTENSION_DIR / "torch_lms").is_dir():
-            raise LmsUnavailable(_unavailable_message(first)) from first
-        sys.path.insert(0, str(EXTENSION_DIR))
-        try:
-            importlib.import_module("torch_lms")
-        except ImportError as second:
-            raise LmsUnavailable(_unavailable_message(second)) from second
+        import_extension()
+    except ImportError as error:
+        raise LmsUnavailable(_unavailable_message(error)) from error
     return "extension"
+
+
+def import_extension() -> None:
+    """Imports the drop-in extension ``torch_lms`` (which installs the ``torch.cuda`` LMS API)
+    from the Python path or, where it is not there, from this checkout's ``extension/``
+    folder, where ``setup.py build_ext --inplace`` leaves it: that folder then goes on
+    ``sys.path``, as the extension's own imports expect of an installed package.
+
+    Raises:
+        ImportError: neither place has an extension that imports.
+    """
+    try:
+        importlib.import_module("torch_lms")
+    except ImportError:
+        if str(EXTENSION_DIR) in sys.path or not (EXTENSION_DIR / "torch_lms").is_dir():
+            raise
+        sys.path.insert(0, str(EXTENSION_DIR))
+        importlib.import_module("torch_lms")
 
 
 def _unavailable_message(error: BaseException) -> str:

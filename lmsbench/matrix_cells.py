@@ -2,9 +2,8 @@
 
 The one source of the cell formatting of two tables of the matrix:
 ``benchmarks/summarize.py --matrix`` (the tables of docs/results.md) and
-``tests/regression/lms_matrix_summary.py`` (``matrix-summary.md`` of a GPU run), which finds
-this module through ``lms_paths.use_shared_modules``. Standard library only: it runs from a
-bare checkout.
+``tests/regression/lms_matrix_summary.py`` (``matrix-summary.md`` of a GPU run). Standard
+library only: it runs from a bare checkout.
 
 A value is recorded once, or per rank or process (a list). The two tables show a list
 differently, chosen by ``collapse``:

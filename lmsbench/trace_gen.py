@@ -3,8 +3,8 @@
 A trace is what the LMS engine sees of a training run: storages allocated on a stream, operators
 that pin a set of storages while a "kernel" reads and writes them, raw data accesses and frees.
 ``tests/engine/trace_replay.cpp`` replays a trace through the real engine and caching allocator on
-simgpu and checks every byte an operator reads; ``test_trace_sim.py`` runs many seeds under fault
-plans and judges each outcome against what this module computes for the trace.
+simgpu and checks every byte an operator reads; ``tests/engine/test_trace_sim.py`` runs many seeds
+under fault plans and judges each outcome against what this module computes for the trace.
 
 Trace format (text, one event a line; ``#`` starts a comment)::
 
@@ -34,7 +34,7 @@ allowed but not required.
 
 Command line (prints the trace and, on stderr, its summary and the replay command)::
 
-    python -m tests.engine.trace_gen --seed 7 [--plan device_alloc] [--out FILE]
+    python -m lmsbench.trace_gen --seed 7 [--plan device_alloc] [--out FILE]
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ class Trace:
         a = self.analysis
         first_over = a.first_over(self.capacity)
         head = [
-            "# LMS operator trace (tests/engine/trace_gen.py)",
+            "# LMS operator trace (lmsbench/trace_gen.py)",
             f"# seed={self.seed} family={self.family} optimizer={self.optimizer} "
             f"regime={self.regime} events={len(self.events)}",
             f"# ws_max={a.ws_max} need_max={a.need_max} bound_max={a.bound_max} "

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
 
+from lmsbench.lms_setup import EXIT_OOM
+
 
 class Outcome(enum.Enum):
     FITS = "fits"
@@ -160,8 +162,6 @@ def find_largest(
 
 def classify_exit(returncode: int) -> Outcome:
     """The outcome of a probe subprocess from its exit status."""
-    from _lms_setup import EXIT_OOM
-
     if returncode == 0:
         return Outcome.FITS
     if returncode == EXIT_OOM:
@@ -177,7 +177,7 @@ def subprocess_probe(
 ) -> ProbeFn:
     """A probe that runs ``make_command(value)`` in a fresh Python process.
 
-    Exit status 0 means the value trains, :data:`_lms_setup.EXIT_OOM` that it ran out of
+    Exit status 0 means the value trains, :data:`lmsbench.lms_setup.EXIT_OOM` that it ran out of
     memory; running past ``timeout_s`` is a TIMEOUT; anything else is an ERROR carrying the
     end of the process's output.
     """
