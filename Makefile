@@ -108,7 +108,7 @@ test: venv ## run the test suite (SOURCES=DIR: an existing folder of the tarball
 CXX_LINT_DIRS := engine extension simgpu tests standalone
 lint: venv ## ruff lint and format check; clang-format check of the C++ (names each file off style)
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check lmstool tests/tooling tests/packaging
+	$(PY) -m ruff format --check lmstool lmsbench tests/tooling tests/packaging
 	scripts/clang-format-check.sh $(CXX_LINT_DIRS)
 
 recipe-sync: venv ## write the recipe's generated parts from config/ and patches/ (CI checks them)

@@ -32,7 +32,7 @@ come from one run; compare rows of the same run only.
 
 Usage (on a GPU host; the drop-in extension is imported when torch.cuda lacks the LMS API)::
 
-    python benchmarks/host_overhead.py [--layers 48] [--iterations 30] [--rounds 3] [--out DIR]
+    python -m benchmarks.host_overhead [--layers 48] [--iterations 30] [--rounds 3] [--out DIR]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ whether the host run's results equal the device run's bit for bit, both times (t
 includes pinning each fresh buffer) and the host memory used, and writes them to
 ``OUT/host-placed-kernels.json`` with the environment. Deterministic settings, no TF32.
 
-    python benchmarks/host_placed_kernels.py --out out/probes
+    python -m benchmarks.host_placed_kernels --out out/probes
 
 The allocator replaces PyTorch's for the whole process, so nothing else may use CUDA first.
 """

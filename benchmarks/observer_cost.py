@@ -21,7 +21,7 @@ compiler and PyTorch's headers are needed), and times the host-bound stack of
 Configurations alternate within each of ``--rounds`` rounds, in one process; the report gives
 each configuration's median microseconds per operator and its difference from ``plain``.
 
-Usage (on a GPU host): ``python benchmarks/observer_cost.py [--rounds 3] [--layers 48]``
+Usage (on a GPU host): ``python -m benchmarks.observer_cost [--rounds 3] [--layers 48]``
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ events) and answers, per iteration:
   the launch of everything after it).
 
 No torch is needed: ``benchmarks/compare.py --profile-iterations N`` runs the profiler and
-calls :func:`analyze`; it can also be run on a saved trace (``python stream_profile.py
-TRACE.json --iterations N``).
+calls :func:`analyze`; it can also be run on a saved trace (``python -m
+benchmarks.stream_profile TRACE.json --iterations N``).
 """
 
 from __future__ import annotations

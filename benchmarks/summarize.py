@@ -105,7 +105,7 @@ def summary(results: Path, shown_as: str | None = None) -> str:
         return (
             "No GPU results have been measured yet. Run `scripts/gpu/run-benchmarks.sh MODEL` "
             f"on a GPU machine, copy its CSVs into `{where}` and run "
-            "`python benchmarks/summarize.py --readme benchmarks/README.md`."
+            "`python -m benchmarks.summarize --readme benchmarks/README.md`."
         )
     envs = sorted({tuple(r.get(k, "") for k in ENV_COLUMNS) for r in rows + goal_rows})
     env_table = markdown_table(
@@ -1461,7 +1461,7 @@ def update(readme: Path, generated: Sequence[tuple[str, str, str]], check: bool,
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--check"]
-    redo = f"python benchmarks/summarize.py {' '.join(given)}"
+    redo = f"python -m benchmarks.summarize {' '.join(given)}"
     if args.tables:
         others = (args.nocap, args.matrix, args.capped, args.stress, args.hybrid)
         if args.readme or args.hybrid_stress or any(o is not None for o in others):

@@ -55,7 +55,7 @@ fi
 echo "== benchmarks/compare.py --model $MODEL (time budget $left s)"
 cd "$ROOT"
 set +e
-timeout $(( left + 25 )) "$PY" benchmarks/compare.py --model "$MODEL" --out "$OUT" \
+timeout $(( left + 25 )) "$PY" -m benchmarks.compare --model "$MODEL" --out "$OUT" \
   --time-budget-s "$left" --search-budget-s $(( left / 2 )) "$@"
 status=$?
 set -e

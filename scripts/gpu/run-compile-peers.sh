@@ -41,7 +41,7 @@ fi
 echo "== benchmarks/compile_peers.py (time budget $left s)"
 cd "$ROOT"
 set +e
-timeout $(( left + 25 )) "$PY" benchmarks/compile_peers.py --out "$OUT" --time-budget-s "$left" "$@"
+timeout $(( left + 25 )) "$PY" -m benchmarks.compile_peers --out "$OUT" --time-budget-s "$left" "$@"
 status=$?
 set -e
 if [ "$status" -eq 124 ]; then

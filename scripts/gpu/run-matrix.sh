@@ -21,7 +21,7 @@
 # jobs, default 8), PYTEST_ARGS (extra pytest arguments, split as shell words: quotes work),
 # MATRIX_TIMEOUT (seconds for the whole pytest run, default 540; run the matrix in parts
 # with PYTEST_ARGS, each part with its own OUT, and summarize them together:
-# python tests/regression/lms_matrix_summary.py out/matrix-*/regression-results.json).
+# python -m tests.regression.lms_matrix_summary out/matrix-*/regression-results.json).
 # Writes under OUT: run-matrix.log, build.log (when it builds), junit.xml,
 # regression-results.json/.csv, matrix-summary.md. Every row of the results names the engine
 # commit, dirty flag and engine sources hash (git; on a copy of the checkout without its .git,
@@ -59,7 +59,7 @@ fi
 
 echo "== summary"
 if [ -f "$OUT/regression-results.json" ]; then
-  "$PY" tests/regression/lms_matrix_summary.py "$OUT/regression-results.json" \
+  "$PY" -m tests.regression.lms_matrix_summary "$OUT/regression-results.json" \
     --output "$OUT/matrix-summary.md" || true
 else
   echo "no regression-results.json was written"

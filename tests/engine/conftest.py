@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from lmstool.matrix import TagConfig, load_matrix
+
 REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-from lmstool.matrix import TagConfig, load_matrix  # noqa: E402
 
 # Kept between runs so ninja and ccache only redo what changed.
 WORK = REPO / "work" / "ci"

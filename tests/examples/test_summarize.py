@@ -104,13 +104,13 @@ def test_missing_markers_and_bad_csv(tmp_path: Path) -> None:
 
 def test_committed_readme_is_up_to_date() -> None:
     """benchmarks/README.md's generated section matches the committed CSVs (regenerate it with
-    `python benchmarks/summarize.py --readme benchmarks/README.md`)."""
+    `python -m benchmarks.summarize --readme benchmarks/README.md`)."""
     assert summarize.main(["--readme", str(REPO / "benchmarks/README.md"), "--check"]) == 0
 
 
 def test_docs_nocap_table_is_up_to_date() -> None:
     """docs/results.md's no-cap table is what the committed no-cap results make (regenerate it
-    with `python benchmarks/summarize.py --nocap benchmarks/results/nocap/<run> --readme
+    with `python -m benchmarks.summarize --nocap benchmarks/results/nocap/<run> --readme
     docs/results.md`)."""
     runs = sorted(p for p in (REPO / "benchmarks/results/nocap").iterdir() if p.is_dir())
     assert runs, "no committed no-cap results"
@@ -147,7 +147,7 @@ def test_readme_tables_are_up_to_date() -> None:
     """README.md's summary, the tables of docs/results.md (no cap, the regression matrix, the
     comparison under a cap, the stress suite, recompute), benchmarks/README.md's summary and
     the index of benchmarks/results/ are what the committed results make (regenerate them
-    with `python benchmarks/summarize.py --tables`)."""
+    with `python -m benchmarks.summarize --tables`)."""
     assert summarize.main(["--tables", "--check"]) == 0
 
 
