@@ -5,9 +5,15 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-import lmsstats
 import pytest
-from lmsstats import COLUMNS, LmsStatsLogger, read_csv, snapshot_from, summarize
+from example_scripts import load
+
+lmsstats = load("lmsstats")
+COLUMNS = lmsstats.COLUMNS
+LmsStatsLogger = lmsstats.LmsStatsLogger
+read_csv = lmsstats.read_csv
+snapshot_from = lmsstats.snapshot_from
+summarize = lmsstats.summarize
 
 MiB = 1 << 20
 

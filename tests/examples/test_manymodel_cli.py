@@ -8,13 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import ManyModel
 import pytest
+from example_scripts import EXAMPLES, load
 
 from lmsbench.harness import checkout_env
 from lmsbench.search import Outcome, Probe, SearchResult
 
-SCRIPT = Path(ManyModel.__file__)
+ManyModel = load("ManyModel")
+SCRIPT = EXAMPLES / "ManyModel.py"
 
 
 def parse(*argv: str) -> argparse.Namespace:

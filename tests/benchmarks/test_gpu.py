@@ -1,4 +1,4 @@
-"""The GPU paths of the examples and benchmarks: a tiny real run of each (GPU machine only)."""
+"""The GPU paths of the benchmarks: a tiny real run of each (GPU machine only)."""
 
 from __future__ import annotations
 
@@ -26,15 +26,6 @@ pytestmark = [
 ]
 
 
-def _lms_or_skip() -> None:
-    from lmsbench.lms_setup import LmsUnavailable, ensure_lms_api
-
-    try:
-        ensure_lms_api()
-    except LmsUnavailable as exc:
-        pytest.skip(str(exc))
-
-
 def _env() -> dict[str, str]:
     """The session's environment with the drop-in extension's folder and the checkout on the
     Python path, for the scripts run as programs."""
@@ -49,43 +40,6 @@ def test_bandwidth_measurement_is_plausible() -> None:
     bw = compare.measure_bandwidth(64 << 20, repeats=2)
     for value in (bw.d2h, bw.h2d, bw.bidirectional):
         assert 1e9 < value < 1e12
-
-
-def test_manymodel_trains_with_lms_and_writes_stats(tmp_path: Path) -> None:
-    pytest.importorskip("torchvision", reason="ManyModel.py trains torchvision models")
-    _lms_or_skip()
-    csv_path = tmp_path / "stats.csv"
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "examples/ManyModel.py"),
-            "resnet18",
-            "--batch-size",
-            "8",
-            "--image-size",
-            "64",
-            "--iterations",
-            "3",
-            "--warmup",
-            "1",
-            "--lms",
-            "--limit-mb",
-            "64",
-            "--stats-csv",
-            str(csv_path),
-        ],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    import lmsstats
-
-    rows = lmsstats.read_csv(csv_path)
-    assert len(rows) == 3
-    assert sum(r["pageout_bytes"] for r in rows) > 0
 
 
 def test_compare_probe_fits_and_runs_out_of_memory() -> None:

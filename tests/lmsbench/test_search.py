@@ -1,4 +1,5 @@
-"""The largest-value search of ManyModel.py and compare.py, with fake and real probes."""
+"""lmsbench/search.py: the largest-value search of ManyModel.py and compare.py, with fake and
+real probes."""
 
 from __future__ import annotations
 
