@@ -2,7 +2,7 @@
 """Large Model Support under ``torch.compile`` against PyTorch's own compile-time answers to a
 memory cap, side by side in one run on one GPU.
 
-One model (the GPT-style decoder of ``benchmarks/models.py``, sized by ``--gpt-*`` and
+One model (the GPT-style decoder of ``lmsbench/models.py``, sized by ``--gpt-*`` and
 ``--batch``) trains with AdamW in these configurations:
 
 1. ``compiled``: ``torch.compile`` (default mode), uncapped, LMS not even imported: the

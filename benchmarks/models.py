@@ -1,14 +1,14 @@
 """The benchmark workloads: ResNet-152 at high resolution, ViT-L/16, a GPT-style transformer.
 
-Each :class:`Workload` builds its model, makes synthetic batches on the device, computes the
-loss and can wrap its blocks in activation checkpointing (``torch.utils.checkpoint``, one
-checkpoint per residual block / encoder block / transformer block). torchvision is imported
-only by the workloads that need it.
+Each :class:`Workload` builds its model (the GPT and the ResNet are ``lmsbench.models``',
+shared with the regression suite), makes synthetic batches on the device, computes the loss
+and can wrap its blocks in activation checkpointing (``torch.utils.checkpoint``, one checkpoint
+per residual block / encoder block / transformer block). torchvision is imported only by the
+workloads that need it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from lmsbench.models import GPT, GPTConfig, resnet, torchvision_models
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -42,83 +44,6 @@ def checkpoint_sequential_children(seq: nn.Sequential) -> int:
         if not isinstance(child, Checkpointed):
             seq[i] = Checkpointed(child)
     return len(seq)
-
-
-# ---------------------------------------------------------------------------------------
-# GPT-style decoder
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab: int = 32768
-    seq: int = 1024
-    dim: int = 1024
-    layers: int = 24
-    heads: int = 16
-
-    def validate(self) -> None:
-        for name in ("vocab", "seq", "dim", "layers", "heads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPT {name} must be >= 1, got {getattr(self, name)}")
-        if self.dim % self.heads:
-            raise ValueError(f"GPT dim ({self.dim}) must be a multiple of heads ({self.heads})")
-
-    def parameter_count(self) -> int:
-        per_block = 12 * self.dim * self.dim + 13 * self.dim  # qkv, proj, 2 MLP, 2 LayerNorms
-        embeddings = (self.vocab + self.seq) * self.dim
-        return self.layers * per_block + embeddings + 2 * self.dim + self.vocab * self.dim
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim, heads)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        config.validate()
-        self.config = config
-        self.tokens = nn.Embedding(config.vocab, config.dim)
-        self.positions = nn.Embedding(config.seq, config.dim)
-        self.blocks = nn.Sequential(
-            *(Block(config.dim, config.heads) for _ in range(config.layers))
-        )
-        self.ln = nn.LayerNorm(config.dim)
-        self.head = nn.Linear(config.dim, config.vocab, bias=False)
-        for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * config.layers) if name.endswith("proj.weight") else 0.02
-                nn.init.normal_(p, mean=0.0, std=std)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tokens(idx) + self.positions(positions)
-        return self.head(self.ln(self.blocks(x)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -181,19 +106,9 @@ def make_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
     raise ValueError(f"unknown optimizer {kind!r} (sgd or adamw)")
 
 
-def _torchvision_models() -> Any:
-    try:
-        import torchvision.models as models
-    except ImportError as exc:
-        raise RuntimeError(
-            "this workload needs torchvision (pip install torchvision matching torch)"
-        ) from exc
-    return models
-
-
 def resnet152_workload(image_size: int = 512, classes: int = 1000, batch: int = 8) -> Workload:
     def build() -> nn.Module:
-        return _torchvision_models().resnet152(weights=None, num_classes=classes)
+        return resnet(152, classes)
 
     def wrap(model: nn.Module) -> int:
         return sum(checkpoint_sequential_children(getattr(model, f"layer{i}")) for i in range(1, 5))
@@ -219,7 +134,7 @@ def vit_l_workload(
         raise ValueError(f"ViT layers must be >= 1, got {layers}")
 
     def build() -> nn.Module:
-        vit = _torchvision_models().vision_transformer
+        vit = torchvision_models().vision_transformer
         return vit.VisionTransformer(
             image_size=image_size,
             patch_size=16,

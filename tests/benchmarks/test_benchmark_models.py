@@ -1,4 +1,5 @@
-"""benchmarks/models.py on the CPU: the GPT model, checkpoint wrapping, save_on_cpu counting."""
+"""benchmarks/models.py on the CPU: the workloads, checkpoint wrapping, save_on_cpu counting
+(the GPT itself is lmsbench.models', tested in tests/lmsbench/test_lmsbench_models.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ pytest.importorskip("torch.nn", reason="needs a torch wheel (the CPU one is enou
 import torch
 
 from benchmarks import models
-from benchmarks.models import GPT, Checkpointed, GPTConfig, SaveOnCpuCounter
+from benchmarks.models import Checkpointed, SaveOnCpuCounter
+from lmsbench.models import Block, GPTConfig
 
 SMALL = GPTConfig(vocab=97, seq=16, dim=32, layers=3, heads=4)
 
@@ -17,22 +19,6 @@ def grads_after_step(model: torch.nn.Module, workload: models.Workload, batch: i
     inputs, targets = workload.make_batch(batch, torch.device("cpu"), 0)
     workload.loss(model(inputs), targets).backward()
     return [p.grad.clone() for p in model.parameters()]
-
-
-def test_gpt_shapes_and_parameter_count() -> None:
-    torch.manual_seed(0)
-    model = GPT(SMALL)
-    idx = torch.randint(0, SMALL.vocab, (2, SMALL.seq))
-    assert model(idx).shape == (2, SMALL.seq, SMALL.vocab)
-    assert sum(p.numel() for p in model.parameters()) == SMALL.parameter_count()
-
-
-@pytest.mark.parametrize(
-    "config", [GPTConfig(dim=30, heads=4), GPTConfig(layers=0), GPTConfig(vocab=0)]
-)
-def test_gpt_config_validation(config: GPTConfig) -> None:
-    with pytest.raises(ValueError):
-        config.validate()
 
 
 def test_gpt_trains() -> None:
@@ -67,7 +53,7 @@ def test_checkpointing_wraps_every_block_and_keeps_gradients() -> None:
 
 def test_checkpointed_block_keeps_fewer_saved_tensors() -> None:
     torch.manual_seed(0)
-    block = models.Block(32, 4)
+    block = Block(32, 4)
     x = torch.randn(2, 8, 32, requires_grad=True)
     counts = []
     for module in (block, Checkpointed(block)):

@@ -15,13 +15,14 @@ Nothing here touches CUDA at import time; batches are made on the device the cal
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from lmsbench.models import GPT, GPTConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 MiB = 1024 * 1024
@@ -297,59 +298,12 @@ def lstm_family(tiny: bool) -> Family:
 # ---------------------------------------------------------------------------------------
 
 
-class CausalSelfAttention(nn.Module):
-    """Explicit attention (deterministic forward and backward kernels, unlike
-    ``scaled_dot_product_attention``'s backward): the regression compares bits."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-        y = scores.softmax(dim=-1) @ v
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = CausalSelfAttention(dim, heads)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class TransformerLM(nn.Module):
-    """GPT-style decoder; with ``tied=True`` the output projection is the token embedding."""
-
-    def __init__(
-        self, vocab: int, context: int, dim: int, layers: int, heads: int, tied: bool
-    ) -> None:
-        super().__init__()
-        self.tokens = nn.Embedding(vocab, dim)
-        self.positions = nn.Embedding(context, dim)
-        self.blocks = nn.Sequential(*(Block(dim, heads) for _ in range(layers)))
-        self.ln = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        if tied:
-            self.head.weight = self.tokens.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tokens(idx) + self.positions(positions)
-        return self.head(self.ln(self.blocks(x)))
+def transformer_lm(vocab: int, context: int, dim: int, layers: int, heads: int, tied: bool) -> GPT:
+    """The GPT-style decoder shared with the benchmarks (``lmsbench.models.GPT``) with explicit
+    attention, whose kernels are deterministic (the regression compares bits), and PyTorch's
+    default initialization; with ``tied=True`` the output projection is the token embedding."""
+    config = GPTConfig(vocab=vocab, seq=context, dim=dim, layers=layers, heads=heads)
+    return GPT(config, fused_attention=False, tied=tied, gpt2_init=False)
 
 
 def token_batches(
@@ -380,7 +334,7 @@ def tied_lm_family(tiny: bool) -> Family:
             f"transformer LM with tied input/output embeddings, {layers} layers of width "
             f"{dim}, vocabulary {vocab}, {batch} x {context} tokens"
         ),
-        build=lambda: TransformerLM(vocab, context, dim, layers, heads, tied=True),
+        build=lambda: transformer_lm(vocab, context, dim, layers, heads, tied=True),
         make_batch=token_batches(batch, context, vocab, seed=5000),
         loss=lm_loss,
         make_optimizer=adam,
@@ -399,7 +353,7 @@ def amp_family(tiny: bool) -> Family:
             f"fp16 autocast with GradScaler: transformer LM, {layers} layers of width {dim}, "
             f"{heads} heads, {batch} x {context} tokens"
         ),
-        build=lambda: TransformerLM(vocab, context, dim, layers, heads, tied=False),
+        build=lambda: transformer_lm(vocab, context, dim, layers, heads, tied=False),
         make_batch=token_batches(batch, context, vocab, seed=6000),
         loss=lm_loss,
         make_optimizer=adam,

@@ -53,6 +53,7 @@ from torch import nn
 
 from lmsbench.harness import write_json
 from lmsbench.lms_setup import nonneg_int, positive_int
+from lmsbench.models import resnet
 from tests.regression.lms_families import (
     DeepMLP,
     Family,
@@ -787,14 +788,15 @@ DDP_CLASSES = 100
 
 
 def ddp_model() -> tuple[nn.Module, str]:
-    """torchvision's ResNet-50 when torchvision is installed, else a CNN of our own."""
+    """torchvision's ResNet-50 (``lmsbench.models.resnet``) when torchvision is installed,
+    else a CNN of our own."""
     try:
-        import torchvision.models as models
+        import torchvision.models  # noqa: F401
     except ImportError:
         from tests.regression.lms_families import HighResCNN
 
         return HighResCNN(32, 4, levels=3, classes=DDP_CLASSES), "HighResCNN (no torchvision)"
-    return models.resnet50(weights=None, num_classes=DDP_CLASSES), "torchvision resnet50"
+    return resnet(50, DDP_CLASSES), "torchvision resnet50"
 
 
 def train_ddp(rank: int, steps: int, probe: bool) -> FamilyRun:

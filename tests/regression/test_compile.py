@@ -26,7 +26,8 @@ import pytest
 pytest.importorskip("torch.nn", reason="PyTorch is not installed")
 import torch
 
-from tests.regression.lms_families import TransformerLM
+from lmsbench.models import resnet
+from tests.regression.lms_families import transformer_lm
 from tests.regression.lms_regression_harness import (
     Batch,
     check_capped_training,
@@ -136,7 +137,7 @@ def test_compiled_feed_forward_stack(record: Callable[[str, Any], None]) -> None
 
 @pytest.mark.parametrize("cap_share", [0.5, 0.25], ids=["half", "quarter"])
 def test_compiled_resnet50(cap_share: float, record: Callable[[str, Any], None]) -> None:
-    models = pytest.importorskip("torchvision.models", reason="torchvision is not installed")
+    pytest.importorskip("torchvision.models", reason="torchvision is not installed")
 
     def batches(step: int) -> Batch:
         g = torch.Generator(device="cuda").manual_seed(1000 + step)
@@ -145,7 +146,7 @@ def test_compiled_resnet50(cap_share: float, record: Callable[[str, Any], None])
         return images, labels
 
     check_capped_training(
-        lambda: torch.compile(models.resnet50(weights=None, num_classes=100)),
+        lambda: torch.compile(resnet(50, 100)),
         batches,
         F.cross_entropy,
         steps=3,
@@ -316,13 +317,13 @@ def _train_resnet50_reduce_overhead(steps: int) -> tuple[Any, list[torch.Tensor]
     statistics, which the compiled forward mutates) after it."""
     from tests.regression.lms_regression_harness import settle, train
 
-    models = pytest.importorskip("torchvision.models", reason="torchvision is not installed")
+    pytest.importorskip("torchvision.models", reason="torchvision is not installed")
     torch._dynamo.reset()
     settle()
     built: list[nn.Module] = []
 
     def make_model() -> nn.Module:
-        model = models.resnet50(weights=None, num_classes=100)
+        model = resnet(50, 100)
         built.append(model)
         return torch.compile(model, mode="reduce-overhead")
 
@@ -467,7 +468,7 @@ def _train_compiled_decoder() -> tuple[Any, float]:
         return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
     run = train(
-        lambda: torch.compile(TransformerLM(**DECODER, tied=False)),
+        lambda: torch.compile(transformer_lm(**DECODER, tied=False)),
         batches,
         _decoder_loss,
         DECODER_STEPS,
