@@ -131,7 +131,7 @@ def test_nocap_table_says_which_engine_ran_it(tmp_path: Path) -> None:
 
 def test_committed_goals_are_rescored(tmp_path: Path) -> None:
     """The committed compare-MODEL-goals.csv files are what this version's goals make of the
-    committed compare-MODEL.json files (rescore them with `python benchmarks/compare.py
+    committed compare-MODEL.json files (rescore them with `python -m benchmarks.compare
     --rescore benchmarks/results/compare/2026-11-24-h100-unrecorded`)."""
     runs = sorted(summarize.DEFAULT_RESULTS.glob("compare-*.json"))
     assert runs, "no committed runs"
