@@ -107,7 +107,7 @@ def _unavailable_message(error: BaseException) -> str:
     return (
         "this PyTorch has no Large Model Support and the torch_lms extension cannot be "
         f"imported ({error}); build it with `cd extension && python setup.py build_ext "
-        "--inplace` (or `pip install --no-build-isolation --no-deps -e extension`)"
+        "--inplace` (or `pip install --no-build-isolation ./extension`)"
     )
 
 

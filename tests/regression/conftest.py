@@ -49,7 +49,7 @@ if torch is not None:
         except ImportError as exc:
             _SKIP_REASON = (
                 "this PyTorch has no Large Model Support and the torch_lms extension is not "
-                f"importable ({exc}); build it with `pip install --no-build-isolation -e extension`"
+                f"importable ({exc}); build it with `pip install --no-build-isolation ./extension`"
             )
 
 
