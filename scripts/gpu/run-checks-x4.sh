@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The checks an engine change must pass on real GPUs, spread over four GPUs of one host at
+# once: the 16 capped rows of the regression matrix (scripts/gpu/run-matrix.sh) and the
+# compile rows of the regression suite (scripts/gpu/run-regression.sh), in parts balanced by
+# their earlier run times (about 6 minutes on four H200s). The extension is built once first;
+# each part then keeps it (--if-missing). Results of every part go under OUT/<part>/, and
+# OUT/checks.tgz packs them all.
+#
+#   scripts/gpu/run-checks-x4.sh            results under $OUT (default: out/checks)
+#
+# Environment: OUT, PYTHON (default python3), PART_TIMEOUT (seconds for each part's pytest
+# run, default 420), EXTRA_GPU3 (optional pytest -k expression of more regression tests to
+# run on GPU 3 after the compile rows, e.g. new rows of an engine change).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+OUT=${OUT:-$ROOT/out/checks}
+PY=${PYTHON:-python3}
+T=${PART_TIMEOUT:-420}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export PYTHON="$PY" TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}
+
+"$ROOT/scripts/gpu/environment.sh" "$PY" torchvision "the matrix's DDP row is not run here" \
+  | tee "$OUT/environment.txt"
+"$ROOT/scripts/gpu/build-extension.sh" "$OUT/build.log"
+
+matrix() { # GPU PART K
+  CUDA_VISIBLE_DEVICES=$1 OUT="$OUT/$2" MATRIX_TIMEOUT=$T PYTEST_ARGS="-k \"$3\"" \
+    "$ROOT/scripts/gpu/run-matrix.sh" >"$OUT/$2.out" 2>&1 || true
+}
+compiled() { # GPU PART PYTEST_ARGS
+  CUDA_VISIBLE_DEVICES=$1 OUT="$OUT/$2" REGRESSION_TIMEOUT=$T \
+    TORCHINDUCTOR_CACHE_DIR="$TORCHINDUCTOR_CACHE_DIR/$2" \
+    REGRESSION_TESTS=tests/regression/test_compile.py PYTEST_ARGS="$3" \
+    "$ROOT/scripts/gpu/run-regression.sh" >"$OUT/$2.out" 2>&1 || true
+}
+
+decoder=tests/regression/test_compile.py::test_compiled_decoder_under_a_share_of_its_compiled_peak
+matrix 0 capped-b "capped and ((lstm and quarter) or moe or tied_lm)" &
+{ matrix 1 capped-a "capped and (cnn2d or unet3d or (lstm and half))"
+  matrix 1 grad-accum "capped and grad_accum"; } &
+{ matrix 2 capped-c "capped and (amp_fp16 or adamw_foreach)"
+  compiled 2 compile-decoder "-k decoder"; } &
+{ compiled 3 compile "--deselect=$decoder"
+  if [[ -n "${EXTRA_GPU3:-}" ]]; then
+    CUDA_VISIBLE_DEVICES=3 OUT="$OUT/extra" REGRESSION_TIMEOUT=$T \
+      PYTEST_ARGS="-k \"$EXTRA_GPU3\"" "$ROOT/scripts/gpu/run-regression.sh" \
+      >"$OUT/extra.out" 2>&1 || true
+  fi; } &
+wait
+
+for part in "$OUT"/*.out; do
+  echo "== $(basename "$part" .out): $(grep -E '^(=+ .*(passed|failed|skipped|error).* =+)$' "$part" | tail -1)"
+done
+tar czf "$OUT/checks.tgz" -C "$OUT" --exclude=checks.tgz .
