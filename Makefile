@@ -50,7 +50,7 @@ TREE := $(WORK)/pytorch-$(TAG)
 TAGS_GIVEN := $(if $(filter command line environment,$(origin TAG)),$(TAG))
 
 .DEFAULT_GOAL := help
-.PHONY: help deps venv sources patch verify patches test lint recipe-sync
+.PHONY: help deps venv sources patch verify patches tables test lint recipe-sync
 
 help: ## list the targets
 	@echo "PyTorch Large Model Support (TAG=$(TAG), source: $(or $(SOURCE_USED),GitHub)$(if $(SOURCE_UNUSED), ($(SOURCE_UNUSED) not used)), WORK=$(WORK))"
@@ -89,6 +89,9 @@ patches: venv ## regenerate patches/TAG/ from engine/ + integration/TAG/ (all ta
 	$(SOURCE_NOTICE)
 	$(LMSTOOL) patches $(TAGS_GIVEN) $(SOURCE_ARGS)
 	$(LMSTOOL) series-size --readme docs/tooling.md
+
+tables: venv ## rewrite the Python lists made from the engine's tables of settings and statistics
+	$(LMSTOOL) tables
 
 # `make test SOURCES=DIR` with no folder DIR would pass with the tests of real PyTorch sources
 # skipped (they look for their tarballs there): stop before anything is installed or run.

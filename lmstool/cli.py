@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "lmstool.commands.tags",
     "lmstool.commands.series_size",
     "lmstool.commands.engine_files",
+    "lmstool.commands.tables",
     "lmstool.commands.build",
     "lmstool.commands.conda_package",
     "lmstool.commands.channel",

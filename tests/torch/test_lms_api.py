@@ -11,9 +11,12 @@ from typing import Any
 
 import pytest
 
+from lmstool import tables
+
 torch = pytest.importorskip("torch", reason="needs a torch wheel (the CPU one is enough)")
 
-LMS_PY = Path(__file__).resolve().parents[2] / "engine/torch/cuda/lms.py"
+ROOT = Path(__file__).resolve().parents[2]
+LMS_PY = ROOT / "engine/torch/cuda/lms.py"
 MiB = 1024 * 1024
 
 
@@ -660,25 +663,22 @@ def test_graph_capture_flag_is_reset_when_the_capture_fails(lms: ModuleType) -> 
     assert not lms.capturing_with_resident_inputs()
 
 
-def test_every_conf_key_is_parsed_listed_and_documented() -> None:
-    """The PYTORCH_CUDA_ALLOC_CONF keys that the engine's one parser accepts are those its
-    error message lists, its header documents, and lms.py's docstring names."""
-    import re
-
-    engine = LMS_PY.parents[3] / "engine/c10/cuda"
-    source = (engine / "LargeModelSupportOptions.cpp").read_text()
-    parsed = set(re.findall(r'key == "(lms[a-z_]*)"', source))
-    assert "lms_host_limit_mb" in parsed
-    listed = re.search(r"kKeys =\s*((?:\"[^\"]*\"\s*)+);", source)
-    assert listed is not None
-    listed_keys = set(re.findall(r"lms[a-z_]*", "".join(re.findall(r'"([^"]*)"', listed.group(1)))))
-    assert listed_keys == parsed
-    header = (engine / "LargeModelSupport.h").read_text()
-    documented = set(re.findall(r"^//\s+(lms[a-z_]*):", header, re.M))
-    assert documented == parsed
-    docstring = load_lms().__doc__ or ""
-    named = set(re.findall(r"``(lms[a-z_]*)``", docstring)) | {"lms"}
-    assert parsed <= named, parsed - named
+def test_every_setting_of_the_table_is_parsed_and_documented() -> None:
+    """The engine's parser of PYTORCH_CUDA_ALLOC_CONF keys and the list its errors give are
+    made from the settings table; lms.py's docstring names every key with its setter, and
+    lms.py has each setting's setter and getter."""
+    settings = tables.read_settings(ROOT)
+    assert "lms_host_limit_mb" in {s.key for s in settings}
+    source = (ROOT / "engine/c10/cuda/LargeModelSupportOptions.cpp").read_text()
+    include = "#include <c10/cuda/LargeModelSupportSettingTable.h>"
+    assert include in _between(source, "bool parseConfigOption(", "\n}\n")
+    assert include in _between(source, "const std::string& settingKeys()", "\n}\n")
+    lms = load_lms()
+    docstring = lms.__doc__ or ""
+    for setting in settings:
+        setter, getter = setting.functions
+        assert f"``{setting.key}``" in docstring and f":func:`{setter}`" in docstring, setting
+        assert callable(getattr(lms, setter)) and callable(getattr(lms, getter)), setting
 
 
 def _between(text: str, start: str, end: str) -> str:
@@ -686,39 +686,31 @@ def _between(text: str, start: str, end: str) -> str:
     return text[begin : text.index(end, begin)]
 
 
-def test_stats_keys_match_the_header_and_the_bindings() -> None:
-    """Every field of the engine's LmsStats reaches the stats dict of the bindings, under its
-    own name, as a counter or a gauge as the header declares it; lms.py lists the same keys and
-    lms_stats() documents each of them."""
-    import re
-
-    root = LMS_PY.parents[3]
-    header = (root / "engine/c10/cuda/LargeModelSupport.h").read_text()
-    fields = _between(header, "struct LmsStats {", "};")
-    header_counters = set(re.findall(r"^\s*(?:int64_t|double|size_t) (\w+)", fields, re.M))
-    header_gauges = set(re.findall(r"^\s*LmsStat (\w+);", fields, re.M))
-    header_floats = set(re.findall(r"^\s*double (\w+)", fields, re.M))
-    bindings = (root / "engine/torch/csrc/cuda/LmsBindings.cpp").read_text()
-    to_dict = _between(bindings, "py::dict statsToDict(", "\n}\n")
-    entries = dict(re.findall(r'dict\["(\w+)"\] = (.*);', to_dict))
-    for key, value in entries.items():
-        assert re.search(rf"\bstats\.{key}\b", value), (key, value)
-    binding_gauges = {key for key, value in entries.items() if value.startswith("gaugeToDict(")}
-    binding_counters = set(entries) - binding_gauges
-    assert binding_counters == header_counters, binding_counters ^ header_counters
-    assert binding_gauges == header_gauges, binding_gauges ^ header_gauges
+def test_stats_keys_are_those_of_the_table() -> None:
+    """The engine's LmsStats and the stats dict of the bindings are made from the statistics
+    table; lms.py lists its counters and gauges, and lms_stats() documents each of them (the
+    milliseconds as floats)."""
+    rows = tables.read_stats(ROOT)
+    include = "#include <c10/cuda/LargeModelSupportStatTable.h>"
+    header = (ROOT / "engine/c10/cuda/LargeModelSupport.h").read_text()
+    assert include in _between(header, "struct LmsStats {", "};")
+    bindings = (ROOT / "engine/torch/csrc/cuda/LmsBindings.cpp").read_text()
+    assert include in _between(bindings, "py::dict statsToDict(", "\n}\n")
+    counters = tuple(row.name for row in rows if not row.gauge)
+    gauges = tuple(row.name for row in rows if row.gauge)
+    floats = {row.name for row in rows if row.type == "double"}
+    assert "limit_bytes" in counters and "dropped_bytes" in gauges and "stall_ms" in floats
     lms = load_lms()
-    assert set(lms._COUNTER_KEYS) == header_counters, set(lms._COUNTER_KEYS) ^ header_counters
-    assert set(lms._GAUGE_KEYS) == header_gauges, set(lms._GAUGE_KEYS) ^ header_gauges
-    assert len(lms._COUNTER_KEYS) + len(lms._GAUGE_KEYS) == len(entries)
+    assert lms._COUNTER_KEYS == counters
+    assert lms._GAUGE_KEYS == gauges
     stats = stats_dict()
-    assert set(stats) == set(entries)
-    assert {key for key, value in stats.items() if isinstance(value, float)} == header_floats
+    assert set(stats) == set(counters + gauges)
+    assert {key for key, value in stats.items() if isinstance(value, float)} == floats
     doc = lms.lms_stats.__doc__ or ""
-    undocumented = [key for key in entries if f"``{key}``" not in doc]
+    undocumented = [key for key in (*counters, *gauges) if f"``{key}``" not in doc]
     assert not undocumented, undocumented
-    floats = _between(doc, "The counters", "(floats)")
-    assert all(f"``{key}``" in floats for key in header_floats), floats
+    documented_floats = _between(doc, "The counters", "(floats)")
+    assert all(f"``{key}``" in documented_floats for key in floats), documented_floats
 
 
 def test_bindings_match_the_api_and_the_storage_states() -> None:
@@ -730,6 +722,11 @@ def test_bindings_match_the_api_and_the_storage_states() -> None:
     root = LMS_PY.parents[3]
     bindings = (root / "engine/torch/csrc/cuda/LmsBindings.cpp").read_text()
     defined = set(re.findall(r'm\.def\(\s*"(_cuda_lms_\w+)"', bindings))
+    # Each setting's pair is registered from the settings table.
+    assert "#include <c10/cuda/LargeModelSupportSettingTable.h>" in _between(
+        bindings, "void initLmsBindings(", "\n}\n"
+    )
+    defined |= {name for setting in tables.read_settings(root) for name in setting.bindings}
     used = set(re.findall(r"\b(_cuda_lms_\w+)\b", LMS_PY.read_text()))
     assert used <= defined, used - defined
     for name in defined:
@@ -778,17 +775,6 @@ def test_every_series_exports_every_setting() -> None:
         added = "\n".join(line for line in patch.read_text().splitlines() if line.startswith("+"))
         listed = set(re.findall(r"[\"']((?:set|get)_\w+_lms)[\"']", added))
         assert settings <= listed, (patch.parent.name, sorted(settings - listed))
-
-
-def test_every_conf_key_the_header_documents_is_named_in_the_docstring() -> None:
-    """lms.py's docstring names every PYTORCH_CUDA_ALLOC_CONF key of the header."""
-    import re
-
-    header = (LMS_PY.parents[3] / "engine/c10/cuda/LargeModelSupport.h").read_text()
-    documented = set(re.findall(r"^//\s+(lms[a-z_]*):", header, re.M))
-    assert "lms_recompute" in documented
-    named = set(re.findall(r"``(lms[a-z_]*)``", load_lms().__doc__ or "")) | {"lms"}
-    assert documented <= named, documented - named
 
 
 @pytest.mark.parametrize(

@@ -68,10 +68,17 @@ namespace c10::cuda::lms {
 // Settings
 // ---------------------------------------------------------------------------
 
-// Turns LMS on or off for allocations made from now on. Storages allocated
-// while LMS was off are never paged out.
-C10_CUDA_API void setEnabled(bool enabled);
-C10_CUDA_API bool isEnabled();
+// Each setting has a setter and a getter, declared here from
+// LargeModelSupportSettingTable.h, which says what each does and names its
+// PYTORCH_CUDA_ALLOC_CONF key and its Python functions.
+#define C10_LMS_SETTING(stem, Camel, key, Kind, type, setter, getter, what) \
+  C10_CUDA_API void setter(type value);                                     \
+  C10_CUDA_API type getter();
+#define C10_LMS_DEVICE_SETTING(                                      \
+    stem, Camel, key, Kind, type, setter, getter, what, conf_setter) \
+  C10_CUDA_API void setter(c10::DeviceIndex device, type value);     \
+  C10_CUDA_API type getter(c10::DeviceIndex device);
+#include <c10/cuda/LargeModelSupportSettingTable.h>
 
 // Called with the new value whenever LMS is turned on or off (and at once,
 // if LMS is already on). Operator-boundary pinning, which lives above c10,
@@ -80,100 +87,8 @@ C10_CUDA_API bool isEnabled();
 using EnabledObserver = void (*)(bool enabled);
 C10_CUDA_API void setEnabledObserver(EnabledObserver observer);
 
-// Soft limit, in bytes, of device memory allocated to tensors before LMS
-// reclaims inactive storages. The limit in force is the smaller of the limit
-// set here (0, the default, sets none) and this process's share of the
-// device: its size, less the memory that anything but this process's caching
-// allocator holds (other processes, CUDA contexts, library handles), less a
-// headroom of 5% of the device that every LMS process leaves free for
-// allocations outside the allocator (cuBLAS, cuDNN, NCCL). The share is read
-// from the driver at most every few milliseconds, so processes that share a
-// device shrink their limits as the others grow; a process that holds more
-// than its share while the others grow also returns its cached free blocks
-// to the device (alone, it keeps them: returning them would only make the
-// allocator map the same memory again). The
-// limit never exceeds 95% of what the allocator may hold either
-// (DeviceMemoryBackend::capacityBytes, e.g. a per-process memory fraction):
-// the rest is room for the allocator's fragmentation.
-C10_CUDA_API void setLimit(c10::DeviceIndex device, size_t bytes);
-C10_CUDA_API size_t getLimit(c10::DeviceIndex device);
-
-// Smallest storage, in bytes, that LMS may page out (default 1 MiB).
-C10_CUDA_API void setSizeThreshold(size_t bytes);
-C10_CUDA_API size_t getSizeThreshold();
-
-// Prefetch: when an operator pins a paged-out storage, also start paging in
-// up to this many storages that were paged out just before it (a backward
-// pass needs activations in the reverse of the order they were paged out),
-// on the copy stream, within the limit's headroom.
-// 0 (the default) turns prefetch off.
-C10_CUDA_API void setPrefetchDepth(int depth);
-C10_CUDA_API int getPrefetchDepth();
-
-// Speculative page-out: once allocated bytes exceed (limit - margin), an
-// allocation also pages out inactive storages down to that mark, so that
-// copies overlap with compute before the limit is reached. 0 (the default)
-// turns it off.
-C10_CUDA_API void setSpeculativeMargin(size_t bytes);
-C10_CUDA_API size_t getSpeculativeMargin();
-
-// Learned swap schedule (LargeModelSupportSchedule.h): LMS learns the
-// repeating order in which operators use storages (a training iteration) and,
-// once it has seen it twice, pages out the storages used furthest in the
-// future, early and on a device-to-host stream, and pages them back in ahead
-// of use on a host-to-device stream. When the order changes it falls back to
-// least-recently-used reclaim and demand page-in until it has learned the new
-// one. On by default.
-C10_CUDA_API void setScheduleEnabled(bool enabled);
-C10_CUDA_API bool isScheduleEnabled();
-
-// How many operators ahead the schedule pages storages in (and within which
-// it never picks a victim while another will do). 0 (the default) derives it
-// from the iteration: an eighth of its operators, between 4 and 512.
-C10_CUDA_API void setLookahead(int operators);
-C10_CUDA_API int getLookahead();
-
-// Bytes the schedule may have paged in ahead and not yet used, and the room
-// it keeps free under the limit by paging out early. 0 (the default) derives
-// it from the limit and the page-in traffic: an eighth of the limit, scaled
-// up to a quarter as an iteration pages in one to two times the limit.
-C10_CUDA_API void setPrefetchBudget(size_t bytes);
-C10_CUDA_API size_t getPrefetchBudget();
-
 // Forgets the learned schedule (LMS is reactive until it learns again).
 C10_CUDA_API void resetSchedule();
-
-// Page-ins ahead of use planned by compiled code (pageInAhead below): a
-// compiled graph knows the order in which it uses its inputs from the first
-// iteration on, also where the learned schedule never settles (shapes that
-// change every iteration); it steps aside while a learned schedule is active.
-// On by default; off, pageInAhead does nothing.
-C10_CUDA_API void setGraphPrefetchEnabled(bool enabled);
-C10_CUDA_API bool isGraphPrefetchEnabled();
-
-// Host budget, in bytes: the most pinned host memory that the LMS processes
-// of this host may hold together (page-outs go there). Past it, a page-out
-// is refused and the allocation that needed the room raises
-// c10::OutOfMemoryError naming host memory, where pinning more would have
-// the kernel's OOM killer end a process. 0 (the default) derives it from
-// what the host can give, read at most every 100 ms: /proc/meminfo's
-// MemAvailable plus what LMS processes have pinned already, within the
-// memory limit of the process's cgroup, less a reserve for the rest of the
-// system (LargeModelSupportHostPool.h). The LMS processes of a host share
-// their pinned bytes through a ledger in /dev/shm ($PYTORCH_LMS_HOST_LEDGER
-// names another file). A value set here replaces the derived budget, also
-// above what the host can give.
-C10_CUDA_API void setHostLimit(size_t bytes);
-C10_CUDA_API size_t getHostLimit();
-
-// Recompute instead of paging (the hybrid): a victim whose contents an
-// operator can reproduce (a recipe: operator-boundary pinning records, for
-// the outputs of pure operators, the operator and its inputs) is dropped
-// instead of paged out when recomputing it costs less than moving it over the
-// bus both ways at the measured copy bandwidth, and is recomputed when an
-// operator needs it (see RecomputeHooks below). Off by default.
-C10_CUDA_API void setRecomputeEnabled(bool enabled);
-C10_CUDA_API bool isRecomputeEnabled();
 
 // PYTORCH_LMS_RECOMPUTE_LOG=1 (a diagnostic, read once): every choice between
 // dropping and paging out a victim with a recipe, and why a recipe cannot
@@ -181,21 +96,8 @@ C10_CUDA_API bool isRecomputeEnabled();
 C10_CUDA_API bool isRecomputeLogEnabled();
 
 // Applies one PYTORCH_CUDA_ALLOC_CONF option. Returns false when `key` is not
-// an LMS option; throws c10::Error for a bad value. Keys:
-//   lms:True|False            enable
-//   lms_limit_mb:<MiB>        limit for every device
-//   lms_size_mb:<MiB>         size threshold (fractions allowed, e.g. 0.5)
-//   lms_prefetch:<count>      prefetch depth
-//   lms_speculative_mb:<MiB>  speculative page-out margin
-//   lms_schedule:True|False   learned swap schedule
-//   lms_lookahead:<count>     schedule lookahead in operators (0: derived)
-//   lms_prefetch_budget_mb:<MiB>  schedule prefetch budget (0: derived)
-//   lms_graph_prefetch:True|False page-ins planned by compiled graphs
-//   lms_host_limit_mb:<MiB>   host budget for pinned memory (0: derived)
-//   lms_recompute:True|False  drop and recompute where cheaper than paging
-//   lms_pack:True|False       pack operators that need most of the device
-//   lms_host_placement:True|False  place in host memory what an operator
-//                             cannot have on the device
+// an LMS option; throws c10::Error for a bad value. The keys, and how their
+// values are written, are those of LargeModelSupportSettingTable.h.
 C10_CUDA_API bool parseConfigOption(
     std::string_view key,
     std::string_view value);
@@ -356,28 +258,6 @@ C10_CUDA_API void endWorkingSet(std::string_view name);
 using WorkspaceReleaser = void (*)();
 C10_CUDA_API void setWorkspaceReleaser(WorkspaceReleaser releaser);
 
-// Packing (beginWorkingSet) is on by default; off, working sets are still
-// counted and learned. PYTORCH_CUDA_ALLOC_CONF key: lms_pack.
-C10_CUDA_API void setPackingEnabled(bool enabled);
-C10_CUDA_API bool isPackingEnabled();
-
-// Host placement (on by default). A request of at least the size threshold
-// made inside an operator (between beginWorkingSet and endWorkingSet) that
-// the device cannot give even after every reclaimable storage is paged out is
-// placed in pinned host memory within the host budget, instead of raising an
-// out-of-memory error: unified addressing makes it valid on the device, so
-// the operator's kernels read and write it over the bus. The operator runs
-// slower and computes what it computes with device memory; a library that
-// would have caught the error (cuDNN tries a plan with a smaller workspace)
-// keeps the algorithm it picks with room to spare, and the numbers stay those
-// of a run with more memory. What the operator still holds when it ends (an
-// output) is paged out from then on, and paged in when next used. Counted in
-// host_placement_count and host_placement_bytes; each operator that needs it
-// is named once in a warning. Off, the request raises the out-of-memory
-// error. PYTORCH_CUDA_ALLOC_CONF key: lms_host_placement.
-C10_CUDA_API void setHostPlacementEnabled(bool enabled);
-C10_CUDA_API bool isHostPlacementEnabled();
-
 // Compiled code says which storages it uses next, soonest first: the
 // paged-out ones are paged in ahead of use on the H2D stream, in that order,
 // while the bytes paged in ahead and not yet used stay within the prefetch
@@ -419,122 +299,12 @@ struct LmsStat {
   int64_t peak = 0;
 };
 
+// The statistics of a device: a field for each row of
+// LargeModelSupportStatTable.h, which says what each counts.
 struct LmsStats {
-  // Copies.
-  int64_t pageout_count = 0;
-  int64_t pageout_bytes = 0;
-  int64_t pagein_count = 0;
-  int64_t pagein_bytes = 0;
-  // Reclaim rounds, by what triggered them.
-  int64_t reclaim_limit = 0; // an allocation would pass the limit
-  int64_t reclaim_speculative = 0; // speculative page-out margin crossed
-  int64_t reclaim_alloc_failure = 0; // the device allocation failed
-  int64_t reclaim_explicit = 0; // reclaimInactive()
-  // Operators packed before they pinned their inputs (beginWorkingSet), and
-  // the bytes paged out for them.
-  int64_t pack_count = 0;
-  int64_t pack_bytes = 0;
-  // Tight operators (packed or not) for which libraries' cached workspaces
-  // were freed (setWorkspaceReleaser).
-  int64_t workspace_releases = 0;
-  // Failed allocations placed by paging out the storages that held a range
-  // the request fits in (reclaimFragments).
-  int64_t fragment_reclaims = 0;
-  // Allocations inside operators placed in pinned host memory because the
-  // device could not hold them (setHostPlacementEnabled), and their bytes.
-  int64_t host_placement_count = 0;
-  int64_t host_placement_bytes = 0;
-  // Where allocations of the LMS path were satisfied from.
-  int64_t alloc_from_cache = 0; // the caching allocator's free list
-  int64_t alloc_from_device = 0; // a new device allocation
-  int64_t alloc_after_reclaim = 0; // only after LMS reclaimed storages
-  // Prefetch.
-  int64_t prefetch_count = 0;
-  int64_t prefetch_hits = 0; // prefetched storages pinned while resident
-  // Prefetched storages an operator pinned while their copy was still
-  // running (the operator's stream waited for the rest of it).
-  int64_t prefetch_late = 0;
-  // Page-ins made on the consumer's stream when an operator needed them.
-  int64_t pagein_demand_count = 0;
-  // Learned swap schedule (process-wide, except where noted per device):
-  int64_t schedule_active = 0; // 1 while a learned schedule is in use
-  int64_t schedule_period = 0; // operators per iteration, 0 when inactive
-  int64_t schedule_detections = 0; // schedules adopted
-  int64_t schedule_fallbacks = 0; // schedules dropped: the pattern broke
-  // Per device: victims chosen by next use, page-outs made early (right
-  // after a last use before a long gap, without a hand-back), storages used
-  // again before their early page-out released the memory (no copy back),
-  // page-ins issued ahead of use on the H2D stream.
-  int64_t schedule_victims = 0;
-  int64_t early_pageout_count = 0;
-  int64_t early_pageout_bytes = 0;
-  int64_t schedule_rescues = 0;
-  int64_t schedule_prefetch_count = 0;
-  // Per device: the early page-outs made ahead of the iteration's peak of
-  // demand, from the start of the iteration (part of the early page-outs
-  // above).
-  int64_t peak_pageout_count = 0;
-  int64_t peak_pageout_bytes = 0;
-  // Per device: the prefetch budget in force (set or derived; 0 while no
-  // schedule is active).
-  int64_t schedule_prefetch_budget_bytes = 0;
-  // Per device: page-ins ahead of use started by pageInAhead (a compiled
-  // graph's plan), and the early page-outs it made to find room for them.
-  int64_t graph_prefetch_count = 0;
-  int64_t graph_prefetch_bytes = 0;
-  int64_t graph_pageout_count = 0;
-  // Time the compute streams waited on LMS copies (page-in copies on the
-  // consumer stream, and waits for page-outs whose memory they reuse).
-  double stall_ms = 0.0;
-  // The copies LMS made, timed on their streams, each way: their bytes and
-  // the milliseconds they took (bytes / ms: the bandwidth that paging a
-  // storage out and back gets; timed copies only, so the bytes can trail
-  // pageout_bytes and pagein_bytes until the copies are done).
-  int64_t copy_out_bytes = 0;
-  double copy_out_ms = 0.0;
-  int64_t copy_in_bytes = 0;
-  double copy_in_ms = 0.0;
-  // Recompute (setRecomputeEnabled): victims dropped instead of paged out,
-  // and dropped storages recomputed (one operator replayed each), with the
-  // device time the replays took on their streams.
-  int64_t drop_count = 0;
-  int64_t drop_bytes = 0;
-  int64_t recompute_count = 0;
-  int64_t recompute_bytes = 0;
-  double recompute_ms = 0.0;
-  // Inputs of dropped storages' recipes that the learned schedule paged in
-  // ahead of the recompute.
-  int64_t recompute_input_prefetch_count = 0;
-  int64_t recompute_input_prefetch_bytes = 0;
-  int64_t oom_count = 0; // LMS out-of-memory errors raised
-  // Operators whose inputs could not all be made resident.
-  int64_t pin_failures = 0;
-  // Times cached free blocks were returned to the device because this
-  // process held more than its share of it (see the limit below).
-  int64_t cache_releases = 0;
-  // Host memory (process-wide): the host budget in force (setHostLimit; 0
-  // when none could be derived), the pinned bytes all LMS processes of the
-  // host hold as the ledger says, and pinned allocations the budget refused.
-  int64_t host_budget_bytes = 0;
-  int64_t host_ledger_bytes = 0;
-  int64_t host_refusals = 0;
-  // Gauges, in bytes.
-  LmsStat managed_bytes; // every LMS storage, resident or not
-  LmsStat active_bytes; // pinned by running operators
-  // Allocated by running operators and not released yet: their outputs and
-  // temporaries so far, part of their working set like what they pin.
-  LmsStat operator_output_bytes;
-  LmsStat inactive_bytes; // resident and reclaimable
-  LmsStat pagedout_bytes; // contents held in host memory
-  LmsStat dropped_bytes; // contents to be recomputed
-  LmsStat host_bytes; // pinned host memory held by LMS (process-wide)
-  // Bytes allocated on the device beyond the limit after an allocation's
-  // reclaim: what running operators pin, and storages LMS cannot page out.
-  LmsStat over_limit_bytes;
-  // Device memory reserved by private pools (CUDA graphs, MemPool), which
-  // LMS never pages out: a captured graph bakes in its addresses.
-  LmsStat private_pool_bytes;
-  size_t limit_bytes = 0;
+#define C10_LMS_COUNTER(type, name) type name = 0;
+#define C10_LMS_GAUGE(name) LmsStat name;
+#include <c10/cuda/LargeModelSupportStatTable.h>
 };
 
 C10_CUDA_API LmsStats getStats(c10::DeviceIndex device);

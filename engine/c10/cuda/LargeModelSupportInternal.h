@@ -25,6 +25,8 @@
 //   LargeModelSupportStats.cpp          statistics
 //   LargeModelSupportOutOfMemory.cpp    the out-of-memory explanation
 //   LargeModelSupportHostPool.cpp       pinned host memory and its budget
+//   LargeModelSupportSettingTable.h     the settings, a row each (public)
+//   LargeModelSupportStatTable.h        the statistics, a row each (public)
 //
 // Each piece of global state (settings, the engines, thread-local state) has
 // one definition, in the file of the concern that owns it, and is declared

@@ -1,11 +1,13 @@
 // The settings: their values, setters and getters, and the
-// PYTORCH_CUDA_ALLOC_CONF keys that set them (parseConfigOption).
+// PYTORCH_CUDA_ALLOC_CONF keys that set them (parseConfigOption), as
+// LargeModelSupportSettingTable.h lists them.
 
 #include <c10/cuda/LargeModelSupportInternal.h>
 
 #include <cstdlib>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 namespace c10::cuda::lms {
 
@@ -29,7 +31,7 @@ double parseNonNegative(std::string_view key, std::string_view value) {
   return v;
 }
 
-size_t mebibytes(std::string_view key, std::string_view value) {
+size_t parseMebibytes(std::string_view key, std::string_view value) {
   return static_cast<size_t>(parseNonNegative(key, value) * kMiB);
 }
 
@@ -54,6 +56,25 @@ int parseCount(std::string_view key, std::string_view value) {
       std::string(value),
       "'");
   return static_cast<int>(v);
+}
+
+// The value of a device setting given as a PYTORCH_CUDA_ALLOC_CONF key: the
+// limit of every device (one set for a device wins).
+void setLimitOfEveryDevice(size_t bytes) {
+  g_conf_limit.store(bytes);
+}
+
+// The keys of the settings, for error messages.
+const std::string& settingKeys() {
+  static const std::string keys = [] {
+    std::string joined;
+#define C10_LMS_SETTING(stem, Camel, key, ...) \
+  joined += (joined.empty() ? "" : ", ") + std::string(#key);
+#define C10_LMS_DEVICE_SETTING C10_LMS_SETTING
+#include <c10/cuda/LargeModelSupportSettingTable.h>
+    return joined;
+  }();
+  return keys;
 }
 
 } // namespace
@@ -188,47 +209,33 @@ bool isHostPlacementEnabled() {
 }
 
 bool parseConfigOption(std::string_view key, std::string_view value) {
-  if (key == "lms") {
-    setEnabled(parseBool(key, value));
-  } else if (key == "lms_limit_mb") {
-    g_conf_limit.store(mebibytes(key, value));
-  } else if (key == "lms_size_mb") {
-    setSizeThreshold(mebibytes(key, value));
-  } else if (key == "lms_prefetch") {
-    setPrefetchDepth(parseCount(key, value));
-  } else if (key == "lms_speculative_mb") {
-    setSpeculativeMargin(mebibytes(key, value));
-  } else if (key == "lms_schedule") {
-    setScheduleEnabled(parseBool(key, value));
-  } else if (key == "lms_lookahead") {
-    setLookahead(parseCount(key, value));
-  } else if (key == "lms_prefetch_budget_mb") {
-    setPrefetchBudget(mebibytes(key, value));
-  } else if (key == "lms_graph_prefetch") {
-    setGraphPrefetchEnabled(parseBool(key, value));
-  } else if (key == "lms_host_limit_mb") {
-    setHostLimit(mebibytes(key, value));
-  } else if (key == "lms_recompute") {
-    setRecomputeEnabled(parseBool(key, value));
-  } else if (key == "lms_pack") {
-    setPackingEnabled(parseBool(key, value));
-  } else if (key == "lms_host_placement") {
-    setHostPlacementEnabled(parseBool(key, value));
-  } else {
-    return false;
+  // A branch for each setting: its key's value, read as the setting's kind
+  // says (parseBool, parseMebibytes, parseCount), goes to its setter.
+#define C10_LMS_APPLY(conf_key, Kind, type, apply)                         \
+  if (key == #conf_key) {                                                  \
+    static_assert(                                                         \
+        std::is_same_v<                                                    \
+            decltype(parse##Kind(std::string_view(), std::string_view())), \
+            type>);                                                        \
+    apply(parse##Kind(key, value));                                        \
+    return true;                                                           \
   }
-  return true;
+#define C10_LMS_SETTING(                                     \
+    stem, Camel, conf_key, Kind, type, setter, getter, what) \
+  C10_LMS_APPLY(conf_key, Kind, type, setter)
+#define C10_LMS_DEVICE_SETTING(                                           \
+    stem, Camel, conf_key, Kind, type, setter, getter, what, conf_setter) \
+  C10_LMS_APPLY(conf_key, Kind, type, conf_setter)
+#include <c10/cuda/LargeModelSupportSettingTable.h>
+#undef C10_LMS_APPLY
+  return false;
 }
 
 void parseConfig(const char* conf, bool only_lms_keys, const char* source) {
   if (conf == nullptr) {
     return;
   }
-  constexpr const char* kKeys =
-      "lms, lms_limit_mb, lms_size_mb, lms_prefetch, lms_speculative_mb, "
-      "lms_schedule, lms_lookahead, lms_prefetch_budget_mb, "
-      "lms_graph_prefetch, lms_host_limit_mb, lms_recompute, lms_pack, "
-      "lms_host_placement";
+  const std::string& keys = settingKeys();
   // Same syntax as the caching allocator: "key:value,key:value".
   std::string_view rest(conf);
   while (!rest.empty()) {
@@ -244,7 +251,7 @@ void parseConfig(const char* conf, bool only_lms_keys, const char* source) {
           ": expected key:value, got '",
           std::string(item),
           "' (keys: ",
-          kKeys,
+          keys,
           ")");
       continue;
     }
@@ -265,7 +272,7 @@ void parseConfig(const char* conf, bool only_lms_keys, const char* source) {
         ": unknown key '",
         std::string(key),
         "'; Large Model Support keys are ",
-        kKeys);
+        keys);
   }
 }
 

@@ -16,6 +16,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace torch::cuda::lms {
@@ -27,6 +28,20 @@ namespace engine = c10::cuda::lms;
 
 int64_t asInt(size_t bytes) {
   return static_cast<int64_t>(bytes);
+}
+
+// A counter of LmsStats as the stats dict holds it: an int, or a float for
+// the milliseconds.
+int64_t counterValue(int64_t count) {
+  return count;
+}
+
+double counterValue(double ms) {
+  return ms;
+}
+
+int64_t counterValue(size_t bytes) {
+  return asInt(bytes);
 }
 
 py::dict gaugeToDict(const engine::LmsStat& stat) {
@@ -46,10 +61,6 @@ c10::StorageImpl& storageOf(const at::Tensor& tensor, const char* function) {
   return *tensor.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
 }
 
-void setEnabled(bool enabled) {
-  engine::setEnabled(enabled);
-}
-
 // The pins of one compiled kernel launch (see at::cuda::lms::LaunchPins),
 // held by Python until the launch has been queued. A type of this file's own,
 // so that the Python class has this file's visibility.
@@ -65,98 +76,77 @@ std::unique_ptr<LaunchPinsHandle> pinForLaunch(
   return handle;
 }
 
-bool getEnabled() {
-  return engine::isEnabled();
-}
+// How the bindings pass a setting of each kind (Bool, Mebibytes, Count: see
+// LargeModelSupportSettingTable.h) between Python and the engine, checking
+// the value before it reaches the engine.
+struct BoolSetting {
+  using Python = bool;
+  using Engine = bool;
+  static bool toEngine(bool enabled, const char* /*what*/) {
+    return enabled;
+  }
+  static bool toPython(bool enabled) {
+    return enabled;
+  }
+};
 
-void setLimit(int64_t device, int64_t bytes) {
-  engine::setLimit(checkedDevice(device), checkedBytes(bytes, "the limit"));
-}
+struct MebibytesSetting {
+  using Python = int64_t;
+  using Engine = size_t;
+  static size_t toEngine(int64_t bytes, const char* what) {
+    return checkedBytes(bytes, what);
+  }
+  static int64_t toPython(size_t bytes) {
+    return asInt(bytes);
+  }
+};
 
-int64_t getLimit(int64_t device) {
-  const c10::DeviceIndex index = checkedDevice(device);
-  // Until set, the limit is measured from the device's memory, which needs
-  // the caching allocator (the engine's backend) to be initialized.
-  torch::utils::device_lazy_init(at::kCUDA);
-  return asInt(engine::getLimit(index));
-}
+struct CountSetting {
+  using Python = int64_t;
+  using Engine = int;
+  static int toEngine(int64_t count, const char* what) {
+    TORCH_CHECK_VALUE(
+        count >= 0 && count <= std::numeric_limits<int>::max(),
+        "Large Model Support: ",
+        what,
+        " must be between 0 and ",
+        std::to_string(std::numeric_limits<int>::max()),
+        ", got ",
+        std::to_string(count));
+    return static_cast<int>(count);
+  }
+  static int64_t toPython(int count) {
+    return count;
+  }
+};
 
-void setSize(int64_t bytes) {
-  engine::setSizeThreshold(checkedBytes(bytes, "the size threshold"));
-}
-
-int64_t getSize() {
-  return asInt(engine::getSizeThreshold());
-}
-
-void setPrefetch(int64_t depth) {
-  TORCH_CHECK_VALUE(
-      depth >= 0 && depth <= std::numeric_limits<int>::max(),
-      "Large Model Support: the prefetch depth must be between 0 and ",
-      std::to_string(std::numeric_limits<int>::max()),
-      ", got ",
-      std::to_string(depth));
-  engine::setPrefetchDepth(static_cast<int>(depth));
-}
-
-int64_t getPrefetch() {
-  return engine::getPrefetchDepth();
-}
-
-void setSpeculative(int64_t bytes) {
-  engine::setSpeculativeMargin(
-      checkedBytes(bytes, "the speculative page-out margin"));
-}
-
-int64_t getSpeculative() {
-  return asInt(engine::getSpeculativeMargin());
-}
-
-void setSchedule(bool enabled) {
-  engine::setScheduleEnabled(enabled);
-}
-
-bool getSchedule() {
-  return engine::isScheduleEnabled();
-}
-
-void setPacking(bool enabled) {
-  engine::setPackingEnabled(enabled);
-}
-
-bool getPacking() {
-  return engine::isPackingEnabled();
-}
-
-void setHostPlacement(bool enabled) {
-  engine::setHostPlacementEnabled(enabled);
-}
-
-bool getHostPlacement() {
-  return engine::isHostPlacementEnabled();
-}
-
-void setLookahead(int64_t operators) {
-  TORCH_CHECK_VALUE(
-      operators >= 0 && operators <= std::numeric_limits<int>::max(),
-      "Large Model Support: the lookahead must be between 0 and ",
-      std::to_string(std::numeric_limits<int>::max()),
-      " operators, got ",
-      std::to_string(operators));
-  engine::setLookahead(static_cast<int>(operators));
-}
-
-int64_t getLookahead() {
-  return engine::getLookahead();
-}
-
-void setPrefetchBudget(int64_t bytes) {
-  engine::setPrefetchBudget(checkedBytes(bytes, "the prefetch budget"));
-}
-
-int64_t getPrefetchBudget() {
-  return asInt(engine::getPrefetchBudget());
-}
+// _cuda_lms_set<Camel>() and _cuda_lms_get<Camel>() of every setting. A
+// device setting's getter initializes CUDA first: until set, a device's
+// value is measured from the device, which needs the caching allocator (the
+// engine's backend).
+namespace settings {
+#define C10_LMS_SETTING(stem, Camel, key, Kind, type, setter, getter, what) \
+  static_assert(std::is_same_v<Kind##Setting::Engine, type>);               \
+  void set##Camel(Kind##Setting::Python value) {                            \
+    engine::setter(Kind##Setting::toEngine(value, what));                   \
+  }                                                                         \
+  Kind##Setting::Python get##Camel() {                                      \
+    return Kind##Setting::toPython(engine::getter());                       \
+  }
+#define C10_LMS_DEVICE_SETTING(                                       \
+    stem, Camel, key, Kind, type, setter, getter, what, conf_setter)  \
+  static_assert(std::is_same_v<Kind##Setting::Engine, type>);         \
+  void set##Camel(int64_t device, Kind##Setting::Python value) {      \
+    engine::setter(                                                   \
+        checkedDevice(device), Kind##Setting::toEngine(value, what)); \
+  }                                                                   \
+  Kind##Setting::Python get##Camel(int64_t device) {                  \
+    const c10::DeviceIndex index = checkedDevice(device);             \
+    torch::utils::device_lazy_init(at::kCUDA);                        \
+    return Kind##Setting::toPython(engine::getter(index));            \
+  }
+#include <c10/cuda/LargeModelSupportSettingTable.h>
+} // namespace settings
 
 void resetSchedule() {
   engine::resetSchedule();
@@ -201,26 +191,6 @@ int64_t pageInAhead(const std::vector<at::Tensor>& tensors) {
   return asInt(engine::pageInAhead(storages));
 }
 
-void setGraphPrefetch(bool enabled) {
-  engine::setGraphPrefetchEnabled(enabled);
-}
-
-bool getGraphPrefetch() {
-  return engine::isGraphPrefetchEnabled();
-}
-
-void setHostLimit(int64_t bytes) {
-  engine::setHostLimit(checkedBytes(bytes, "the host limit"));
-}
-
-int64_t getHostLimit() {
-  return asInt(engine::getHostLimit());
-}
-
-void setRecompute(bool enabled) {
-  engine::setRecomputeEnabled(enabled);
-}
-
 py::dict recomputeOperators(int64_t device) {
   py::dict out;
   for (const auto& [name, counts] :
@@ -233,10 +203,6 @@ py::dict recomputeOperators(int64_t device) {
     out[py::str(name)] = entry;
   }
   return out;
-}
-
-bool getRecompute() {
-  return engine::isRecomputeEnabled();
 }
 
 } // namespace
@@ -267,71 +233,11 @@ size_t checkedBytes(int64_t bytes, const char* what) {
 }
 
 py::dict statsToDict(const engine::LmsStats& stats) {
+  // An entry for each row of LargeModelSupportStatTable.h, under its name.
   py::dict dict;
-  dict["pageout_count"] = stats.pageout_count;
-  dict["pageout_bytes"] = stats.pageout_bytes;
-  dict["pagein_count"] = stats.pagein_count;
-  dict["pagein_bytes"] = stats.pagein_bytes;
-  dict["reclaim_limit"] = stats.reclaim_limit;
-  dict["reclaim_speculative"] = stats.reclaim_speculative;
-  dict["reclaim_alloc_failure"] = stats.reclaim_alloc_failure;
-  dict["reclaim_explicit"] = stats.reclaim_explicit;
-  dict["pack_count"] = stats.pack_count;
-  dict["pack_bytes"] = stats.pack_bytes;
-  dict["workspace_releases"] = stats.workspace_releases;
-  dict["fragment_reclaims"] = stats.fragment_reclaims;
-  dict["host_placement_count"] = stats.host_placement_count;
-  dict["host_placement_bytes"] = stats.host_placement_bytes;
-  dict["alloc_from_cache"] = stats.alloc_from_cache;
-  dict["alloc_from_device"] = stats.alloc_from_device;
-  dict["alloc_after_reclaim"] = stats.alloc_after_reclaim;
-  dict["prefetch_count"] = stats.prefetch_count;
-  dict["prefetch_hits"] = stats.prefetch_hits;
-  dict["prefetch_late"] = stats.prefetch_late;
-  dict["pagein_demand_count"] = stats.pagein_demand_count;
-  dict["schedule_active"] = stats.schedule_active;
-  dict["schedule_period"] = stats.schedule_period;
-  dict["schedule_detections"] = stats.schedule_detections;
-  dict["schedule_fallbacks"] = stats.schedule_fallbacks;
-  dict["schedule_victims"] = stats.schedule_victims;
-  dict["schedule_prefetch_count"] = stats.schedule_prefetch_count;
-  dict["schedule_rescues"] = stats.schedule_rescues;
-  dict["schedule_prefetch_budget_bytes"] = stats.schedule_prefetch_budget_bytes;
-  dict["early_pageout_count"] = stats.early_pageout_count;
-  dict["early_pageout_bytes"] = stats.early_pageout_bytes;
-  dict["peak_pageout_count"] = stats.peak_pageout_count;
-  dict["peak_pageout_bytes"] = stats.peak_pageout_bytes;
-  dict["graph_prefetch_count"] = stats.graph_prefetch_count;
-  dict["graph_prefetch_bytes"] = stats.graph_prefetch_bytes;
-  dict["graph_pageout_count"] = stats.graph_pageout_count;
-  dict["stall_ms"] = stats.stall_ms;
-  dict["copy_out_bytes"] = stats.copy_out_bytes;
-  dict["copy_out_ms"] = stats.copy_out_ms;
-  dict["copy_in_bytes"] = stats.copy_in_bytes;
-  dict["copy_in_ms"] = stats.copy_in_ms;
-  dict["drop_count"] = stats.drop_count;
-  dict["drop_bytes"] = stats.drop_bytes;
-  dict["recompute_count"] = stats.recompute_count;
-  dict["recompute_bytes"] = stats.recompute_bytes;
-  dict["recompute_ms"] = stats.recompute_ms;
-  dict["recompute_input_prefetch_count"] = stats.recompute_input_prefetch_count;
-  dict["recompute_input_prefetch_bytes"] = stats.recompute_input_prefetch_bytes;
-  dict["oom_count"] = stats.oom_count;
-  dict["pin_failures"] = stats.pin_failures;
-  dict["cache_releases"] = stats.cache_releases;
-  dict["host_budget_bytes"] = stats.host_budget_bytes;
-  dict["host_ledger_bytes"] = stats.host_ledger_bytes;
-  dict["host_refusals"] = stats.host_refusals;
-  dict["limit_bytes"] = asInt(stats.limit_bytes);
-  dict["managed_bytes"] = gaugeToDict(stats.managed_bytes);
-  dict["active_bytes"] = gaugeToDict(stats.active_bytes);
-  dict["inactive_bytes"] = gaugeToDict(stats.inactive_bytes);
-  dict["pagedout_bytes"] = gaugeToDict(stats.pagedout_bytes);
-  dict["dropped_bytes"] = gaugeToDict(stats.dropped_bytes);
-  dict["host_bytes"] = gaugeToDict(stats.host_bytes);
-  dict["over_limit_bytes"] = gaugeToDict(stats.over_limit_bytes);
-  dict["operator_output_bytes"] = gaugeToDict(stats.operator_output_bytes);
-  dict["private_pool_bytes"] = gaugeToDict(stats.private_pool_bytes);
+#define C10_LMS_COUNTER(type, name) dict[#name] = counterValue(stats.name);
+#define C10_LMS_GAUGE(name) dict[#name] = gaugeToDict(stats.name);
+#include <c10/cuda/LargeModelSupportStatTable.h>
   return dict;
 }
 
@@ -339,37 +245,17 @@ void initLmsBindings(PyObject* module) {
   auto m = py::reinterpret_borrow<py::module_>(module);
   // wrap_pybind_function: c10 errors become the matching Python exceptions
   // (ValueError, torch.OutOfMemoryError, ...) and TORCH_WARN a Python
-  // warning. Functions that may wait for copies release the GIL.
-  m.def("_cuda_lms_setEnabled", torch::wrap_pybind_function(&setEnabled));
-  m.def("_cuda_lms_getEnabled", torch::wrap_pybind_function(&getEnabled));
-  m.def("_cuda_lms_setLimit", torch::wrap_pybind_function(&setLimit));
-  m.def("_cuda_lms_getLimit", torch::wrap_pybind_function(&getLimit));
-  m.def("_cuda_lms_setSize", torch::wrap_pybind_function(&setSize));
-  m.def("_cuda_lms_getSize", torch::wrap_pybind_function(&getSize));
-  m.def("_cuda_lms_setPrefetch", torch::wrap_pybind_function(&setPrefetch));
-  m.def("_cuda_lms_getPrefetch", torch::wrap_pybind_function(&getPrefetch));
-  m.def(
-      "_cuda_lms_setSpeculative", torch::wrap_pybind_function(&setSpeculative));
-  m.def(
-      "_cuda_lms_getSpeculative", torch::wrap_pybind_function(&getSpeculative));
-  m.def("_cuda_lms_setSchedule", torch::wrap_pybind_function(&setSchedule));
-  m.def("_cuda_lms_getSchedule", torch::wrap_pybind_function(&getSchedule));
-  m.def("_cuda_lms_setPacking", torch::wrap_pybind_function(&setPacking));
-  m.def("_cuda_lms_getPacking", torch::wrap_pybind_function(&getPacking));
-  m.def(
-      "_cuda_lms_setHostPlacement",
-      torch::wrap_pybind_function(&setHostPlacement));
-  m.def(
-      "_cuda_lms_getHostPlacement",
-      torch::wrap_pybind_function(&getHostPlacement));
-  m.def("_cuda_lms_setLookahead", torch::wrap_pybind_function(&setLookahead));
-  m.def("_cuda_lms_getLookahead", torch::wrap_pybind_function(&getLookahead));
-  m.def(
-      "_cuda_lms_setPrefetchBudget",
-      torch::wrap_pybind_function(&setPrefetchBudget));
-  m.def(
-      "_cuda_lms_getPrefetchBudget",
-      torch::wrap_pybind_function(&getPrefetchBudget));
+  // warning. Functions that may wait for copies release the GIL. Each
+  // setting's setter and getter come from LargeModelSupportSettingTable.h.
+#define C10_LMS_SETTING(stem, Camel, ...)                  \
+  m.def(                                                   \
+      "_cuda_lms_set" #Camel,                              \
+      torch::wrap_pybind_function(&settings::set##Camel)); \
+  m.def(                                                   \
+      "_cuda_lms_get" #Camel,                              \
+      torch::wrap_pybind_function(&settings::get##Camel));
+#define C10_LMS_DEVICE_SETTING C10_LMS_SETTING
+#include <c10/cuda/LargeModelSupportSettingTable.h>
   m.def("_cuda_lms_resetSchedule", torch::wrap_pybind_function(&resetSchedule));
   m.def(
       "_cuda_lms_reclaimInactive",
@@ -393,16 +279,6 @@ void initLmsBindings(PyObject* module) {
   m.def(
       "_cuda_lms_pageInAhead",
       torch::wrap_pybind_function_no_gil(&pageInAhead));
-  m.def(
-      "_cuda_lms_setGraphPrefetch",
-      torch::wrap_pybind_function(&setGraphPrefetch));
-  m.def(
-      "_cuda_lms_getGraphPrefetch",
-      torch::wrap_pybind_function(&getGraphPrefetch));
-  m.def("_cuda_lms_setHostLimit", torch::wrap_pybind_function(&setHostLimit));
-  m.def("_cuda_lms_getHostLimit", torch::wrap_pybind_function(&getHostLimit));
-  m.def("_cuda_lms_setRecompute", torch::wrap_pybind_function(&setRecompute));
-  m.def("_cuda_lms_getRecompute", torch::wrap_pybind_function(&getRecompute));
   m.def(
       "_cuda_lms_recomputeOperators",
       torch::wrap_pybind_function(&recomputeOperators));
