@@ -822,7 +822,7 @@ def stress_summary(folder: Path, shown_as: str, engine_sha256: str) -> str:
     gate does not read, which of a class's seeds have a reference working set over the cap
     (the record's ``mapped_bound_exceeds_cap``: measured in the reference process, as the
     allocator maps it at best, never by LMS)."""
-    if not (folder / "results.jsonl").is_file():
+    if stress_gate.results_file(folder) is None:
         return f"No stress results in `{shown_as}` yet: run `scripts/gpu/run-stress.sh`."
     records = stress_gate.load_records([folder])
     sources = [
@@ -1214,7 +1214,7 @@ def _matrix_summary_rows(folders: Sequence[Path], engine_sha256: str) -> list[li
 
 
 def _stress_summary_row(folder: Path, engine_sha256: str) -> list[str] | None:
-    if not (folder / "results.jsonl").is_file():
+    if stress_gate.results_file(folder) is None:
         return None
     records = stress_gate.load_records([folder])
     passed, why = stress_gate.gate_verdict(records)

@@ -6,6 +6,7 @@ library only."""
 from __future__ import annotations
 
 import json
+import lzma
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +57,37 @@ def record_order(record: dict[str, Any]) -> tuple[int, str, int]:
     )
 
 
+RESULTS_NAMES = ("results.jsonl", "results.jsonl.xz")
+
+
+def results_file(path: Path) -> Path | None:
+    """The records file of ``path``: the file itself, or a folder's ``results.jsonl``, or
+    its ``results.jsonl.xz`` (committed results are kept compressed); None when there is
+    none."""
+    if not path.is_dir():
+        return path if path.is_file() else None
+    return next((path / n for n in RESULTS_NAMES if (path / n).is_file()), None)
+
+
+def read_results(file: Path) -> str:
+    """The text of a records file, decompressed when it ends in ``.xz``."""
+    if file.suffix == ".xz":
+        with lzma.open(file, "rt") as f:
+            return f.read()
+    return file.read_text()
+
+
 def load_records(paths: list[Path]) -> list[dict[str, Any]]:
-    """Every record of results.jsonl files (or folders holding one), in seed and time order;
-    a record found twice (the same folder given twice, or a merge merged again) is kept
-    once."""
+    """Every record of results.jsonl files (compressed or not, or folders holding one), in
+    seed and time order; a record found twice (the same folder given twice, or a merge merged
+    again) is kept once."""
     seen: set[str] = set()
     records: list[dict[str, Any]] = []
     for path in paths:
-        file = path / "results.jsonl" if path.is_dir() else path
-        for line in file.read_text().splitlines():
+        file = results_file(path)
+        if file is None:
+            raise FileNotFoundError(f"no results.jsonl or results.jsonl.xz in {path}")
+        for line in read_results(file).splitlines():
             if not line.strip():
                 continue
             record = json.loads(line)

@@ -542,6 +542,27 @@ def test_a_rerun_seed_keeps_every_record_in_summary_merge_and_gate(tmp_path: Pat
     assert len(runner.load_records([merged])) == 4
 
 
+def test_compressed_results_read_as_plain_ones(tmp_path: Path) -> None:
+    """Committed results keep their records xz-compressed: the gate, the merge and the
+    failing-records reader read results.jsonl.xz as they read results.jsonl, and a folder
+    with neither is an error naming it."""
+    import lzma
+
+    records = [record(0, "identical"), record(1, "mismatch")]
+    plain = _write(tmp_path / "plain", records)
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    with lzma.open(packed / "results.jsonl.xz", "wt") as f:
+        f.write((plain / "results.jsonl").read_text())
+    assert runner.load_records([packed]) == runner.load_records([plain])
+    assert [r["seed"] for r in runner.failing_records([packed])] == [1]
+    assert runner.main(["--merge", str(packed), "--out", str(tmp_path / "merged")]) == 1
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit, match=r"results\.jsonl\.xz"):
+        runner.failing_records([empty])
+
+
 class FakeLauncher(runner.Launcher):
     """Answers every run without starting a process: each trains, the capped run without LMS
     runs out of memory, the capped LMS run pages out; ``capped`` overrides the LMS run."""
@@ -1106,7 +1127,7 @@ def test_failed_of_picks_every_seed_with_a_failing_record(tmp_path: Path) -> Non
     assert runner.failed_seeds([a, b]) == [2, 5, 7]
     assert runner.failed_seeds([b / "results.jsonl"]) == [2]
     assert runner.failed_seeds([_write(tmp_path / "c", [record(1, "identical")])]) == []
-    with pytest.raises(SystemExit, match=r"no results\.jsonl in"):
+    with pytest.raises(SystemExit, match=r"no results\.jsonl \(or results\.jsonl\.xz\) in"):
         runner.failed_seeds([tmp_path / "missing"])
     passing = tmp_path / "c"
     assert runner.main(["--failed-of", str(passing), "--out", str(tmp_path / "out")]) == 0

@@ -95,6 +95,7 @@ from lmsbench.stress_gate import (
     gate_verdict,
     load_records,
     record_order,
+    results_file,
 )
 
 from .allocator import conf_with_expandable, expandable_in_conf, user_conf
@@ -1305,11 +1306,11 @@ def replay_capped(
 def failing_records(paths: list[Path]) -> list[dict[str, Any]]:
     """The records that fail the gate in the results.jsonl files of ``paths`` (folders
     holding one, or the files); an error naming the paths without one."""
-    missing = [str(p) for p in paths if not (p / "results.jsonl" if p.is_dir() else p).is_file()]
+    missing = [str(p) for p in paths if results_file(p) is None]
     if missing:
         raise SystemExit(
-            f"error: no results.jsonl in {', '.join(missing)}; give folders of earlier "
-            "runs (--out of the runner) or their results.jsonl"
+            f"error: no results.jsonl (or results.jsonl.xz) in {', '.join(missing)}; give "
+            "folders of earlier runs (--out of the runner) or their results files"
         )
     return gate_failures(load_records(paths))
 
