@@ -99,16 +99,17 @@ def inductor_cache() -> Iterator[None]:
 
 class FeedForwardStack(nn.Module):
     """Transformer feed-forward blocks: the GELU between the matmuls is a Triton kernel, the
-    matmuls are extern kernels; every block saves 4 x 128 MiB of activations for backward."""
+    matmuls are extern kernels; every block saves 4 x 128 MiB of activations for backward (at
+    the default sizes). ``expansion`` is the hidden layer's width over ``width``."""
 
-    def __init__(self, width: int = 2048, depth: int = 12) -> None:
+    def __init__(self, width: int = 2048, depth: int = 12, expansion: int = 2) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
             nn.Sequential(
                 nn.LayerNorm(width),
-                nn.Linear(width, 2 * width),
+                nn.Linear(width, expansion * width),
                 nn.GELU(),
-                nn.Linear(2 * width, width),
+                nn.Linear(expansion * width, width),
             )
             for _ in range(depth)
         )
@@ -771,11 +772,11 @@ def check_compiled_under_a_share(
 
 
 # mode="max-autotune" (Triton GEMM templates and coordinate descent tuning, chosen by
-# benchmarking, and CUDA graphs) on feed-forward blocks: six blocks of one shape, so that
-# autotuning has few distinct GEMMs to time (about a minute on an H100 for the first row;
-# the second finds the results in the shared cache). 16384 tokens of width 1024: 100 MiB of
-# parameters, 64 and 128 MiB activations per layer, a compiled peak of a few GiB.
-MAX_AUTOTUNE_MODEL = {"width": 1024, "depth": 6}
+# benchmarking, and CUDA graphs) on feed-forward blocks: six blocks of one square shape, so
+# that autotuning has six distinct GEMMs to time (three of the blocks, three of the head);
+# the second row finds the results in the shared cache. 16384 tokens of width 1024: 50 MiB of
+# parameters, and activations of 64 MiB each, several saved per block, which make the peak.
+MAX_AUTOTUNE_MODEL = {"width": 1024, "depth": 6, "expansion": 1}
 MAX_AUTOTUNE_TOKENS = 16384
 MAX_AUTOTUNE_STEPS = 3
 
