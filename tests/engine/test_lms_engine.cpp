@@ -1477,6 +1477,107 @@ TEST_CASE(oom_names_the_running_operators_working_set) {
   env.checkBaseline();
 }
 
+// Memory outside LMS that its owner can give back (in PyTorch, the pools of
+// idle CUDA graph trees: torch/cuda/_lms_cudagraphs.py) is the last resort of
+// the allocation path: asked only once nothing is left to page out, the
+// allocation is tried again when it gave memory back, and the error says what
+// it kept.
+namespace outside_memory {
+
+void* g_held = nullptr; // the block "outside LMS": allocated while LMS is off
+int g_asked = 0;
+
+bool giveBack(c10::DeviceIndex /*device*/, size_t /*size*/, std::string& note) {
+  ++g_asked;
+  if (g_held == nullptr) {
+    note = "Nothing is left outside LMS.";
+    return false;
+  }
+  cca::raw_delete(g_held); // to the allocator's cache, which its retry frees
+  g_held = nullptr;
+  return true;
+}
+
+bool keep(c10::DeviceIndex /*device*/, size_t /*size*/, std::string& note) {
+  ++g_asked;
+  note = "The test's pool holds 16.00 MiB and is in use.";
+  return false;
+}
+
+struct NoReleaser {
+  NoReleaser() = default;
+  NoReleaser(const NoReleaser&) = delete;
+  NoReleaser& operator=(const NoReleaser&) = delete;
+  ~NoReleaser() {
+    lms::setOutsideMemoryReleaser(nullptr);
+  }
+};
+
+} // namespace outside_memory
+
+TEST_CASE(memory_outside_lms_is_given_back_when_nothing_is_left_to_page_out) {
+  namespace om = outside_memory;
+  Env env(size_t(1) << 50); // no limit: only the failure trigger
+  {
+    // Requests over 10 MiB map segments of their own size, so that the
+    // figures below are what the allocator reserves.
+    const lms_test::AllocatorCap cap(40 * kMiB);
+    const om::NoReleaser reset;
+    lms::setEnabled(false);
+    om::g_held = cca::raw_alloc(16 * kMiB);
+    lms::setEnabled(true);
+    om::g_asked = 0;
+    lms::setOutsideMemoryReleaser(&om::giveBack);
+
+    auto a = newStorage(16 * kMiB);
+    write(*a, 1);
+    // 16 outside + 16 + 16 > 40: paging `a` out makes the room, and the
+    // releaser is not asked.
+    auto b = newStorage(16 * kMiB);
+    write(*b, 2);
+    CHECK(state(a) == lms::StorageState::PagedOut);
+    CHECK_EQ(om::g_asked, 0);
+    // 16 outside + 30 > 40 with `a` and `b` paged out: the memory outside
+    // LMS is given back and the allocation succeeds.
+    auto c = newStorage(30 * kMiB);
+    write(*c, 3);
+    CHECK(state(b) == lms::StorageState::PagedOut);
+    CHECK_EQ(om::g_asked, 1);
+    CHECK(om::g_held == nullptr);
+
+    // Nothing given back: the error says what the releaser kept.
+    lms::setOutsideMemoryReleaser(&om::keep);
+    lms::pin(*c); // in use: 30 + 20 > 40, and nothing else to page out
+    bool threw = false;
+    try {
+      auto d = newStorage(20 * kMiB);
+    } catch (const c10::OutOfMemoryError& e) {
+      threw = true;
+      const std::string msg = e.what();
+      CHECK(
+          msg.find("The test's pool holds 16.00 MiB and is in use.") !=
+          std::string::npos);
+    }
+    CHECK(threw);
+    CHECK_EQ(om::g_asked, 2);
+    lms::unpin(*c);
+    // What was paged out around it is intact.
+    c.reset();
+    CHECK(matches(*a, 1));
+    CHECK(matches(*b, 2));
+    a.reset();
+    b.reset();
+    // The note belongs to the allocation that failed, not to the next one.
+    lms::setOutsideMemoryReleaser(nullptr);
+    auto e = newStorage(4 * kMiB);
+    CHECK(
+        lms::describeOutOfMemory(0, 4 * kMiB).find("The test's pool") ==
+        std::string::npos);
+    e.reset();
+  }
+  env.checkBaseline();
+}
+
 TEST_CASE(pinned_working_set_too_large_gives_lms_oom) {
   Env env(size_t(1) << 50);
   {

@@ -10,7 +10,12 @@ Compiled with ``mode="reduce-overhead"``, the compiled regions are captured into
 whose private pool LMS never pages out. Where that pool fits under the cap, LMS makes room for
 it; where it does not, the warm-up or capture that runs out of memory makes the compiled code
 run without CUDA graphs (one warning), paged like eager code, and training goes on with the
-results of the uncapped run."""
+results of the uncapped run. The pool of an earlier run's CUDA graph tree, idle and left
+behind in the process, goes back to the device when nothing else makes room.
+
+mode="max-autotune" and a decoder compiled with dynamic shapes train at 1/2 and 1/4 of their
+own compiled peak; each of these rows also checks that training without LMS runs out of memory
+under its cap (after the LMS run, for cuDNN's plan cache)."""
 
 from __future__ import annotations
 
@@ -94,16 +99,17 @@ def inductor_cache() -> Iterator[None]:
 
 class FeedForwardStack(nn.Module):
     """Transformer feed-forward blocks: the GELU between the matmuls is a Triton kernel, the
-    matmuls are extern kernels; every block saves 4 x 128 MiB of activations for backward."""
+    matmuls are extern kernels; every block saves 4 x 128 MiB of activations for backward (at
+    the default sizes). ``expansion`` is the hidden layer's width over ``width``."""
 
-    def __init__(self, width: int = 2048, depth: int = 12) -> None:
+    def __init__(self, width: int = 2048, depth: int = 12, expansion: int = 2) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
             nn.Sequential(
                 nn.LayerNorm(width),
-                nn.Linear(width, 2 * width),
+                nn.Linear(width, expansion * width),
                 nn.GELU(),
-                nn.Linear(2 * width, width),
+                nn.Linear(expansion * width, width),
             )
             for _ in range(depth)
         )
@@ -310,15 +316,19 @@ def _resnet50_batches(step: int) -> Batch:
     return images, labels
 
 
-def _train_resnet50_reduce_overhead(steps: int) -> tuple[Any, list[torch.Tensor]]:
+def _train_resnet50_reduce_overhead(
+    steps: int, fresh_tree: bool = True
+) -> tuple[Any, list[torch.Tensor]]:
     """The harness's deterministic ``train`` of ResNet-50 compiled with
     mode="reduce-overhead", in a fresh CUDA graph tree (the graphs and the pool of an earlier
-    run go back to the device first); returns the run and the model's buffers (batch norm
-    statistics, which the compiled forward mutates) after it."""
+    run go back to the device first) unless ``fresh_tree`` is false (the tree of an earlier
+    run, with its graphs and pool, serves this one); returns the run and the model's buffers
+    (batch norm statistics, which the compiled forward mutates) after it."""
     from tests.regression.lms_regression_harness import settle, train
 
     pytest.importorskip("torchvision.models", reason="torchvision is not installed")
-    torch._dynamo.reset()
+    if fresh_tree:
+        torch._dynamo.reset()
     settle()
     built: list[nn.Module] = []
 
@@ -412,6 +422,107 @@ def test_compiled_resnet50_reduce_overhead_at_half_its_peak(
             assert torch.equal(a, b), f"buffer {i} (batch norm statistics) differs"
 
     torch.cuda.set_enabled_lms(False)
+    del reference, repeat, capped
+    check_back_to_baseline(baseline, host_baseline, _settle_graphs_and_workspaces)
+
+
+def _graph_pool_yields(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The warnings LMS gave when the CUDA graph pool of idle compiled functions went back to
+    the device to make room."""
+    return [str(w.message) for w in caught if type(w.message).__name__ == "GraphPoolYieldWarning"]
+
+
+def _private_pool_bytes() -> int:
+    """What the private pools of the current device reserve, from the allocator's snapshot
+    (as LMS reports it, whether LMS is on or not)."""
+    return int(torch.cuda.lms_stats()["private_pool_bytes"]["current"])
+
+
+def test_compiled_resnet50_reduce_overhead_at_half_its_peak_after_an_uncapped_run(
+    record: Callable[[str, Any], None],
+) -> None:
+    """The same ResNet-50 under mode="reduce-overhead" at half its peak, in a process whose
+    earlier uncapped compiled run left its CUDA graph tree behind: its graphs and their pool,
+    which LMS never pages, hold far more than the cap leaves. With nothing else to page out,
+    LMS has the idle tree's pool go back to the device (one warning), the tree is warmed up
+    and captured again when next called (or, where its pool does not fit under the cap, its
+    functions run without CUDA graphs, as in the row above), and training gives the uncapped
+    runs' losses, gradients, parameters and batch norm statistics bit for bit where those
+    repeat. Without LMS, training under the same cap runs out of memory (checked after the
+    LMS run: cuDNN's plan cache)."""
+    from tests.regression.lms_regression_harness import (
+        MiB,
+        first_difference,
+        host_bytes,
+        lms_summary,
+        max_relative_difference,
+        memory_cap,
+    )
+
+    steps = 3
+    reference, reference_buffers = _train_resnet50_reduce_overhead(steps)
+    _settle_graphs_and_workspaces()
+    baseline = torch.cuda.memory_allocated()
+    # The uncapped run whose tree stays: the process this row is about.
+    repeat, repeat_buffers = _train_resnet50_reduce_overhead(steps)
+    left = _private_pool_bytes()
+    peak, static = reference.peak_bytes, reference.static_bytes
+    cap = int(static + 0.5 * (peak - static))
+    record("peak_mib", round(peak / MiB, 1))
+    record("static_mib", round(static / MiB, 1))
+    record("cap_mib", round(cap / MiB, 1))
+    record("pool_left_by_the_uncapped_run_mib", round(left / MiB, 1))
+    assert peak > cap
+    assert left > 0, "the uncapped run left no CUDA graph pool behind"
+    difference = first_difference(reference, repeat)
+    if difference is None and not all(
+        torch.equal(a, b) for a, b in zip(reference_buffers, repeat_buffers)
+    ):
+        difference = "batch norm statistics differ"
+    record("references_identical", difference is None)
+    spread = 0.0
+    if difference is not None:
+        spread = max_relative_difference(reference, repeat)
+        record("references_difference", difference)
+        record("references_max_relative_difference", spread)
+
+    with memory_cap(cap), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        host_baseline = host_bytes()
+        torch.cuda.set_enabled_lms(True)
+        torch.cuda.set_limit_lms(int(cap * 0.75))
+        torch.cuda.reset_accumulated_lms_stats()
+        torch.cuda.reset_peak_lms_stats()
+        capped, capped_buffers = _train_resnet50_reduce_overhead(steps, fresh_tree=False)
+        stats = torch.cuda.lms_stats()
+    yields = _graph_pool_yields(caught)
+    fallbacks = _graph_pool_fallbacks(caught)
+    record("lms", lms_summary(stats))
+    record("pool_yield_warnings", yields)
+    record("fallback_warnings", fallbacks)
+    assert yields, "the idle tree's pool did not go back to the device"
+    assert "went back to the device" in yields[0] and "MiB" in yields[0], yields[0]
+    # The tree is released once; should its new pool not fit, it goes on without graphs.
+    assert len(yields) == 1 and len(fallbacks) <= 1, (yields, fallbacks)
+    assert stats["pageout_count"] > 0, "LMS trained under the cap without paging anything out"
+    assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
+    assert capped.peak_bytes <= cap
+    torch.cuda.set_enabled_lms(False)
+
+    _settle_graphs_and_workspaces()
+    oom = None
+    with memory_cap(cap):
+        try:
+            _train_resnet50_reduce_overhead(steps)
+        except torch.OutOfMemoryError as exc:
+            oom = exc
+    assert oom is not None, f"training fit under a cap of {cap / MiB:.0f} MiB without LMS"
+    del oom
+
+    check_against_references(reference, capped, difference, spread, record)
+    if difference is None:
+        for i, (a, b) in enumerate(zip(reference_buffers, capped_buffers)):
+            assert torch.equal(a, b), f"buffer {i} (batch norm statistics) differs"
     del reference, repeat, capped
     check_back_to_baseline(baseline, host_baseline, _settle_graphs_and_workspaces)
 
@@ -556,3 +667,176 @@ def test_compiled_decoder_under_a_share_of_its_compiled_peak(
     torch.cuda.set_enabled_lms(False)
     del reference, repeat, capped
     check_back_to_baseline(baseline, host_baseline, settle)
+
+
+# ---------------------------------------------------------------------------------------
+# Every compile mode under a share of its own compiled peak: max-autotune, dynamic shapes
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shared_inductor_cache() -> Iterator[str]:
+    """One Inductor cache for the rows of one model at several caps: the first row compiles
+    (and autotunes), the next ones find its code and autotuning results."""
+    with tempfile.TemporaryDirectory(prefix="lms-inductor-shared-") as folder:
+        yield folder
+
+
+def check_compiled_under_a_share(
+    run: Callable[[], Any],
+    share: float,
+    cache: str,
+    record: Callable[[str, Any], None],
+) -> None:
+    """``run`` trains a compiled model (the harness's ``train``) and returns the run; each
+    call compiles afresh (after ``torch._dynamo.reset()``, so that no CUDA graph tree of an
+    earlier call serves it). Two uncapped runs are the references; the model then trains with
+    LMS under ``share`` of their compiled peak (compiled with LMS on, as a program that
+    enables LMS before compiling is), must page out and in, and is held to the references bit
+    for bit where they repeat (else reported as not judged); without LMS, training under the
+    same cap runs out of memory (after the LMS run: cuDNN's plan cache). Device memory and
+    pinned host memory return to their baselines."""
+    from tests.regression.lms_regression_harness import (
+        MiB,
+        first_difference,
+        host_bytes,
+        lms_summary,
+        max_relative_difference,
+        memory_cap,
+        release_library_workspaces,
+        settle,
+    )
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+
+    def settle_all() -> None:
+        torch._dynamo.reset()
+        release_library_workspaces()
+        settle()
+
+    settle_all()
+    reference = run()
+    settle_all()
+    repeat = run()
+    settle_all()
+    baseline = torch.cuda.memory_allocated()
+    # The smaller of the two: a first compile's autotuning allocates benchmark inputs.
+    peak = min(reference.peak_bytes, repeat.peak_bytes)
+    cap = int(share * peak)
+    record("peak_mib", round(peak / MiB, 1))
+    record("static_mib", round(reference.static_bytes / MiB, 1))
+    record("cap_mib", round(cap / MiB, 1))
+    assert peak - cap > RECLAIM_HEADROOM_BYTES, "the cap is not well under the peak"
+    difference = first_difference(reference, repeat)
+    record("references_identical", difference is None)
+    spread = 0.0
+    if difference is not None:
+        spread = max_relative_difference(reference, repeat)
+        record("references_difference", difference)
+        record("references_max_relative_difference", spread)
+
+    with memory_cap(cap), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        host_baseline = host_bytes()
+        torch.cuda.set_enabled_lms(True)
+        torch.cuda.set_limit_lms(int(cap * 0.75))
+        torch.cuda.reset_accumulated_lms_stats()
+        torch.cuda.reset_peak_lms_stats()
+        capped = run()
+        stats = torch.cuda.lms_stats()
+    record("lms", lms_summary(stats))
+    record("graph_prefetch_count", stats["graph_prefetch_count"])
+    record("fallback_warnings", _graph_pool_fallbacks(caught))
+    record("pool_yield_warnings", _graph_pool_yields(caught))
+    assert stats["pageout_count"] > 0, "LMS trained under the cap without paging anything out"
+    assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
+    assert capped.peak_bytes <= cap
+    torch.cuda.set_enabled_lms(False)
+
+    settle_all()
+    oom = None
+    with memory_cap(cap):
+        try:
+            run()
+        except torch.OutOfMemoryError as exc:
+            oom = exc
+    assert oom is not None, (
+        f"training fit under a cap of {cap / MiB:.0f} MiB without LMS (compiled peak "
+        f"{peak / MiB:.0f} MiB): the cap proves nothing"
+    )
+    del oom
+
+    check_against_references(reference, capped, difference, spread, record)
+    del reference, repeat, capped
+    check_back_to_baseline(baseline, host_baseline, settle_all)
+
+
+# mode="max-autotune" (Triton GEMM templates and coordinate descent tuning, chosen by
+# benchmarking, and CUDA graphs) on feed-forward blocks: six blocks of one square shape, so
+# that autotuning has six distinct GEMMs to time (three of the blocks, three of the head);
+# the second row finds the results in the shared cache. 16384 tokens of width 1024: 50 MiB of
+# parameters, and activations of 64 MiB each, several saved per block, which make the peak.
+MAX_AUTOTUNE_MODEL = {"width": 1024, "depth": 6, "expansion": 1}
+MAX_AUTOTUNE_TOKENS = 16384
+MAX_AUTOTUNE_STEPS = 3
+
+
+def _train_max_autotune() -> Any:
+    from torch._inductor import config
+
+    from tests.regression.lms_regression_harness import train
+
+    # GEMMs by Triton templates and ATen only (not the CPU backend of the default list).
+    with config.patch({"max_autotune_gemm_backends": "ATEN,TRITON"}):
+        return train(
+            lambda: torch.compile(FeedForwardStack(**MAX_AUTOTUNE_MODEL), mode="max-autotune"),
+            token_batches(tokens=MAX_AUTOTUNE_TOKENS, width=MAX_AUTOTUNE_MODEL["width"]),
+            F.cross_entropy,
+            MAX_AUTOTUNE_STEPS,
+        )
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25], ids=["half-peak", "quarter-peak"])
+def test_max_autotune_under_a_share_of_its_compiled_peak(
+    share: float, shared_inductor_cache: str, record: Callable[[str, Any], None]
+) -> None:
+    """mode="max-autotune" trains under ``share`` of its compiled peak with LMS: where the
+    CUDA graph pool fits, LMS makes room for it; where it does not, the compiled code runs
+    without CUDA graphs (one warning); either way with the uncapped results bit for bit."""
+    check_compiled_under_a_share(_train_max_autotune, share, shared_inductor_cache, record)
+
+
+# A GPT-style decoder compiled with dynamic shapes: one graph for every sequence length, the
+# steps' lengths differing (the longest, 256, sets the peak).
+DYNAMIC_SEQUENCE_LENGTHS = (256, 192, 224, 160, 256)
+
+
+def _train_dynamic_decoder() -> Any:
+    from tests.regression.lms_regression_harness import train
+
+    lengths = DYNAMIC_SEQUENCE_LENGTHS
+
+    def batches(step: int) -> Batch:
+        g = torch.Generator(device="cuda").manual_seed(4000 + step)
+        data = torch.randint(
+            0, DECODER["vocab"], (DECODER_BATCH, lengths[step] + 1), device="cuda", generator=g
+        )
+        return data[:, :-1].contiguous(), data[:, 1:].contiguous()
+
+    return train(
+        lambda: torch.compile(transformer_lm(**DECODER, tied=False), dynamic=True),
+        batches,
+        _decoder_loss,
+        len(lengths),
+    )
+
+
+@pytest.mark.parametrize("share", [0.5, 0.25], ids=["half-peak", "quarter-peak"])
+def test_dynamic_shape_decoder_under_a_share_of_its_compiled_peak(
+    share: float, shared_inductor_cache: str, record: Callable[[str, Any], None]
+) -> None:
+    """The decoder compiled with dynamic=True, its sequence length changing from step to
+    step, trains under ``share`` of its compiled peak with LMS, with the uncapped results bit
+    for bit; the graphs' page-in hints are placed by symbolic sizes."""
+    record("sequence_lengths", list(DYNAMIC_SEQUENCE_LENGTHS))
+    check_compiled_under_a_share(_train_dynamic_decoder, share, shared_inductor_cache, record)

@@ -1,5 +1,6 @@
 """torch/cuda/_lms_cudagraphs.py on the CPU: compiled code runs without CUDA graphs once the
-warm-up or capture of a CUDA graph ran out of memory in the graph pool while LMS is enabled.
+warm-up or capture of a CUDA graph ran out of memory in the graph pool while LMS is enabled,
+and the pool of an idle tree goes back to the device when the LMS engine finds no other room.
 
 Inductor's own CUDA graph tree manager runs here with its CUDA steps stubbed (the pool routing
 of a warm-up, the capture, streams, synchronization): an allocation that fails in the graph
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -49,6 +51,8 @@ def fallback(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     bindings = FakeBindings()
     api = ModuleType("fake_lms_api")
     api._lms_bindings = lambda: bindings  # type: ignore[attr-defined]
+    # lms.py's state that lets a capture of compiled code through the drop-in's capture guard.
+    api._capture_state = SimpleNamespace(resident_inputs=False)  # type: ignore[attr-defined]
     api.lms_stats = lambda device: {  # type: ignore[attr-defined]
         "private_pool_bytes": {"current": 5 * MiB},
         "limit_bytes": 64 * MiB,
@@ -58,16 +62,24 @@ def fallback(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     releases: list[Any] = []
     monkeypatch.setattr(module, "_release", releases.append)
 
-    live = {"bytes": 0}  # allocated in the pool once the failed call's memory is freed
+    # Allocated in the pool once the failed call's memory is freed; "segments", when set, is
+    # what the snapshot shows instead (with blocks).
+    live: dict[str, Any] = {"bytes": 0, "segments": None}
 
     def memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> list[Any]:
         assert mempool_id == POOL
+        if live["segments"] is not None:
+            return list(live["segments"])
         return [
             {"device": 0, "total_size": 3 * MiB, "allocated_size": live["bytes"]},
             {"device": 0, "total_size": 1 * MiB, "allocated_size": 0},
         ]
 
     monkeypatch.setattr(torch.cuda, "memory_snapshot", memory_snapshot)
+    # Process-wide state of the module (loaded once per process), fresh for each test.
+    monkeypatch.setattr(module, "_TREES", weakref.WeakSet())
+    monkeypatch.setattr(module, "_PENDING_WARNINGS", [])
+    monkeypatch.setattr(module, "_RELEASES", {"count": 0, "bytes": 0})
     module.live = live  # type: ignore[attr-defined]
     module.bindings = bindings  # type: ignore[attr-defined]
     module.releases = releases  # type: ignore[attr-defined]
@@ -394,6 +406,292 @@ def test_other_errors_are_not_taken_for_a_pool_that_does_not_fit(
 
 
 # ---------------------------------------------------------------------------------------------
+# The pools of idle trees go back to the device when the engine finds no other room
+
+
+def yield_warnings(caught: list[warnings.WarningMessage], module: ModuleType) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, module.GraphPoolYieldWarning)]
+
+
+def test_idle_tree_gives_its_pool_back_and_is_warmed_up_again(
+    trees: tuple[ModuleType, Stubs], fallback: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tree whose functions are not running, whose current outputs nobody holds and whose
+    pool holds no tensor is released when the engine asks: its graphs go (and the pool's
+    keeper), the engine is told to try again, and the tree's next call makes it new (a
+    warm-up into a new pool, then the capture), warning once, with the results of a run
+    without the release."""
+    ct, stubs = trees
+    region = Region(stubs)
+    x, stats = torch.ones(3), torch.zeros(2)
+    fn = tree_compile(ct, region, x, stats)
+    torch.manual_seed(0)
+    first = fn([x, stats])[0]  # the warm-up, in the pool
+    manager = ct.get_manager(0, create_if_none_exists=False)
+    assert manager is not None and manager.graph is not None
+
+    released, note = fallback.release_idle_graph_pools(0, 8 * MiB)
+
+    assert released
+    assert note.startswith("CUDA graph pools on cuda:0: the CUDA graph pool of 1 compiled")
+    assert "'call' (forward" in note and "holds 4.00 MiB, released" in note
+    # The LMS statistics' private pools (5 MiB) hold 1 MiB besides this tree's pool.
+    assert "1.00 MiB in other private pools" in note
+    assert manager.graph is None  # the pool's keeper is gone, and with it the pool
+    assert fallback.graph_pool_releases() == {"count": 1, "bytes": 4 * MiB}
+    assert fallback.releases == []  # nothing synchronizes inside the allocation
+
+    # The new pool's keeper is captured empty, let through the drop-in's capture guard.
+    guard_state = fallback._lms_api()._capture_state
+    seen: list[bool] = []
+
+    class EmptyCapture:
+        def __init__(self, graph: Any, **kwargs: Any) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            seen.append(guard_state.resident_inputs)
+
+        def __exit__(self, *args: Any) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "graph", EmptyCapture)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second = fn([x, stats])[0]
+    messages = yield_warnings(caught, fallback)
+    assert len(messages) == 1, messages
+    assert "(4.00 MiB) went back to the device" in messages[0]
+    assert "an allocation of 8.00 MiB on cuda:0" in messages[0]
+    assert "LMS limit of 64.00 MiB" in messages[0]
+    assert "captured again when the functions are next called" in messages[0]
+    assert fallback_warnings(caught, fallback) == []
+    # Made new: warmed up again in a new pool, under the same manager, whose functions stay.
+    assert region.calls == ["pool", "pool"]
+    assert ct.get_manager(0, create_if_none_exists=False) is manager
+    assert manager.graph is not None
+    assert manager._lms_pool_released is None
+    assert seen == [True] and guard_state.resident_inputs is False
+    assert getattr(manager, "_lms_without_graphs", None) is None
+
+    expected, expected_stats = reference(steps=2)
+    assert torch.equal(first, expected[0]) and torch.equal(second, expected[1])
+    assert torch.equal(stats, expected_stats)
+
+
+def test_tree_with_tensors_alive_in_its_pool_is_kept_and_named(
+    trees: tuple[ModuleType, Stubs], fallback: ModuleType
+) -> None:
+    ct, stubs = trees
+    x, stats = torch.ones(3), torch.zeros(2)
+    fn = tree_compile(ct, Region(stubs), x, stats)
+    fn([x, stats])
+    fallback.live["bytes"] = 2 * MiB
+    manager = ct.get_manager(0, create_if_none_exists=False)
+
+    released, note = fallback.release_idle_graph_pools(0, 8 * MiB)
+
+    assert not released
+    assert "holds 4.00 MiB, kept: 2.00 MiB of tensors are alive in it" in note
+    assert manager.graph is not None
+    assert fallback.graph_pool_releases() == {"count": 0, "bytes": 0}
+    assert fallback._PENDING_WARNINGS == []
+
+
+def test_tree_whose_function_is_running_is_kept(
+    trees: tuple[ModuleType, Stubs], fallback: ModuleType
+) -> None:
+    """An allocation inside a function of the tree (its warm-up allocates in the pool, a
+    replay writes to it) never releases that tree."""
+    ct, stubs = trees
+    answers: list[tuple[bool, str]] = []
+
+    class AllocatingRegion(Region):
+        def __call__(self, args: list[Any]) -> list[torch.Tensor]:
+            answers.append(fallback.release_idle_graph_pools(0, MiB))
+            return super().__call__(args)
+
+    x, stats = torch.ones(3), torch.zeros(2)
+    region = AllocatingRegion(stubs)
+    fn = tree_compile(ct, region, x, stats)
+    fn([x, stats])  # the warm-up, during which the region allocates
+    assert region.calls == ["pool"]
+    assert len(answers) == 1
+    released, note = answers[0]
+    assert not released
+    assert "holds 4.00 MiB, kept: one of its functions is running" in note
+    manager = ct.get_manager(0, create_if_none_exists=False)
+    assert manager is not None and manager.graph is not None
+    assert manager._lms_running == 0  # the call is over: it is idle again
+
+
+def test_tree_released_twice_runs_without_graphs(
+    trees: tuple[ModuleType, Stubs], fallback: ModuleType
+) -> None:
+    """A tree that has to give its pool back a second time would be captured again at every
+    step: it runs without CUDA graphs from then on instead, as after a pool that did not fit."""
+    from torch._dynamo.utils import counters
+
+    ct, stubs = trees
+    region = Region(stubs)
+    x, stats = torch.ones(3), torch.zeros(2)
+    fn = tree_compile(ct, region, x, stats)
+    skips = counters["inductor"]["cudagraph_skips"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn([x, stats])
+        assert fallback.release_idle_graph_pools(0, MiB)[0]
+        fn([x, stats])  # made new
+        assert fallback.release_idle_graph_pools(0, MiB)[0]
+        fn([x, stats])
+        fn([x, stats])
+        # Its pool is gone: nothing is left to release.
+        assert fallback.release_idle_graph_pools(0, MiB) == (
+            False,
+            "CUDA graph pools on cuda:0: 5.00 MiB in other private pools (torch.cuda.graph, "
+            "torch.cuda.MemPool, regions compiled with a CUDA graph of their own), which LMS "
+            "never releases.",
+        )
+    assert region.calls == ["pool", "pool", "plain", "plain"]
+    assert len(yield_warnings(caught, fallback)) == 1
+    messages = fallback_warnings(caught, fallback)
+    assert len(messages) == 1 and "went back to the device a second time" in messages[0]
+    assert "now run without CUDA graphs" in messages[0]
+    assert counters["inductor"]["cudagraph_skips"] == skips + 1
+    assert fallback.graph_pool_releases()["count"] == 2
+
+
+def test_release_without_trees_names_the_other_pools(fallback: ModuleType) -> None:
+    assert fallback.release_idle_graph_pools(0, MiB) == (
+        False,
+        "CUDA graph pools on cuda:0: 5.00 MiB in other private pools (torch.cuda.graph, "
+        "torch.cuda.MemPool, regions compiled with a CUDA graph of their own), which LMS never "
+        "releases.",
+    )
+
+
+def test_release_never_raises_into_the_allocation(
+    fallback: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = FakeManager()
+    fallback._TREES.add(manager)
+
+    def broken(manager: Any) -> Any:
+        raise KeyError("segments")
+
+    monkeypatch.setattr(fallback, "_pool_use", broken)
+    assert fallback.release_idle_graph_pools(0, MiB) == (
+        False,
+        "(Releasing idle CUDA graph pools failed: KeyError('segments').)",
+    )
+    # Nor does an allocation made while it releases release again.
+    monkeypatch.setattr(fallback._releasing, "active", True, raising=False)
+    assert fallback.release_idle_graph_pools(0, MiB) == (False, "")
+
+
+class FakeManager:
+    """Stands for a tree manager whose graphs were recorded: its nodes and current path."""
+
+    def __init__(self, roots: list[Any] | None = None, current: Any = None) -> None:
+        self.device_index = 0
+        self.cuda_graphs_thread_pool = POOL
+        self.roots = {0: roots or []}
+        self.current_node = current
+        self.graph: Any = object()
+        self.ids_to_funcs = {0: None, 1: None}
+        self.id_to_mode: dict[int, Any] = {}
+        self.id_to_compile_id: dict[int, Any] = {}
+
+    def get_func_name(self, function_id: int) -> str:
+        return ["fw", "bw"][function_id]
+
+
+class Ref:
+    """A StorageWeakRefWrapper: the storage while something beyond the tree holds it."""
+
+    def __init__(self, address: int, alive: bool) -> None:
+        self.address = address
+        self.alive = alive
+
+    def __call__(self) -> int | None:
+        return self.address if self.alive else None
+
+    def data_ptr(self) -> int:
+        return self.address
+
+
+def block(address: int, size: int, state: str = "active_allocated") -> dict[str, Any]:
+    return {"address": address, "size": size, "state": state}
+
+
+def recorded_tree(live_output: bool, other_tensor: bool) -> tuple[FakeManager, list[Any]]:
+    """A forward and a backward recorded into one pool: the forward's output at 0x1000 (cached
+    by the tree), the backward's at 0x2000 (cached) and 0x3000 (not cached, dead); the
+    snapshot shows the cached ones allocated, and a tensor at 0x4000 when ``other_tensor``."""
+    forward = FakeNode([Ref(0x1000, alive=False)])
+    forward.cached_tensor_outputs = [torch.empty(0)]
+    backward = FakeNode([Ref(0x2000, alive=live_output), Ref(0x3000, alive=False)])
+    backward.cached_tensor_outputs = [torch.empty(0), None]
+    backward.parent = forward
+    forward.parent = None
+    forward.children = {1: [backward]}
+    blocks = [
+        block(0x1000, 2 * MiB),
+        block(0x2000, 1 * MiB),
+        block(0x3000, 1 * MiB, "inactive"),
+        block(0x4000, 2 * MiB, "active_allocated" if other_tensor else "inactive"),
+    ]
+    segments = [{"device": 0, "total_size": 6 * MiB, "allocated_size": 0, "blocks": blocks}]
+    return FakeManager([forward], current=backward), segments
+
+
+@pytest.mark.parametrize(
+    ("live_output", "other_tensor", "expected"),
+    [
+        (False, False, (0, 0, 0)),
+        (True, False, (1, 1 * MiB, 1 * MiB)),
+        (False, True, (0, 0, 2 * MiB)),
+    ],
+    ids=["only-the-trees-own-tensors", "an-output-held", "another-tensor"],
+)
+def test_pool_use_leaves_out_the_trees_own_cached_tensors(
+    fallback: ModuleType, live_output: bool, other_tensor: bool, expected: tuple[int, int, int]
+) -> None:
+    """Inductor's cached tensors of each graph output are the tree's own references: they do
+    not keep its pool from going back, unless the program holds the output too. Outputs of
+    the current path that the program holds, and any other tensor allocated in the pool, do."""
+    manager, segments = recorded_tree(live_output, other_tensor)
+    fallback.live["segments"] = segments
+    use = fallback._pool_use(manager)
+    assert use.reserved == 6 * MiB
+    assert (use.outputs, use.output_bytes, use.tensors) == expected
+    assert use.in_use() == (expected != (0, 0, 0))
+
+    fallback._TREES.add(manager)
+    released, note = fallback.release_idle_graph_pools(0, MiB)
+    assert released == (expected == (0, 0, 0))
+    assert "the CUDA graph pool of 2 compiled function(s) ('fw', 'bw') holds 6.00 MiB" in note
+    if live_output:
+        assert "kept: 1 output(s) of its graphs (1.00 MiB) are still held by the program" in note
+    if released:
+        assert manager.graph is None
+        assert all(node.graph is None for node in fallback._tree_nodes(manager))
+        assert all(node.cached_removed for node in fallback._tree_nodes(manager))
+
+
+def test_pool_that_cannot_be_read_is_kept(
+    fallback: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fallback, "_pool_segments", lambda device, pool: None)
+    manager = FakeManager()
+    fallback._TREES.add(manager)
+    released, note = fallback.release_idle_graph_pools(0, MiB)
+    assert not released
+    assert "kept: the allocator's snapshot does not show it" in note
+    assert manager.graph is not None
+
+
+# ---------------------------------------------------------------------------------------------
 # Dropping the graphs of a tree
 
 
@@ -587,23 +885,37 @@ def test_installing_twice_wraps_once_and_other_modules_are_left_alone(
 HOOK_SCRIPT = """
 import sys
 
+import torch_lms._C
 import torch_lms.lms
 
 assert "torch._inductor.cudagraph_trees" not in sys.modules
 assert "torch_lms._lms_cudagraphs" not in sys.modules, "imported before Inductor was"
 from torch._inductor import compile_fx, cudagraph_trees
 
+import torch_lms._lms_cudagraphs as fallback
+
 print(cudagraph_trees.CUDAGraphTreeManager._lms_graph_pool_fallback)
 print(getattr(compile_fx.cudagraphify, "_lms_graph_pool_fallback", False))
 print(getattr(cudagraph_trees.CUDAGraphNode._record, "_lms_resident_inputs", False))
+print(torch_lms._C.releasers == [fallback.release_idle_graph_pools])
+"""
+
+# The engine's hook for the last resort of its allocation path, as the bindings have it.
+RELEASER_BINDING = """
+releasers = []
+
+
+def _cuda_lms_registerOutsideReleaser(release):
+    releasers.append(release)
 """
 
 
 def test_lms_module_installs_the_fallback_when_inductor_is_imported(tmp_path: Path) -> None:
     """As the drop-in extension ships the modules: lms.py wraps Inductor's tree manager and
-    cudagraphify when they are imported, through the module beside it."""
-    env = build_fake_torch_lms(tmp_path, [FALLBACK_PY.name])
-    assert run_python(env, HOOK_SCRIPT).split() == ["True", "True", "True"]
+    cudagraphify when they are imported, through the module beside it, which hands the release
+    of idle graph pools to the engine once."""
+    env = build_fake_torch_lms(tmp_path, [FALLBACK_PY.name], bindings=RELEASER_BINDING)
+    assert run_python(env, HOOK_SCRIPT).split() == ["True", "True", "True", "True"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -177,6 +177,23 @@ C10_CUDA_API uint64_t outOfMemoryErrorsRaised();
 C10_CUDA_API size_t lastOutOfMemoryRequest();
 C10_CUDA_API std::string lastOutOfMemoryVerdict();
 
+// Memory that LMS does not manage but that its owner can give back when no
+// page-out makes room: the CUDA graph pools of compiled functions that are
+// not running and whose outputs are all dead (torch.cuda's Python side
+// registers their release). When an allocation of the LMS path fails with
+// every reclaimable storage paged out, before it is placed in host memory or
+// raises the out-of-memory error, the engine calls the releaser with the
+// device and the request. It returns whether it gave memory back (the
+// allocation is then tried again, and the releaser asked again while it
+// gives some, a few times at most) and sets `note` to a sentence for the
+// error message: what holds the memory it did not give back. It is called
+// from the allocating thread with no engine lock held, never for an
+// allocation of a CUDA graph capture (those do not take this path) nor for a
+// page-in ahead of use. Null: none.
+using OutsideMemoryReleaser =
+    bool (*)(c10::DeviceIndex device, size_t size, std::string& note);
+C10_CUDA_API void setOutsideMemoryReleaser(OutsideMemoryReleaser releaser);
+
 // An operator whose input stays paged out reads and writes the pinned host
 // copy in place (see the top of this file). beginHostUse() orders the
 // current stream after the page-out copy that filled the host copy;

@@ -456,6 +456,10 @@ void* allocateDevice(
     size_t size,
     cudaStream_t stream,
     bool or_null = false);
+// What the releaser of memory outside LMS (setOutsideMemoryReleaser) said
+// about the memory it did not give back for this thread's failing
+// allocation, for its error message; empty when it was not asked.
+extern thread_local std::string t_outside_note;
 
 // LargeModelSupportReclaim.cpp: victims, page-out, draining
 void releaseDeviceMemory(DeviceEngine& e, Record& r, bool in_deleter);

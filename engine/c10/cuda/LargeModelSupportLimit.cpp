@@ -4,7 +4,8 @@
 // force, returning cached blocks when others need them, and the limit
 // trigger and reclaim-and-retry of every LMS allocation (allocateDevice, and
 // reclaimForFailedAllocation for allocators that retry in their own malloc
-// path).
+// path), and the last resort of that path: memory outside LMS that its owner
+// gives back (setOutsideMemoryReleaser).
 
 #include <c10/cuda/LargeModelSupportInternal.h>
 
@@ -28,6 +29,12 @@ constexpr double kCapacityHeadroomFraction = 0.05;
 // allocation path asks the driver again (cudaMemGetInfo costs microseconds,
 // too much for every allocation).
 constexpr std::chrono::milliseconds kDeviceSampleInterval{10};
+// How many times one allocation asks the releaser of memory outside LMS
+// while it keeps giving memory back (a releaser that says it gave some but
+// did not must not keep the allocation from failing).
+constexpr int kOutsideReleaseRounds = 4;
+
+std::atomic<OutsideMemoryReleaser> g_outside_releaser{nullptr};
 
 // Reads how much of the device anything but this process's caching allocator
 // holds, and what this process reserves, at most every kDeviceSampleInterval.
@@ -154,6 +161,20 @@ void releaseCacheOverShare(DeviceEngine& e) {
 // allocation (reclaimForFailedAllocation), for the allocation-source stats.
 thread_local bool t_reclaimed_in_malloc = false;
 
+// Asks the releaser of memory outside LMS to give memory back for a request
+// of `size` bytes that no page-out could place; keeps what it says about the
+// rest for the error message.
+bool releaseOutside(DeviceEngine& e, size_t size) {
+  const OutsideMemoryReleaser release = g_outside_releaser.load();
+  if (release == nullptr) {
+    return false;
+  }
+  std::string note;
+  const bool released = release(e.device, size, note);
+  t_outside_note = std::move(note);
+  return released;
+}
+
 // Makes room for an allocation of `size` bytes under the limit. Returns the
 // bytes paged out for it.
 size_t enforceLimit(DeviceEngine& e, size_t size) {
@@ -190,10 +211,12 @@ size_t enforceLimit(DeviceEngine& e, size_t size) {
 
 } // namespace
 
+thread_local std::string t_outside_note;
+
 // Device memory for `size` bytes on `stream`, reclaiming as needed. When
-// nothing more can be reclaimed it raises the out-of-memory error, or with
-// `or_null` returns null (the caller places the request elsewhere or raises
-// it).
+// nothing more can be reclaimed and nothing outside LMS given back it raises
+// the out-of-memory error, or with `or_null` returns null (the caller places
+// the request elsewhere or raises it).
 void* allocateDevice(
     DeviceEngine& e,
     size_t size,
@@ -204,6 +227,10 @@ void* allocateDevice(
   const size_t reserved_before = b.reservedBytes(e.device);
   void* ptr = nullptr;
   t_reclaimed_in_malloc = false;
+  if (C10_UNLIKELY(!t_outside_note.empty())) {
+    t_outside_note.clear(); // said about an earlier allocation
+  }
+  int outside_rounds = 0;
   while (ptr == nullptr) {
     try {
       ptr = b.malloc(e.device, size, stream);
@@ -214,6 +241,15 @@ void* allocateDevice(
       // range the request fits in, else what is left in reclaim order.
       if (reclaimFragments(e, size, stream) == 0 &&
           reclaim(e, size, Trigger::AllocFailure) == 0) {
+        // Nothing LMS manages is left to page out. Memory outside it whose
+        // owner can give it back comes before host placement and the error:
+        // the allocator returns what was given back to the device when it
+        // retries (its cache release frees the segments of a private pool
+        // that no graph uses any more).
+        if (outside_rounds < kOutsideReleaseRounds && releaseOutside(e, size)) {
+          ++outside_rounds;
+          continue;
+        }
         if (or_null) {
           return nullptr;
         }
@@ -242,6 +278,10 @@ size_t ensureHeadroom(c10::DeviceIndex device, size_t incoming_bytes) {
     return 0;
   }
   return enforceLimit(engineFor(device), incoming_bytes);
+}
+
+void setOutsideMemoryReleaser(OutsideMemoryReleaser releaser) {
+  g_outside_releaser.store(releaser);
 }
 
 bool reclaimForFailedAllocation(

@@ -111,6 +111,10 @@ OutOfMemoryText explainOutOfMemory(c10::DeviceIndex device, size_t size) {
             mib(static_cast<int64_t>(limit)) + "."};
   }
   const size_t pools = backend().privatePoolBytes(device);
+  // What holds the memory outside LMS that was not given back for this
+  // request (idle CUDA graph pools are; see setOutsideMemoryReleaser).
+  const std::string outside_note =
+      t_outside_note.empty() ? std::string() : " " + t_outside_note;
   const std::string pool_note = pools == 0
       ? std::string()
       : " " + mib(static_cast<int64_t>(pools)) +
@@ -180,7 +184,7 @@ OutOfMemoryText explainOutOfMemory(c10::DeviceIndex device, size_t size) {
       " paged out to host. The working set of one operator must fit on the "
       "device: reduce the batch size or the operator's size, or lower the "
       "size threshold with torch.cuda.set_size_lms()." +
-      pool_note;
+      pool_note + outside_note;
   // The verdict alone, for the warning about an operator that caught the
   // error: its sentence without the space that joins it to the rest.
   while (!verdict.empty() && verdict.back() == ' ') {

@@ -1,4 +1,6 @@
-r"""Compiled code that runs without CUDA graphs when their memory pool does not fit (LMS).
+r"""CUDA graph pools of compiled code under Large Model Support (LMS): pools of idle compiled
+functions go back to the device when nothing else makes room, and compiled code runs without
+CUDA graphs when its pool does not fit.
 
 ``torch.compile(mode="reduce-overhead")`` records compiled regions into CUDA graphs. Their
 memory lives in a private pool that Large Model Support never pages out: a graph bakes in its
@@ -21,7 +23,28 @@ counts it (``counters["inductor"]["cudagraph_skips"]``). Under Inductor's
 
 Where tensors of the pool still live (a backward that reads what its forward left in the
 pool), the pool cannot be released under them, and such a region is not kept from freeing
-them as it runs: the error stands, as without LMS, saying so.
+them as it runs: the error stands, as without LMS, saying so. The tree's own references to the
+outputs of its graphs (Inductor's cached tensors, which no program holds) do not count.
+
+The pool of a tree that is idle also goes back to the device when something else needs the
+room (:func:`release_idle_graph_pools`). A tree keeps its graphs and their pool between calls,
+for the life of its compiled functions: a process that compiled and ran other functions
+before (or the same model uncapped) holds their pool, which LMS never pages, and under a cap
+nothing is left for the rest. The LMS engine asks this module, as its last resort, when an
+allocation fails with every reclaimable storage paged out, before it places the allocation in
+host memory or raises the out-of-memory error. The pool of every tree of that device that is
+idle is then released: no function of the tree is running (warming up, being captured,
+replaying), no output of its current graphs is held by the program, and no other tensor lives
+in its pool. Its graphs are dropped (so is the pool with them, which the allocator returns to
+the device when it retries the allocation), and the tree is made new at its next call: its
+functions are warmed up and captured again, into a new pool, with the same compiled code and
+the same results. A tree released once and again short of room later runs without CUDA graphs
+from then on, rather than being captured again at every step. The warnings (a
+:class:`GraphPoolYieldWarning`, or a :class:`GraphPoolFallbackWarning` for a tree that goes on
+without graphs) come at the tree's next call, outside the allocation that needed the room. A
+pool that is kept is named in the out-of-memory error, with what holds it; so are the other
+private pools of the device (``torch.cuda.graph``, ``torch.cuda.MemPool``, regions with a
+CUDA graph of their own), which LMS never releases.
 
 Results stay those of CUDA graphs, which run the same compiled code: the failed call runs
 again on its own inputs, kept for this (Inductor's compiled functions clear the list they are
@@ -40,6 +63,7 @@ The module imports nothing of Inductor when it is imported itself.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import importlib
@@ -55,8 +79,11 @@ import torch
 
 __all__ = [
     "GraphPoolFallbackWarning",
+    "GraphPoolYieldWarning",
+    "graph_pool_releases",
     "install_cudagraphify_fallback",
     "install_tree_fallback",
+    "release_idle_graph_pools",
 ]
 
 _MiB = 1024 * 1024
@@ -65,6 +92,32 @@ _MiB = 1024 * 1024
 _MARK = "_lms_graph_pool_fallback"
 # Set on a tree manager that runs without CUDA graphs: the warning it gave.
 _WITHOUT_GRAPHS = "_lms_without_graphs"
+# Set on a tree manager whose pool went back to the device while it was idle, until its next
+# call makes it new: the warning that call gives.
+_RELEASED = "_lms_pool_released"
+# On a tree manager: how many of its calls are under way (on any thread), and how many times
+# its pool went back to the device while it was idle.
+_RUNNING = "_lms_running"
+_YIELDS = "_lms_pool_yields"
+# Set on a tree manager once it is among the trees whose pools may be released (_TREES).
+_KNOWN = "_lms_known"
+
+# The state of a tree manager that a new one starts with, except what identifies the
+# functions it serves (their partials hold the manager and their ids) and what it warned
+# about already.
+_KEPT_ON_RENEWAL = frozenset(
+    {
+        "ids_to_funcs",
+        "ids_to_stack_traces",
+        "id_to_mode",
+        "id_to_compile_id",
+        "func_counter",
+        "graph_counter",
+        "warmup_node_counter",
+        "warned_functions",
+        "warned_mutation",
+    }
+)
 
 # What a storage reads as once its CUDA graph pool went back to the device.
 _STALE_OUTPUT = (
@@ -85,6 +138,27 @@ _TREES_WITHOUT_GRAPHS: dict[int, weakref.ReferenceType[Any]] = {}
 
 class GraphPoolFallbackWarning(UserWarning):
     """Compiled code runs without CUDA graphs: their memory pool did not fit on the device."""
+
+
+class GraphPoolYieldWarning(UserWarning):
+    """The CUDA graph pool of idle compiled functions went back to the device to make room;
+    their CUDA graphs are captured again when they are next called."""
+
+
+# Every tree manager that ran a function while this module's wrapper was installed.
+_TREES: weakref.WeakSet[Any] = weakref.WeakSet()
+
+# Warnings about trees whose pool went back to the device, given at the next call of a tree
+# (not inside the allocation that needed the room, where a warning filter that raises would
+# turn the release into an error).
+_PENDING_WARNINGS: list[tuple[str, type[Warning]]] = []
+
+# Pools released so far in this process, and their bytes (graph_pool_releases()).
+_RELEASES = {"count": 0, "bytes": 0}
+
+# Per thread: set while idle pools are being released (an allocation made meanwhile that
+# fails does not release again).
+_releasing = threading.local()
 
 
 class _PoolDidNotFit(_OutOfMemoryError):  # type: ignore[misc,valid-type]
@@ -296,12 +370,105 @@ def _pool_bytes(device: int, pool: Any) -> int | None:
         return None
 
 
-def _pool_in_use(device: int, pool: Any) -> bool:
-    """Whether tensors still live in the private pool ``pool`` (or the snapshot cannot tell)."""
-    segments = _pool_segments(device, pool)
-    if segments is None:
+def _alive(ref: Any) -> bool:
+    """Whether a storage reference of Inductor's (``StorageWeakRefWrapper``) names a storage
+    that something beyond the tree's own cached tensor holds; where it cannot tell, yes."""
+    try:
+        return ref() is not None
+    except Exception:  # an Inductor of other internals: assume it is in use
         return True
-    return any(int(segment.get("allocated_size", 0)) > 0 for segment in segments)
+
+
+def _address(ref: Any) -> int:
+    data_ptr = getattr(ref, "data_ptr", None)
+    try:
+        return int(data_ptr()) if callable(data_ptr) else -1
+    except Exception:
+        return -1
+
+
+def _current_path(manager: Any) -> list[Any]:
+    """The nodes from the tree's current node up to its root: the graphs and warm-ups of the
+    step under way, whose outputs are the valid ones (Inductor takes those of earlier paths
+    for overwritten)."""
+    path: list[Any] = []
+    node = getattr(manager, "current_node", None)
+    while node is not None and len(path) < 100_000:
+        path.append(node)
+        node = getattr(node, "parent", None)
+    return path
+
+
+@dataclasses.dataclass
+class _PoolUse:
+    """What the pool of a tree manager holds: the bytes it reserves (``None`` where the
+    allocator's snapshot cannot tell), the outputs of the current path's graphs and warm-ups
+    that the program still holds (and the bytes of those found in the pool), and the bytes of
+    other tensors alive in the pool (outputs of warm-ups and captures, which own their memory)
+    beside the tree's cached tensors that nothing else holds."""
+
+    reserved: int | None
+    outputs: int = 0
+    output_bytes: int = 0
+    tensors: int = 0
+
+    def in_use(self) -> bool:
+        return self.reserved is None or self.outputs > 0 or self.tensors > 0
+
+    def holders(self) -> str:
+        """What keeps the pool from going back to the device, as words."""
+        if self.reserved is None:
+            return "the allocator's snapshot does not show it"
+        parts: list[str] = []
+        if self.outputs:
+            parts.append(
+                f"{self.outputs} output(s) of its graphs ({_mib(self.output_bytes)}) are "
+                "still held by the program"
+            )
+        if self.tensors:
+            parts.append(f"{_mib(self.tensors)} of tensors are alive in it")
+        return " and ".join(parts)
+
+
+def _pool_use(manager: Any) -> _PoolUse:
+    """What the pool of ``manager`` holds (see :class:`_PoolUse`)."""
+    device = int(getattr(manager, "device_index", 0))
+    segments = _pool_segments(device, getattr(manager, "cuda_graphs_thread_pool", None))
+    if segments is None:
+        return _PoolUse(None)
+    use = _PoolUse(sum(int(segment.get("total_size", 0)) for segment in segments))
+    sizes = {
+        int(block["address"]): int(block.get("size", 0))
+        for segment in segments
+        for block in segment.get("blocks") or ()
+        if "address" in block
+    }
+    # The tree keeps a tensor of each output of its recorded graphs (Inductor's cached
+    # tensors): memory of the pool that the tree itself holds, and drops with its graphs.
+    own: set[int] = set()
+    for node in _tree_nodes(manager):
+        refs = getattr(node, "outputs_weakrefs", ()) or ()
+        for index, cached in enumerate(getattr(node, "cached_tensor_outputs", ()) or ()):
+            if cached is not None and index < len(refs) and refs[index] is not None:
+                if not _alive(refs[index]):
+                    own.add(_address(refs[index]))
+    for node in _current_path(manager):
+        for ref in getattr(node, "outputs_weakrefs", ()) or ():
+            if ref is not None and _alive(ref):
+                use.outputs += 1
+                use.output_bytes += sizes.get(_address(ref), 0)
+    for segment in segments:
+        blocks = segment.get("blocks")
+        if blocks is None:  # the segment's figure alone: its cached tensors count too
+            use.tensors += int(segment.get("allocated_size", 0))
+            continue
+        for block in blocks:
+            if (
+                block.get("state") == "active_allocated"
+                and int(block.get("address", -1)) not in own
+            ):
+                use.tensors += int(block.get("size", 0))
+    return use
 
 
 def _limits(device: int) -> str:
@@ -383,7 +550,8 @@ def _drop_graphs(manager: Any) -> None:
     manager.graph = None
 
 
-def _describe_tree_function(manager: Any, function_id: Any) -> str:
+def _function_label(manager: Any, function_id: Any) -> str:
+    """A compiled function of a tree as words: its name, mode and compile id."""
     try:
         name = str(manager.get_func_name(function_id))
     except (AttributeError, KeyError):
@@ -396,7 +564,19 @@ def _describe_tree_function(manager: Any, function_id: Any) -> str:
     if compile_id is not None:
         details.append(f"compile id {compile_id}")
     suffix = f" ({', '.join(details)})" if details else ""
-    return f"the compiled function {name!r}{suffix}"
+    return f"{name!r}{suffix}"
+
+
+def _describe_tree_function(manager: Any, function_id: Any) -> str:
+    return f"the compiled function {_function_label(manager, function_id)}"
+
+
+def _describe_tree(manager: Any) -> str:
+    """The pool of a tree manager and the compiled functions it serves, as words."""
+    ids = list(getattr(manager, "ids_to_funcs", None) or ())
+    shown = ", ".join(_function_label(manager, function_id) for function_id in ids[:3])
+    more = f" and {len(ids) - 3} more" if len(ids) > 3 else ""
+    return f"the CUDA graph pool of {len(ids)} compiled function(s) ({shown}{more})"
 
 
 def _release(device: int | None) -> None:
@@ -441,20 +621,198 @@ def _without_graphs(manager: Any, function_id: Any, step: str) -> None:
         )
         + "To keep CUDA graphs, leave room for the pool under the cap."
     )
-    setattr(manager, _WITHOUT_GRAPHS, message)
-    _TREES_WITHOUT_GRAPHS[device] = weakref.ref(manager)
+    _set_without_graphs(manager, message)
     _release(device)
     _fall_back(message)
+
+
+def _private_pool_bytes(device: int) -> int | None:
+    """What every private pool of ``device`` reserves, as LMS reports it."""
+    try:
+        return int(_lms_api().lms_stats(device)["private_pool_bytes"]["current"])
+    except (ImportError, RuntimeError, AttributeError, KeyError, TypeError):
+        return None
+
+
+def _set_without_graphs(manager: Any, message: str) -> None:
+    """Marks a tree manager whose graphs are gone to run every function plainly from now on."""
+    device = int(getattr(manager, "device_index", 0))
+    setattr(manager, _WITHOUT_GRAPHS, message)
+    _TREES_WITHOUT_GRAPHS[device] = weakref.ref(manager)
+
+
+def _yield_pool(manager: Any, reserved: int, size: int) -> bool:
+    """Releases the pool of an idle tree manager (its graphs go; so does the pool, once the
+    allocator frees its cache). A tree released before goes on without CUDA graphs instead of
+    being captured again at every step. Returns whether the graphs went."""
+    device = int(getattr(manager, "device_index", 0))
+    what = _describe_tree(manager)
+    try:
+        _drop_graphs(manager)
+    except Exception:  # an Inductor of other internals: no graphs of it are used again
+        _set_without_graphs(
+            manager, f"Large Model Support: the graphs of {what} could not be dropped."
+        )
+        return False
+    _RELEASES["count"] += 1
+    _RELEASES["bytes"] += reserved
+    yields = int(getattr(manager, _YIELDS, 0)) + 1
+    setattr(manager, _YIELDS, yields)
+    reason = (
+        f"an allocation of {_mib(size)} on cuda:{device} found no room under "
+        f"{_limits(device)} with every reclaimable storage paged out, and no tensor of the "
+        "pool was in use"
+    )
+    if yields == 1:
+        message = (
+            f"Large Model Support: {what} on cuda:{device} ({_mib(reserved)}) went back to "
+            f"the device: {reason}. Its CUDA graphs are captured again when the functions are "
+            "next called (a warm-up, then a capture), with the same results. Should its pool "
+            "have to go back again, the functions run without CUDA graphs from then on."
+        )
+        setattr(manager, _RELEASED, message)
+        _PENDING_WARNINGS.append((message, GraphPoolYieldWarning))
+        return True
+    message = (
+        f"Large Model Support: {what} on cuda:{device} ({_mib(reserved)}) went back to the "
+        f"device a second time: {reason}. It and every other function compiled with "
+        f'mode="reduce-overhead" on cuda:{device} now run without CUDA graphs, until '
+        "torch._dynamo.reset(): plain compiled code, whose tensors LMS pages like those of "
+        "eager code, with the same results. To keep CUDA graphs, leave room for the pool "
+        "under the cap."
+    )
+    _set_without_graphs(manager, message)
+    _count_skip(message)
+    _PENDING_WARNINGS.append((message, GraphPoolFallbackWarning))
+    return True
+
+
+def _release_idle(device: int, size: int) -> tuple[bool, str]:
+    trees = [tree for tree in list(_TREES) if int(getattr(tree, "device_index", -1)) == device]
+    released = False
+    notes: list[str] = []
+    counted = 0
+    for manager in trees:
+        gone = (
+            getattr(manager, _WITHOUT_GRAPHS, None) is not None
+            or getattr(manager, _RELEASED, None) is not None
+            or getattr(manager, "graph", None) is None
+        )
+        if gone:  # its pool went back already
+            continue
+        use = _pool_use(manager)
+        what = _describe_tree(manager)
+        if use.reserved is not None:
+            counted += use.reserved
+            if use.reserved == 0:
+                continue
+        held = f"{what} holds {_mib(use.reserved)}" if use.reserved is not None else what
+        if int(getattr(manager, _RUNNING, 0)) > 0:
+            notes.append(f"{held}, kept: one of its functions is running")
+        elif use.in_use():
+            notes.append(f"{held}, kept: {use.holders()}")
+        elif _yield_pool(manager, int(use.reserved or 0), size):
+            released = True
+            notes.append(f"{held}, released")
+        else:
+            notes.append(f"{held}, kept: its graphs could not be dropped")
+    others = _private_pool_bytes(device)
+    if others is not None and others > counted:
+        notes.append(
+            f"{_mib(others - counted)} in other private pools (torch.cuda.graph, "
+            "torch.cuda.MemPool, regions compiled with a CUDA graph of their own), which LMS "
+            "never releases"
+        )
+    note = f"CUDA graph pools on cuda:{device}: {'; '.join(notes)}." if notes else ""
+    return released, note
+
+
+def release_idle_graph_pools(device: int, size: int) -> tuple[bool, str]:
+    r"""Releases the CUDA graph pools of the idle trees of ``device`` for an allocation of
+    ``size`` bytes that found no room with every reclaimable storage paged out.
+
+    The LMS engine calls it as its last resort (``_cuda_lms_registerOutsideReleaser``), from the
+    allocating thread with the GIL taken. A tree is idle when none of its functions is
+    running, the program holds no output of its current graphs and no other tensor lives in
+    its pool; its graphs are dropped, and its next call makes it new (see the module's
+    description). Returns whether a pool was released (the engine then tries the allocation
+    again) and a sentence for the out-of-memory error: which pools of the device hold what, and
+    why those kept were kept. Never raises."""
+    if getattr(_releasing, "active", False):
+        return False, ""
+    _releasing.active = True
+    try:
+        return _release_idle(int(device), int(size))
+    except Exception as error:  # the allocation path must not see an error of this module
+        return False, f"(Releasing idle CUDA graph pools failed: {error!r}.)"
+    finally:
+        _releasing.active = False
+
+
+def graph_pool_releases() -> dict[str, int]:
+    """How many CUDA graph pools of idle trees went back to the device in this process, and
+    their bytes: ``{"count": ..., "bytes": ...}``."""
+    return dict(_RELEASES)
+
+
+def _register_release() -> None:
+    """Hands :func:`release_idle_graph_pools` to the LMS engine, where its bindings have the
+    hook (once per process: registering again replaces it with itself)."""
+    try:
+        bindings = _lms_api()._lms_bindings()
+    except (ImportError, RuntimeError, AttributeError):
+        return
+    register = getattr(bindings, "_cuda_lms_registerOutsideReleaser", None)
+    if callable(register):
+        register(release_idle_graph_pools)
+
+
+def _renew(manager: Any) -> None:
+    """Makes a tree manager whose pool went back to the device new: a new pool and stream,
+    no graphs and no function warmed up, as Inductor makes one; the functions it serves and
+    what it warned about stay.
+
+    Inductor's manager keeps its pool alive with a graph captured empty into it. That capture
+    is let through the drop-in's capture guard (which refuses a capture while storages are
+    paged out) as those of compiled regions are: it captures no operator, so no page-in."""
+    try:
+        capture_state = _lms_api()._capture_state
+    except (ImportError, AttributeError):  # an API module without the guard's state
+        capture_state = None
+    previous = getattr(capture_state, "resident_inputs", False)
+    if capture_state is not None:
+        capture_state.resident_inputs = True
+    try:
+        fresh = type(manager)(int(getattr(manager, "device_index", 0)))
+    finally:
+        if capture_state is not None:
+            capture_state.resident_inputs = previous
+    vars(manager).update(
+        {key: value for key, value in vars(fresh).items() if key not in _KEPT_ON_RENEWAL}
+    )
+    setattr(manager, _RELEASED, None)
+
+
+def _warn_pending() -> None:
+    """Gives the warnings about pools released inside allocations (see ``_PENDING_WARNINGS``)."""
+    pending = list(_PENDING_WARNINGS)
+    _PENDING_WARNINGS.clear()
+    for message, category in pending:
+        warnings.warn(message, category, stacklevel=4)
 
 
 def install_tree_fallback(module: ModuleType) -> None:
     r"""Wrap the CUDA graph tree manager of ``module`` (``torch._inductor.cudagraph_trees``)
     so that a warm-up or capture that runs out of memory while LMS is enabled makes the tree
     run without CUDA graphs (see the module's description). Wrapping again changes nothing;
-    a module without the manager's methods is left alone."""
+    a module without the manager's methods is left alone.
+
+    The pools of idle trees are handed to the LMS engine to release as its last resort
+    (:func:`release_idle_graph_pools`)."""
     manager_class = getattr(module, "CUDAGraphTreeManager", None)
     if manager_class is None or getattr(manager_class, _MARK, False):
         return
+    _register_release()
     run = getattr(manager_class, "run", None)
     run_eager = getattr(manager_class, "run_eager", None)
     record_function = getattr(manager_class, "record_function", None)
@@ -486,21 +844,35 @@ def install_tree_fallback(module: ModuleType) -> None:
 
     @functools.wraps(run)
     def run_or_fall_back(self: Any, new_inputs: list[Any], function_id: Any) -> Any:
+        if _PENDING_WARNINGS:
+            _warn_pending()
         if getattr(self, _WITHOUT_GRAPHS, None) is not None:
             return self.ids_to_funcs[function_id].model(new_inputs)
+        if not getattr(self, _KNOWN, False):
+            _TREES.add(self)
+            setattr(self, _KNOWN, True)
+        if getattr(self, _RELEASED, None) is not None:
+            _renew(self)
+        # Counted on the manager, for every thread: a tree with a call under way is never
+        # released (its warm-up or capture allocates in the pool, a replay writes to it).
+        setattr(self, _RUNNING, getattr(self, _RUNNING, 0) + 1)
         try:
             return run(self, new_inputs, function_id)
         except _PoolDidNotFit as failure:
             attempt, step, message = failure.attempt, failure.step, str(failure)
+        finally:
+            setattr(self, _RUNNING, getattr(self, _RUNNING, 1) - 1)
         gc.collect()  # the failed call's memory first
-        device = int(getattr(self, "device_index", 0))
-        if _pool_in_use(device, getattr(self, "cuda_graphs_thread_pool", None)):
+        use = _pool_use(self)
+        if use.in_use():
             # Tensors of the pool still live (outputs of earlier graphs or warm-ups): the pool
             # cannot go back to the device under them, nor could the plain code find room.
             attempt.undo()
             raise _OutOfMemoryError(
                 f"{message} (Large Model Support did not fall back to running without CUDA "
-                "graphs: tensors still live in the CUDA graph pool.)"
+                f"graphs: tensors still live in the CUDA graph pool; {_describe_tree(self)}"
+                + (f" holds {_mib(use.reserved)}" if use.reserved is not None else "")
+                + f" and {use.holders()}.)"
             )
         inputs = attempt.undo()
         _without_graphs(self, function_id, step)
@@ -542,6 +914,8 @@ def install_tree_fallback(module: ModuleType) -> None:
         # first look at the address of every static input.
         def run(new_inputs: list[Any]) -> Any:
             if device in _TREES_WITHOUT_GRAPHS and without_graphs(device):
+                if _PENDING_WARNINGS:
+                    _warn_pending()
                 if not plain:
                     plain.append(_aligned(module, model, new_inputs, static_input_idxs, mutated))
                 return plain[0](new_inputs)

@@ -16,6 +16,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -191,6 +192,69 @@ int64_t pageInAhead(const std::vector<at::Tensor>& tensors) {
   return asInt(engine::pageInAhead(storages));
 }
 
+// The Python function that gives memory outside LMS back to the device when
+// no page-out makes room (torch/cuda/_lms_cudagraphs.py: the pools of idle
+// CUDA graph trees), called as release(device, size) -> (released, note). A
+// strong reference, never dropped at exit: the engine may call it from any
+// thread until the interpreter is gone.
+PyObject* g_outside_releaser = nullptr;
+
+bool interpreterRunning() {
+  if (!Py_IsInitialized()) {
+    return false;
+  }
+#if PY_VERSION_HEX >= 0x030D0000
+  return !Py_IsFinalizing();
+#else
+  return !_Py_IsFinalizing();
+#endif
+}
+
+// The engine's releaser (engine::setOutsideMemoryReleaser). It takes the GIL
+// from the allocating thread as PyTorch's out-of-memory observers do, with no
+// allocator or engine lock held. An error of the Python side is reported as
+// unraisable and counts as nothing given back: the allocation then fails as
+// it would have.
+bool releaseOutside(c10::DeviceIndex device, size_t size, std::string& note) {
+  if (!interpreterRunning()) {
+    return false;
+  }
+  py::gil_scoped_acquire gil;
+  if (g_outside_releaser == nullptr) {
+    return false;
+  }
+  try {
+    auto release = py::reinterpret_borrow<py::object>(g_outside_releaser);
+    auto [released, text] = release(static_cast<int>(device), size)
+                                .cast<std::tuple<bool, std::string>>();
+    note = std::move(text);
+    return released;
+  } catch (py::error_already_set& e) {
+    e.discard_as_unraisable(
+        "Large Model Support: releasing memory outside LMS");
+  } catch (const py::cast_error&) {
+    note =
+        "(The release of memory outside LMS returned something other than "
+        "(bool, str).)";
+  }
+  return false;
+}
+
+void registerOutsideReleaser(const py::object& release) {
+  TORCH_CHECK_TYPE(
+      release.is_none() || PyCallable_Check(release.ptr()),
+      "Large Model Support: expected a callable or None");
+  PyObject* previous = g_outside_releaser;
+  if (release.is_none()) {
+    engine::setOutsideMemoryReleaser(nullptr);
+    g_outside_releaser = nullptr;
+  } else {
+    g_outside_releaser = release.inc_ref().ptr();
+    engine::setOutsideMemoryReleaser(&releaseOutside);
+  }
+  Py_XDECREF(previous);
+}
+
 py::dict recomputeOperators(int64_t device) {
   py::dict out;
   for (const auto& [name, counts] :
@@ -279,6 +343,9 @@ void initLmsBindings(PyObject* module) {
   m.def(
       "_cuda_lms_pageInAhead",
       torch::wrap_pybind_function_no_gil(&pageInAhead));
+  m.def(
+      "_cuda_lms_registerOutsideReleaser",
+      torch::wrap_pybind_function(&registerOutsideReleaser));
   m.def(
       "_cuda_lms_recomputeOperators",
       torch::wrap_pybind_function(&recomputeOperators));
