@@ -19,6 +19,7 @@ under its cap (after the LMS run, for cuDNN's plan cache)."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import tempfile
@@ -68,6 +69,34 @@ def not_judged(spread: float, off: float, record: Callable[[str, Any], None]) ->
         f"not judged bit for bit: the two uncapped references differ by {spread:.3g} "
         f"(the capped run is {off:.3g} off the first; both recorded)"
     )
+
+
+def record_references(
+    reference: Any, repeat: Any, difference: Any, record: Callable[[str, Any], None]
+) -> float:
+    """Records whether the two uncapped references are identical (``difference`` is None:
+    the capped run is then judged bit for bit) and, where not, what differs and by how much;
+    returns that spread (0.0 when identical)."""
+    record("references_identical", difference is None)
+    if difference is None:
+        return 0.0
+    spread = max_relative_difference(reference, repeat)
+    record("references_difference", difference)
+    record("references_max_relative_difference", spread)
+    return spread
+
+
+@contextlib.contextmanager
+def lms_on(limit: int) -> Iterator[list[warnings.WarningMessage]]:
+    """LMS enabled with ``limit`` and its statistics reset, for a capped run; yields the
+    warnings given meanwhile (every one, not only the first of a kind)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_enabled_lms(True)
+        torch.cuda.set_limit_lms(limit)
+        torch.cuda.reset_accumulated_lms_stats()
+        torch.cuda.reset_peak_lms_stats()
+        yield caught
 
 
 def check_back_to_baseline(
@@ -370,7 +399,6 @@ def test_compiled_resnet50_reduce_overhead_at_half_its_peak(
         first_difference,
         host_bytes,
         lms_summary,
-        max_relative_difference,
         memory_cap,
     )
 
@@ -390,21 +418,11 @@ def test_compiled_resnet50_reduce_overhead_at_half_its_peak(
         torch.equal(a, b) for a, b in zip(reference_buffers, repeat_buffers)
     ):
         difference = "batch norm statistics differ"
-    record("references_identical", difference is None)
-    spread = 0.0
-    if difference is not None:
-        spread = max_relative_difference(reference, repeat)
-        record("references_difference", difference)
-        record("references_max_relative_difference", spread)
+    spread = record_references(reference, repeat, difference, record)
 
     skips = _cudagraph_skips()
-    with memory_cap(cap), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        host_baseline = host_bytes()
-        torch.cuda.set_enabled_lms(True)
-        torch.cuda.set_limit_lms(int(cap * 0.75))
-        torch.cuda.reset_accumulated_lms_stats()
-        torch.cuda.reset_peak_lms_stats()
+    host_baseline = host_bytes()
+    with memory_cap(cap), lms_on(int(cap * 0.75)) as caught:
         capped, capped_buffers = _train_resnet50_reduce_overhead(steps)
         stats = torch.cuda.lms_stats()
     fallbacks = _graph_pool_fallbacks(caught)
@@ -455,7 +473,6 @@ def test_compiled_resnet50_reduce_overhead_at_half_its_peak_after_an_uncapped_ru
         first_difference,
         host_bytes,
         lms_summary,
-        max_relative_difference,
         memory_cap,
     )
 
@@ -479,20 +496,10 @@ def test_compiled_resnet50_reduce_overhead_at_half_its_peak_after_an_uncapped_ru
         torch.equal(a, b) for a, b in zip(reference_buffers, repeat_buffers)
     ):
         difference = "batch norm statistics differ"
-    record("references_identical", difference is None)
-    spread = 0.0
-    if difference is not None:
-        spread = max_relative_difference(reference, repeat)
-        record("references_difference", difference)
-        record("references_max_relative_difference", spread)
+    spread = record_references(reference, repeat, difference, record)
 
-    with memory_cap(cap), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        host_baseline = host_bytes()
-        torch.cuda.set_enabled_lms(True)
-        torch.cuda.set_limit_lms(int(cap * 0.75))
-        torch.cuda.reset_accumulated_lms_stats()
-        torch.cuda.reset_peak_lms_stats()
+    host_baseline = host_bytes()
+    with memory_cap(cap), lms_on(int(cap * 0.75)) as caught:
         capped, capped_buffers = _train_resnet50_reduce_overhead(steps, fresh_tree=False)
         stats = torch.cuda.lms_stats()
     yields = _graph_pool_yields(caught)
@@ -602,7 +609,6 @@ def test_compiled_decoder_under_a_share_of_its_compiled_peak(
         first_difference,
         host_bytes,
         lms_summary,
-        max_relative_difference,
         memory_cap,
         settle,
     )
@@ -627,12 +633,7 @@ def test_compiled_decoder_under_a_share_of_its_compiled_peak(
     assert peak - cap > RECLAIM_HEADROOM_BYTES, "the cap is not well under the peak"
 
     difference = first_difference(reference, repeat)
-    record("references_identical", difference is None)
-    spread = 0.0
-    if difference is not None:
-        spread = max_relative_difference(reference, repeat)
-        record("references_difference", difference)
-        record("references_max_relative_difference", spread)
+    spread = record_references(reference, repeat, difference, record)
 
     with memory_cap(cap):
         host_baseline = host_bytes()
@@ -701,7 +702,6 @@ def check_compiled_under_a_share(
         first_difference,
         host_bytes,
         lms_summary,
-        max_relative_difference,
         memory_cap,
         release_library_workspaces,
         settle,
@@ -728,20 +728,10 @@ def check_compiled_under_a_share(
     record("cap_mib", round(cap / MiB, 1))
     assert peak - cap > RECLAIM_HEADROOM_BYTES, "the cap is not well under the peak"
     difference = first_difference(reference, repeat)
-    record("references_identical", difference is None)
-    spread = 0.0
-    if difference is not None:
-        spread = max_relative_difference(reference, repeat)
-        record("references_difference", difference)
-        record("references_max_relative_difference", spread)
+    spread = record_references(reference, repeat, difference, record)
 
-    with memory_cap(cap), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        host_baseline = host_bytes()
-        torch.cuda.set_enabled_lms(True)
-        torch.cuda.set_limit_lms(int(cap * 0.75))
-        torch.cuda.reset_accumulated_lms_stats()
-        torch.cuda.reset_peak_lms_stats()
+    host_baseline = host_bytes()
+    with memory_cap(cap), lms_on(int(cap * 0.75)) as caught:
         capped = run()
         stats = torch.cuda.lms_stats()
     record("lms", lms_summary(stats))
