@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from lmstool import conda
+from lmstool import conda, dropin
 from lmstool.errors import LmsToolError
 from lmstool.recipe import Variant, apply_selectors, selector_namespace
 
@@ -23,10 +23,15 @@ RECIPE = Path("recipes") / "torch-lms" / "meta.yaml"
 ABOUT_KEYS = ("home", "license", "license_family", "summary", "dev_url", "doc_url")
 
 
-def render(
-    repo: Path, *, torch: str, cuda: str, python: str, version: str, wheel: Path
-) -> dict[str, Any]:
-    """The drop-in recipe as conda-build renders it for one variant (linux-64)."""
+def render(repo: Path, *, torch: str, cuda: str, python: str, wheel: Path) -> dict[str, Any]:
+    """The drop-in recipe as conda-build renders it for one variant (linux-64).
+
+    The package version is the wheel's public version (torch release . drop-in serial,
+    extension/torch_lms/_support.py), derived here rather than passed, so that the package
+    cannot say one torch release and require another."""
+    torch = dropin.check_torch_version(torch, "torch")
+    cuda = dropin.check_cuda_version(cuda)
+    version = str(dropin.support().package_version(torch))
     try:
         import jinja2
     except ModuleNotFoundError:
@@ -61,11 +66,23 @@ def render(
 
 
 def package(
-    repo: Path, wheel: Path, channel: Path, *, torch: str, cuda: str, python: str, version: str
+    repo: Path, wheel: Path, channel: Path, *, torch: str, cuda: str, python: str
 ) -> conda.CondaPackage:
     """Write the drop-in's .conda into CHANNEL/linux-64 from the rendered recipe and index
     the channel."""
-    recipe = render(repo, torch=torch, cuda=cuda, python=python, version=version, wheel=wheel)
+    recipe = render(repo, torch=torch, cuda=cuda, python=python, wheel=wheel)
+    # The package's dependencies come from the release and CUDA given here, its files from
+    # the wheel: a wheel built for another torch would be installed beside a torch it does
+    # not load into.
+    info = conda.WheelInfo.parse(wheel)
+    name = dropin.support().DIST_NAME.replace("-", "_")
+    expected = dropin.wheel_version(torch, cuda)
+    if info.name != name or info.version != expected:
+        raise LmsToolError(
+            f"{wheel.name} is not the drop-in wheel for torch {torch} with CUDA {cuda} "
+            f"({name} {expected}): pass the wheel `lmstool dropin --torch {torch} --cuda "
+            f"{cuda}` built"
+        )
     build = recipe.get("build") or {}
     if build.get("skip"):
         raise LmsToolError(f"{RECIPE} skips this variant (only linux-64 is built)")

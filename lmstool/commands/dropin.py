@@ -126,7 +126,6 @@ def run(args: argparse.Namespace) -> int:
                 torch=release,
                 cuda=cuda,
                 python=python.version,
-                version=str(dropin.support().package_version(release)),
             )
             print(made.path)
     return 0
