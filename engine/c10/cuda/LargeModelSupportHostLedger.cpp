@@ -26,7 +26,7 @@ namespace {
 constexpr char kLedgerMagic[8] = {'L', 'M', 'S', 'H', 'O', 'S', 'T', '\0'};
 constexpr size_t kLedgerBytes =
     sizeof(HostLedgerHeader) + kHostLedgerSlots * sizeof(HostLedgerSlot);
-static_assert(sizeof(HostLedgerHeader) == 32 && sizeof(HostLedgerSlot) == 32);
+static_assert(sizeof(HostLedgerHeader) == 32 && sizeof(HostLedgerSlot) == 48);
 } // namespace
 
 // ---------------------------------------------------------------------------
@@ -115,16 +115,41 @@ bool HostLedger::open() {
     fallBack(std::string("cannot lock it: ") + std::strerror(errno));
     return false;
   }
-  // The first process to lock a new (empty) file lays it out.
-  bool fresh = false;
-  if (::fstat(fd_, &st) == 0 && st.st_size == 0) {
-    fresh = ::ftruncate(fd_, static_cast<off_t>(kLedgerBytes)) == 0;
-    if (!fresh) {
-      fallBack(std::string("cannot size it: ") + std::strerror(errno));
+  if (::fstat(fd_, &st) != 0) {
+    fallBack(std::string("cannot read its size: ") + std::strerror(errno));
+    return false;
+  }
+  bool fresh = st.st_size == 0;
+  if (!fresh && !hasLayout(static_cast<size_t>(st.st_size))) {
+    // A ledger of another version, left in /dev/shm by processes that have
+    // ended (it outlives them): laid out again when no live process holds a
+    // slot of it (a lock on any byte past the first, which this process
+    // holds), so that an upgrade does not leave every process alone. A file
+    // that is no ledger (a wrong PYTORCH_LMS_HOST_LEDGER) is never touched.
+    char magic[sizeof(kLedgerMagic)] = {};
+    if (::pread(fd_, magic, sizeof(magic), 0) !=
+            static_cast<ssize_t>(sizeof(magic)) ||
+        std::memcmp(magic, kLedgerMagic, sizeof(magic)) != 0) {
+      fallBack("it is not a ledger of Large Model Support");
       return false;
     }
-  } else if (static_cast<size_t>(st.st_size) != kLedgerBytes) {
-    fallBack("it has another layout (another version of Large Model Support?)");
+    struct flock probe {};
+    probe.l_type = F_WRLCK;
+    probe.l_whence = SEEK_SET;
+    probe.l_start = 1;
+    probe.l_len = 0; // to the end, however long
+    if (::fcntl(fd_, F_GETLK, &probe) != 0 || probe.l_type != F_UNLCK ||
+        ::ftruncate(fd_, 0) != 0) {
+      fallBack(
+          "it has another layout (another version of Large Model Support?) "
+          "and a live process uses it");
+      return false;
+    }
+    fresh = true;
+  }
+  // The first process to lock a new (empty) file lays it out.
+  if (fresh && ::ftruncate(fd_, static_cast<off_t>(kLedgerBytes)) != 0) {
+    fallBack(std::string("cannot size it: ") + std::strerror(errno));
     return false;
   }
   void* map =
@@ -139,15 +164,28 @@ bool HostLedger::open() {
     std::memcpy(header->magic, kLedgerMagic, sizeof(kLedgerMagic));
     header->version = kHostLedgerVersion;
     header->slot_count = kHostLedgerSlots;
-  } else if (
-      std::memcmp(header->magic, kLedgerMagic, sizeof(kLedgerMagic)) != 0 ||
-      header->version != kHostLedgerVersion ||
-      header->slot_count != kHostLedgerSlots) {
-    fallBack("it has another layout (another version of Large Model Support?)");
-    return false;
+    header->waiting = 0;
+    header->next_ticket = 0;
   }
   unlockByte(0);
   return true;
+}
+
+// Whether the file (of `size` bytes, locked) has this version's layout.
+bool HostLedger::hasLayout(size_t size) {
+  if (size != kLedgerBytes) {
+    return false;
+  }
+  HostLedgerHeader header{};
+  return ::pread(fd_, &header, sizeof(header), 0) ==
+      static_cast<ssize_t>(sizeof(header)) &&
+      std::memcmp(header.magic, kLedgerMagic, sizeof(kLedgerMagic)) == 0 &&
+      header.version == kHostLedgerVersion &&
+      header.slot_count == kHostLedgerSlots;
+}
+
+HostLedgerHeader* HostLedger::header() {
+  return static_cast<HostLedgerHeader*>(map_);
 }
 
 void HostLedger::fallBack(const std::string& why) {
@@ -160,6 +198,7 @@ void HostLedger::fallBack(const std::string& why) {
     fd_ = -1;
   }
   slot_ = -1;
+  own_waiting_ = false;
   TORCH_WARN(
       "Large Model Support: the host ledger ",
       path_,
@@ -177,9 +216,10 @@ bool HostLedger::claimSlot() {
       continue; // a live process holds it
     }
     HostLedgerSlot& slot = slots()[i];
+    slot = HostLedgerSlot{};
     slot.pid = owner_pid_;
     slot.cgroup = cgroup_id_;
-    slot.bytes = 0;
+    slot.ticket = ++header()->next_ticket;
     slot_ = i;
     return true;
   }
@@ -195,6 +235,7 @@ HostLedger::Locked::Locked(HostLedger& ledger)
     ledger_.owner_pid_ = pid;
     ledger_.slot_ = -1;
     ledger_.own_bytes_ = 0;
+    ledger_.own_waiting_ = false;
   }
   if (ledger_.shared() && !ledger_.lockByte(0, /*wait=*/true)) {
     ledger_.fallBack(std::string("cannot lock it: ") + std::strerror(errno));
@@ -207,7 +248,8 @@ HostLedger::Locked::~Locked() {
   }
 }
 
-HostLedger::Totals HostLedger::Locked::totals() {
+HostLedger::Totals HostLedger::Locked::totals(
+    std::vector<HostLedgerSlot>* others) {
   Totals totals;
   const auto own =
       static_cast<size_t>(std::max<int64_t>(ledger_.own_bytes_, 0));
@@ -233,8 +275,18 @@ HostLedger::Totals HostLedger::Locked::totals() {
       probe.l_len = 1;
       if (::fcntl(ledger_.fd_, F_GETLK, &probe) == 0 &&
           probe.l_type == F_UNLCK) {
+        if (slot.waiting != 0) { // it ended while it waited
+          HostLedgerHeader* header = ledger_.header();
+          __atomic_store_n(
+              &header->waiting,
+              header->waiting - std::min<uint64_t>(header->waiting, 1),
+              __ATOMIC_RELEASE);
+        }
         slot = HostLedgerSlot{};
         continue;
+      }
+      if (others != nullptr) {
+        others->push_back(slot);
       }
     }
     const auto bytes = static_cast<size_t>(std::max<int64_t>(slot.bytes, 0));
@@ -267,6 +319,44 @@ void HostLedger::Locked::add(int64_t delta) {
     }
   }
   ledger_.slots()[ledger_.slot_].bytes = ledger_.own_bytes_;
+}
+
+bool HostLedger::Locked::setWaiting(size_t bytes) {
+  if (!ledger_.shared()) {
+    return false;
+  }
+  if (ledger_.slot_ < 0 && !ledger_.claimSlot()) {
+    return false; // all slots taken: this process waits unseen
+  }
+  ledger_.slots()[ledger_.slot_].waiting = static_cast<int64_t>(bytes);
+  const bool waiting = bytes != 0;
+  if (waiting != ledger_.own_waiting_) {
+    HostLedgerHeader* header = ledger_.header();
+    const uint64_t count = header->waiting;
+    __atomic_store_n(
+        &header->waiting,
+        waiting ? count + 1 : count - std::min<uint64_t>(count, 1),
+        __ATOMIC_RELEASE);
+    ledger_.own_waiting_ = waiting;
+  }
+  return true;
+}
+
+uint64_t HostLedger::Locked::ticket() const {
+  return ledger_.shared() && ledger_.slot_ >= 0
+      ? ledger_.slots()[ledger_.slot_].ticket
+      : 0;
+}
+
+bool HostLedger::othersWaiting() {
+  // The process's lock only: fallBack() unmaps the file under it.
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (map_ == nullptr) {
+    return false;
+  }
+  const uint64_t waiting =
+      __atomic_load_n(&header()->waiting, __ATOMIC_ACQUIRE);
+  return waiting > (own_waiting_ ? 1u : 0u);
 }
 
 } // namespace c10::cuda::lms

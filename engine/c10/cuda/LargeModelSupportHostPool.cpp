@@ -465,10 +465,23 @@ std::string describeHostRefusal(const HostRefusal& refusal) {
   const std::string holders = mib(held.all) + " (this process " +
       mib(held.own) + ", other LMS processes " +
       mib(saturatingSub(held.all, held.own)) + ")";
-  const std::string ledger_note = refusal.ledger_path.empty()
+  std::string ledger_note = refusal.ledger_path.empty()
       ? " This process could not use the host ledger (see the warning) and "
         "counts only its own pinned memory."
       : std::string();
+  char waited[32];
+  std::snprintf(waited, sizeof(waited), "%.1f s", refusal.waited_s);
+  if (refusal.wait == HostRefusal::Wait::TimedOut) {
+    ledger_note += std::string(" It waited ") + waited +
+        " for other LMS processes of this host to release pinned memory "
+        "(torch.cuda.set_host_wait_lms(), lms_host_wait_s).";
+  } else if (refusal.wait == HostRefusal::Wait::Yielded) {
+    ledger_note += std::string(" It waited ") + waited +
+        " for other LMS processes of this host to release pinned memory, "
+        "until every one of them that holds pinned memory waited too; of "
+        "those, this process started last and gives up its wait so that the "
+        "others can go on.";
+  }
   const std::string remedies =
       " Free host memory (other programs, data-loader workers), train with a "
       "smaller batch, or, where the host has the memory, raise the budget "
@@ -578,6 +591,25 @@ HostBuffer HostPool::allocate(size_t size) {
       return reused;
     }
   }
+  // A new buffer is pinned: idle ones of other sizes go back first if
+  // another process waits for room.
+  yieldCacheIfWanted();
+  WaitState wait;
+  do {
+    HostBuffer buffer = allocateNew(rounded);
+    if (buffer.ptr != nullptr) {
+      return buffer;
+    }
+  } while (t_refusal.cause == HostRefusal::Cause::Budget &&
+           waitForRoom(rounded, wait));
+  if (t_refusal.cause == HostRefusal::Cause::Budget) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++usage_.budget_refusals;
+  }
+  return {};
+}
+
+HostBuffer HostPool::allocateNew(size_t rounded) {
   for (int attempt = 0; attempt < 2; ++attempt) {
     // Host memory is a tier with a budget (see the header): past it, the
     // kernel's OOM killer would end an LMS process of the host.
@@ -610,11 +642,155 @@ HostBuffer HostPool::allocate(size_t size) {
     // Idle cached buffers of other sizes may be what stands in the way.
     releaseCached();
   }
-  if (t_refusal.cause == HostRefusal::Cause::Budget) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ++usage_.budget_refusals;
-  }
   return {};
+}
+
+bool HostPool::waitForRoom(size_t bytes, WaitState& state) {
+  const double limit_s = wait_s_.load();
+  if (limit_s <= 0) {
+    return false;
+  }
+  const auto limit = std::chrono::duration<double>(limit_s);
+  HostLedger& book = ledger();
+  std::string whom;
+  while (true) {
+    {
+      HostLedger::Locked locked(book);
+      std::vector<HostLedgerSlot> others;
+      const HostLedger::Totals held = locked.totals(&others);
+      const HostBudget& budget = budgetFor(held);
+      HostBudget::Source source = HostBudget::Source::None;
+      const size_t in_force = budget.inForce(held, &source);
+      const auto now = std::chrono::steady_clock::now();
+      const auto refuse = [&](HostRefusal::Wait how) {
+        t_refusal.held = held;
+        t_refusal.budget = in_force;
+        t_refusal.source = source;
+        t_refusal.reading = budget;
+        t_refusal.wait = how;
+        if (state.begun) {
+          t_refusal.waited_s =
+              std::chrono::duration<double>(now - state.begin).count();
+        }
+        if (state.started) {
+          endWait(locked, state);
+        }
+        return false;
+      };
+      if (bytes <= in_force && held.all <= in_force - bytes) {
+        if (state.started) {
+          endWait(locked, state);
+        }
+        return true; // try again (another process may take it first)
+      }
+      // What the others hold, and whether any of them is not waiting: a
+      // process that is not waiting is making progress and will release.
+      size_t others_hold = 0;
+      bool all_wait = true;
+      uint64_t youngest = locked.ticket();
+      for (const HostLedgerSlot& slot : others) {
+        if (slot.bytes <= 0) {
+          continue;
+        }
+        others_hold += static_cast<size_t>(slot.bytes);
+        all_wait = all_wait && slot.waiting != 0;
+        youngest = std::max(youngest, slot.ticket);
+      }
+      // Nothing to wait for: no other process holds pinned bytes, or even
+      // all of theirs would not make room.
+      if (others_hold == 0 || bytes > in_force ||
+          held.all - others_hold > in_force - bytes) {
+        return refuse(
+            state.begun ? HostRefusal::Wait::TimedOut
+                        : HostRefusal::Wait::None);
+      }
+      if (!state.started) {
+        if (!locked.setWaiting(bytes)) {
+          return false; // not shared: no other process is seen
+        }
+        state.started = true;
+        state.since = now;
+        youngest = std::max(youngest, locked.ticket());
+        if (!state.begun) {
+          state.begun = true;
+          state.begin = now;
+          for (const HostLedgerSlot& slot : others) {
+            if (slot.bytes > 0) {
+              whom += (whom.empty() ? "pid " : ", pid ") +
+                  std::to_string(slot.pid) + " (" +
+                  mib(static_cast<size_t>(slot.bytes)) +
+                  (slot.waiting != 0 ? ", waiting" : "") + ")";
+            }
+          }
+          std::lock_guard<std::mutex> lock(mutex_);
+          ++usage_.waits;
+        }
+      }
+      // The setting bounds the allocation's waits together: room that
+      // another process takes first does not start it again.
+      if (now - state.begin >= limit) {
+        return refuse(HostRefusal::Wait::TimedOut);
+      }
+      // Every holder waits: the last to join gives up (see the header).
+      if (all_wait && youngest == locked.ticket()) {
+        return refuse(HostRefusal::Wait::Yielded);
+      }
+      if (!whom.empty()) {
+        warnWait(bytes, held, in_force, limit_s, whom);
+        whom.clear();
+      }
+    }
+    std::this_thread::sleep_for(kHostWaitPoll);
+    // This process's other threads may have returned buffers meanwhile.
+    releaseCached();
+  }
+}
+
+void HostPool::warnWait(
+    size_t bytes,
+    const HostLedger::Totals& held,
+    size_t budget,
+    double limit_s,
+    const std::string& whom) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto now = std::chrono::steady_clock::now();
+    if (warned_wait_ && now - last_wait_warning_ < kHostWaitWarnInterval) {
+      return;
+    }
+    warned_wait_ = true;
+    last_wait_warning_ = now;
+  }
+  char limit[32];
+  std::snprintf(limit, sizeof(limit), "%.1f s", limit_s);
+  TORCH_WARN(
+      "Large Model Support: the host budget for pinned memory (",
+      mib(budget),
+      ", ",
+      mib(held.all),
+      " held) has no room for a page-out of ",
+      mib(bytes),
+      "; waiting up to ",
+      limit,
+      " for other LMS processes of this host to release pinned memory: ",
+      whom,
+      " (torch.cuda.set_host_wait_lms(), lms_host_wait_s).");
+}
+
+void HostPool::endWait(HostLedger::Locked& locked, WaitState& state) {
+  (void)locked.setWaiting(0);
+  const double ms = std::chrono::duration<double, std::milli>(
+                        std::chrono::steady_clock::now() - state.since)
+                        .count();
+  state.started = false;
+  std::lock_guard<std::mutex> lock(mutex_);
+  usage_.wait_ms += ms;
+}
+
+void HostPool::yieldCacheIfWanted() {
+  if (ledger_open_.load() && ledger().othersWaiting()) {
+    releaseCached();
+  }
 }
 
 void HostPool::release(
@@ -622,11 +798,15 @@ void HostPool::release(
     cudaEvent_t ready,
     c10::DeviceIndex device) {
   TORCH_INTERNAL_ASSERT(buffer.ptr != nullptr);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   TORCH_INTERNAL_ASSERT(
       capacity_.count(buffer.ptr) == 1, "LMS: host buffer not from this pool");
   usage_.in_use_bytes -= static_cast<int64_t>(buffer.capacity);
   cached_.emplace(buffer.capacity, Cached{buffer.ptr, ready, device});
+  lock.unlock();
+  // Cached idle, the buffer would hold pinned memory that a waiting process
+  // needs (see the header).
+  yieldCacheIfWanted();
 }
 
 void HostPool::releaseCached() {
@@ -730,6 +910,18 @@ void HostPool::setLimit(size_t bytes) {
 
 size_t HostPool::getLimit() const {
   return limit_.load();
+}
+
+void HostPool::setWait(double seconds) {
+  TORCH_CHECK(
+      seconds >= 0 && seconds < 1e9,
+      "LMS: the host wait must be between 0 and 1e9 seconds, got ",
+      std::to_string(seconds));
+  wait_s_.store(seconds);
+}
+
+double HostPool::getWait() const {
+  return wait_s_.load();
 }
 
 HostPool::BudgetStatus HostPool::budgetStatus() {
