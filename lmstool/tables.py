@@ -22,7 +22,12 @@ SETTING_TABLE = Path("engine/c10/cuda/LargeModelSupportSettingTable.h")
 STAT_TABLE = Path("engine/c10/cuda/LargeModelSupportStatTable.h")
 
 # How a PYTORCH_CUDA_ALLOC_CONF value of each kind is written, for the docs.
-KIND_VALUES = {"Bool": "True or False", "Mebibytes": "MiB", "Count": "a whole number"}
+KIND_VALUES = {
+    "Bool": "True or False",
+    "Mebibytes": "MiB",
+    "Count": "a whole number",
+    "Seconds": "seconds",
+}
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,7 @@ class Setting:
     stem: str  # torch.cuda.set_<stem>_lms / get_<stem>_lms
     camel: str  # _cuda_lms_set<Camel> / _cuda_lms_get<Camel>
     key: str  # PYTORCH_CUDA_ALLOC_CONF key
-    kind: str  # Bool, Mebibytes or Count
+    kind: str  # Bool, Mebibytes, Count or Seconds
     type: str  # the engine's C++ type of the value
     setter: str
     getter: str

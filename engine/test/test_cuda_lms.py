@@ -79,6 +79,8 @@ COUNTERS = (
     "host_budget_bytes",
     "host_ledger_bytes",
     "host_refusals",
+    "host_wait_count",
+    "host_wait_ms",
     "limit_bytes",
     # lms-tables:counter-keys:end
 )
@@ -89,6 +91,7 @@ FLOAT_COUNTERS = (
     "copy_out_ms",
     "copy_in_ms",
     "recompute_ms",
+    "host_wait_ms",
     # lms-tables:float-counter-keys:end
 )
 GAUGES = (

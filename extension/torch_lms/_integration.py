@@ -53,6 +53,8 @@ API_NAMES: tuple[str, ...] = (
     "get_graph_prefetch_lms",
     "set_host_limit_lms",
     "get_host_limit_lms",
+    "set_host_wait_lms",
+    "get_host_wait_lms",
     "set_recompute_lms",
     "get_recompute_lms",
     "set_packing_lms",

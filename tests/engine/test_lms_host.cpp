@@ -4,9 +4,21 @@
 // (the budgets it sets are small either way).
 //
 // `test_lms_host --hold-pinned MIB` is a second LMS process for the ledger
-// tests: it pages out MIB of storages, prints "held BYTES", then on a line
-// "release" frees them and prints "released", and exits at the end of its
-// input.
+// tests: it pages out MIB of storages, prints "held BYTES", then follows the
+// lines of its input, and exits at their end:
+//   release           frees its storages and pinned buffers; "released"
+//   release-after MS  the same after MS milliseconds
+//   idle              frees its storages, their pinned buffers cached idle;
+//                     "idle"
+//   tick MS           for MS milliseconds, a pool operation every 10 ms (a
+//                     page-out of a training step); "ticked"
+//   limit MIB         sets its host budget
+//   wait SECONDS      sets its host wait
+//   more-after MS MIB after MS milliseconds pages out MIB more; "more BYTES
+//                     WAIT" (the bytes paged out, and how a wait ended:
+//                     HostRefusal::Wait), then, when refused, frees
+//                     everything as a training script that ends with the
+//                     error would; "released"
 
 #include "lms_test.h"
 #include "lms_test_allocator.h"
@@ -33,12 +45,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <string>
+#include <thread>
 #include <vector>
 
 extern char** environ;
@@ -92,11 +107,11 @@ bool contains(const std::string& text, const std::string& part) {
 }
 
 // LMS on, no device limit of its own, a host budget of `host_limit` bytes
-// (0: derived) for the scope; on the way out the budget is derived again and
-// every pinned buffer of the test is gone.
+// (0: derived) and a host wait of `wait_s` seconds for the scope; on the way
+// out the budget is derived again and every pinned buffer of the test is gone.
 class HostEnv {
  public:
-  explicit HostEnv(size_t host_limit) {
+  explicit HostEnv(size_t host_limit, double wait_s = 0) {
     initAllocator();
     c10::cuda::set_device(0);
     lms::setEnabled(true);
@@ -108,9 +123,11 @@ class HostEnv {
     lms::resetAccumulatedStats(0);
     lms::resetPeakStats(0);
     lms::setHostLimit(host_limit);
+    lms::setHostWait(wait_s);
   }
   ~HostEnv() {
     lms::setHostLimit(0);
+    lms::setHostWait(lms::kDefaultHostWaitSeconds);
   }
   HostEnv(const HostEnv&) = delete;
   HostEnv& operator=(const HostEnv&) = delete;
@@ -231,13 +248,61 @@ int holdPinned(size_t mib) {
     C10_CUDA_CHECK(cudaDeviceSynchronize());
     std::printf("held %lld\n", (long long)lms::getStats(0).host_bytes.current);
     std::fflush(stdout);
+    const auto say = [](const std::string& text) {
+      std::printf("%s\n", text.c_str());
+      std::fflush(stdout);
+    };
+    const auto release = [&] {
+      storages.clear();
+      cca::emptyCache(); // frees the pinned buffers: cudaFreeHost
+      say("released");
+    };
+    const auto sleepMs = [](long ms) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    };
     char line[64];
     while (std::fgets(line, sizeof(line), stdin) != nullptr) {
-      if (std::strncmp(line, "release", 7) == 0) {
+      long a = 0;
+      long b = 0;
+      double seconds = 0;
+      if (std::sscanf(line, "release-after %ld", &a) == 1) {
+        sleepMs(a);
+        release();
+      } else if (std::strncmp(line, "release", 7) == 0) {
+        release();
+      } else if (std::strncmp(line, "idle", 4) == 0) {
         storages.clear();
-        cca::emptyCache(); // frees the pinned buffers: cudaFreeHost
-        std::printf("released\n");
-        std::fflush(stdout);
+        C10_CUDA_CHECK(cudaDeviceSynchronize());
+        say("idle");
+      } else if (std::sscanf(line, "tick %ld", &a) == 1) {
+        const auto end =
+            std::chrono::steady_clock::now() + std::chrono::milliseconds(a);
+        while (std::chrono::steady_clock::now() < end) {
+          lms::HostBuffer buffer = lms::hostPool().allocate(4096);
+          if (buffer.ptr != nullptr) {
+            lms::hostPool().release(buffer, nullptr, 0);
+          }
+          sleepMs(10);
+        }
+        say("ticked");
+      } else if (std::sscanf(line, "limit %ld", &a) == 1) {
+        lms::setHostLimit(static_cast<size_t>(a) * kMiB);
+      } else if (std::sscanf(line, "wait %lf", &seconds) == 1) {
+        lms::setHostWait(seconds);
+      } else if (std::sscanf(line, "more-after %ld %ld", &a, &b) == 2) {
+        sleepMs(a);
+        for (long i = 0; i < b / 4; ++i) {
+          storages.push_back(newStorage(4 * kMiB));
+          write(*storages.back(), 1000 + i);
+        }
+        const size_t paged = lms::reclaimInactive(0);
+        say("more " + std::to_string(paged) + " " +
+            std::to_string(static_cast<int>(
+                paged == 0 ? lms::HostPool::lastRefusal().wait
+                           : lms::HostRefusal::Wait::None)));
+        if (paged == 0) {
+          release();
+        }
       }
     }
     return 0;
@@ -739,6 +804,206 @@ TEST_CASE(slot_of_a_dead_process_is_pruned) {
   env.checkBaseline();
 }
 
+// ---------------------------------------------------------------------------
+// Waiting for the other LMS processes of the host (setHostWait)
+// ---------------------------------------------------------------------------
+
+double secondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+      .count();
+}
+
+// One 4 MiB storage of this process, paged out under a budget the peer
+// fills: the bytes paged out, and the seconds it took.
+struct PageOut {
+  size_t bytes;
+  double seconds;
+};
+PageOut pageOutOne(StoragePtr& storage, int value) {
+  storage = newStorage(4 * kMiB);
+  write(*storage, value);
+  const auto start = std::chrono::steady_clock::now();
+  const size_t bytes = lms::reclaimInactive(0);
+  return {bytes, secondsSince(start)};
+}
+
+// Refused while another process holds the budget, a page-out waits for it
+// and goes through once the other releases.
+TEST_CASE(refused_page_out_waits_for_another_process_to_release) {
+  HostEnv env(16 * kMiB, /*wait_s=*/5);
+  {
+    Peer peer(16);
+    REQUIRE(peer.readLine() == "held " + std::to_string(16 * kMiB));
+    peer.say("release-after 200\n");
+    StoragePtr s;
+    const PageOut out = pageOutOne(s, 5);
+    CHECK_EQ(out.bytes, 4 * kMiB);
+    CHECK(out.seconds >= 0.15);
+    CHECK(out.seconds < 2.0);
+    REQUIRE(peer.readLine() == "released");
+    const lms::LmsStats st = lms::getStats(0);
+    CHECK_EQ(st.host_refusals, 0);
+    CHECK_EQ(st.host_wait_count, 1);
+    CHECK(st.host_wait_ms >= 150.0);
+    CHECK(matches(*s, 5));
+    CHECK_EQ(peer.finish(), 0);
+  }
+  env.checkBaseline();
+}
+
+// A wait that the other never ends ends at the setting, with the error of
+// the refusal saying how long it waited.
+TEST_CASE(host_wait_ends_at_its_setting_with_the_refusal) {
+  HostEnv env(16 * kMiB, /*wait_s=*/0.3);
+  {
+    Peer peer(16);
+    REQUIRE(peer.readLine() == "held " + std::to_string(16 * kMiB));
+    StoragePtr s;
+    const PageOut out = pageOutOne(s, 6);
+    CHECK_EQ(out.bytes, size_t(0));
+    CHECK(out.seconds >= 0.3);
+    CHECK(out.seconds < 1.5);
+    const lms::HostRefusal& refusal = lms::HostPool::lastRefusal();
+    CHECK(refusal.cause == lms::HostRefusal::Cause::Budget);
+    CHECK(refusal.wait == lms::HostRefusal::Wait::TimedOut);
+    const std::string text = lms::describeHostRefusal(refusal);
+    CHECK(contains(text, "It waited 0.3 s for other LMS processes"));
+    CHECK(contains(text, "lms_host_wait_s"));
+    CHECK(contains(
+        text,
+        "hold 16.00 MiB (this process 0.00 MiB, other LMS processes "
+        "16.00 MiB) of a budget of 16.00 MiB"));
+    const lms::LmsStats st = lms::getStats(0);
+    CHECK_EQ(st.host_refusals, 1);
+    CHECK_EQ(st.host_wait_count, 1);
+    CHECK(st.host_wait_ms >= 300.0);
+    CHECK(matches(*s, 6));
+    CHECK_EQ(peer.finish(), 0);
+  }
+  env.checkBaseline();
+}
+
+// A process past its peak holds its idle cached buffers; one that waits
+// makes it free them at its next pool operation.
+TEST_CASE(waiting_process_makes_others_free_their_idle_cache) {
+  HostEnv env(16 * kMiB, /*wait_s=*/5);
+  {
+    Peer peer(16);
+    REQUIRE(peer.readLine() == "held " + std::to_string(16 * kMiB));
+    peer.say("idle\n");
+    REQUIRE(peer.readLine() == "idle");
+    // Idle, its buffers still count: the ledger says 16 MiB.
+    CHECK_EQ(lms::getStats(0).host_ledger_bytes, int64_t(16 * kMiB));
+    peer.say("tick 800\n");
+    StoragePtr s;
+    const PageOut out = pageOutOne(s, 7);
+    CHECK_EQ(out.bytes, 4 * kMiB);
+    CHECK(out.seconds < 0.7);
+    // The peer kept only the small buffer of its ticks, if that.
+    CHECK_LE(lms::getStats(0).host_ledger_bytes, int64_t(4 * kMiB + 4096));
+    CHECK_EQ(lms::getStats(0).host_wait_count, 1);
+    REQUIRE(peer.readLine() == "ticked");
+    CHECK(matches(*s, 7));
+    CHECK_EQ(peer.finish(), 0);
+  }
+  env.checkBaseline();
+}
+
+// Both processes wait for each other: the one that joined the ledger last
+// (the peer) gives up at once with the refusal, and the other goes on once it
+// has released, in far less than the setting.
+TEST_CASE(when_every_holder_waits_the_last_to_join_gives_up) {
+  HostEnv env(16 * kMiB, /*wait_s=*/5);
+  {
+    StoragePtr first;
+    REQUIRE(pageOutOne(first, 8).bytes == 4 * kMiB); // joins before the peer
+    StoragePtr second;
+    REQUIRE(pageOutOne(second, 9).bytes == 4 * kMiB);
+    Peer peer(8);
+    REQUIRE(peer.readLine() == "held " + std::to_string(8 * kMiB));
+    peer.say("limit 16\nwait 5\nmore-after 150 4\n");
+    StoragePtr s;
+    const PageOut out = pageOutOne(s, 10);
+    CHECK_EQ(out.bytes, 4 * kMiB);
+    CHECK(out.seconds >= 0.1);
+    CHECK(out.seconds < 2.0);
+    CHECK_EQ(
+        peer.readLine(),
+        "more 0 " +
+            std::to_string(static_cast<int>(lms::HostRefusal::Wait::Yielded)));
+    REQUIRE(peer.readLine() == "released");
+    CHECK_EQ(lms::getStats(0).host_wait_count, 1);
+    CHECK_EQ(lms::getStats(0).host_refusals, 0);
+    CHECK(matches(*first, 8));
+    CHECK(matches(*second, 9));
+    CHECK(matches(*s, 10));
+    CHECK_EQ(peer.finish(), 0);
+  }
+  env.checkBaseline();
+}
+
+// A wait of 0 refuses at once, as before the wait.
+TEST_CASE(host_wait_of_zero_refuses_at_once) {
+  HostEnv env(16 * kMiB, /*wait_s=*/0);
+  {
+    Peer peer(16);
+    REQUIRE(peer.readLine() == "held " + std::to_string(16 * kMiB));
+    StoragePtr s;
+    const PageOut out = pageOutOne(s, 11);
+    CHECK_EQ(out.bytes, size_t(0));
+    CHECK(out.seconds < 0.2);
+    const lms::HostRefusal& refusal = lms::HostPool::lastRefusal();
+    CHECK(refusal.wait == lms::HostRefusal::Wait::None);
+    CHECK(
+        lms::describeHostRefusal(refusal).find("waited") == std::string::npos);
+    const lms::LmsStats st = lms::getStats(0);
+    CHECK_EQ(st.host_refusals, 1);
+    CHECK_EQ(st.host_wait_count, 0);
+    CHECK_EQ(peer.finish(), 0);
+  }
+  env.checkBaseline();
+}
+
+TEST_CASE(conf_key_sets_the_host_wait) {
+  CHECK_EQ(lms::getHostWait(), lms::kDefaultHostWaitSeconds);
+  lms::parseConfig("lms_host_wait_s:2.5");
+  CHECK_EQ(lms::getHostWait(), 2.5);
+  CHECK(lms::parseConfigOption("lms_host_wait_s", "0"));
+  CHECK_EQ(lms::getHostWait(), 0.0);
+  bool rejected = false;
+  try {
+    lms::parseConfigOption("lms_host_wait_s", "-1");
+  } catch (const c10::Error&) {
+    rejected = true;
+  }
+  CHECK(rejected);
+  lms::setHostWait(lms::kDefaultHostWaitSeconds);
+}
+
+// A ledger file of the layout before the waits, left by processes that have
+// ended, is laid out again rather than leaving this process alone.
+TEST_CASE(unused_ledger_of_an_older_layout_is_laid_out_again) {
+  TempDir dir;
+  std::string old(16 * 1024, '\0');
+  old.replace(0, 8, std::string("LMSHOST\0", 8));
+  old[8] = 1; // version 1, little-endian
+  old[12] = static_cast<char>(511 & 0xff);
+  old[13] = static_cast<char>(511 >> 8);
+  const std::string path = dir.file("ledger", old);
+  lms::HostLedger ledger(path, 0);
+  CHECK(ledger.shared());
+  lms::HostLedger::Locked locked(ledger);
+  locked.add(int64_t(2 * kMiB));
+  CHECK_EQ(locked.totals().all, 2 * kMiB);
+  CHECK_EQ(locked.ticket(), uint64_t(1));
+  struct stat st {};
+  CHECK(::stat(path.c_str(), &st) == 0);
+  CHECK_EQ(
+      static_cast<size_t>(st.st_size),
+      sizeof(lms::HostLedgerHeader) +
+          lms::kHostLedgerSlots * sizeof(lms::HostLedgerSlot));
+}
+
 TEST_CASE(ledger_that_cannot_be_used_counts_this_process_alone) {
   TempDir dir;
   {
@@ -752,9 +1017,13 @@ TEST_CASE(ledger_that_cannot_be_used_counts_this_process_alone) {
     CHECK_EQ(totals.own, 5 * kMiB);
   }
   {
-    // A file of another layout.
-    lms::HostLedger ledger(dir.file("other", "not a ledger\n"), 0);
+    // A file that is no ledger: left as it is.
+    const std::string other = dir.file("other", "not a ledger\n");
+    lms::HostLedger ledger(other, 0);
     CHECK(!ledger.shared());
+    std::ifstream in(other);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    CHECK_EQ(text, std::string("not a ledger\n"));
   }
   {
     // A usable one (its own file: one object per file and process).

@@ -85,6 +85,8 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "host_budget_bytes": 96 * 1024 * MiB,
         "host_ledger_bytes": 40 * MiB,
         "host_refusals": 2,
+        "host_wait_count": 1,
+        "host_wait_ms": 250.0,
     }
     for gauge in ("managed_bytes", "active_bytes", "inactive_bytes", "pagedout_bytes"):
         stats[gauge] = {"current": 4 * MiB, "peak": 12 * MiB}
@@ -117,6 +119,7 @@ class FakeBindings:
             "recompute": 0,
         }
         self.limits: dict[int, int] = {}
+        self.host_wait = 60.0
 
     def _record(self, name: str, *args: Any) -> None:
         self.calls.append((name, args))
@@ -171,6 +174,13 @@ class FakeBindings:
 
     def _cuda_lms_getHostPlacement(self) -> bool:
         return bool(self.values["host_placement"])
+
+    def _cuda_lms_setHostWait(self, seconds: float) -> None:
+        self._record("setHostWait", seconds)
+        self.host_wait = seconds
+
+    def _cuda_lms_getHostWait(self) -> float:
+        return self.host_wait
 
     def _cuda_lms_setLookahead(self, operators: int) -> None:
         self.values["lookahead"] = operators
@@ -300,6 +310,12 @@ def test_settings_reach_the_bindings(lms: ModuleType) -> None:
     assert lms.get_host_limit_lms() == 64 * 1024 * MiB
     lms.set_host_limit_lms(0)
     assert lms.get_host_limit_lms() == 0
+    assert lms.get_host_wait_lms() == 60.0
+    lms.set_host_wait_lms(0.5)
+    assert lms.fake.calls[-1] == ("setHostWait", (0.5,))
+    assert lms.get_host_wait_lms() == 0.5
+    lms.set_host_wait_lms(0)
+    assert lms.get_host_wait_lms() == 0.0
     assert lms.get_recompute_lms() is False  # off by default
     lms.set_recompute_lms(True)
     assert lms.fake.calls[-1] == ("setRecompute", (True,))
@@ -372,6 +388,8 @@ def test_numpy_integers_are_sizes(lms: ModuleType) -> None:
         (lambda m: m.set_prefetch_budget_lms(-1), ValueError, "budget_bytes must be >= 0"),
         (lambda m: m.set_graph_prefetch_lms(1), TypeError, "enable must be a bool, got int"),
         (lambda m: m.set_host_limit_lms(-1), ValueError, "limit_bytes must be >= 0, got -1"),
+        (lambda m: m.set_host_wait_lms(-1), ValueError, "seconds must be between 0 and 1e9"),
+        (lambda m: m.set_host_wait_lms("5"), TypeError, "seconds must be a number, got str"),
         (lambda m: m.set_recompute_lms(1), TypeError, "enable must be a bool, got int"),
         (lambda m: m.set_recompute_lms("True"), TypeError, "enable must be a bool, got str"),
         (lambda m: m.set_host_limit_lms(2.5e9), TypeError, "limit_bytes must be an int, got float"),

@@ -166,10 +166,6 @@ constexpr std::chrono::milliseconds kHostSampleInterval{100};
 // Limits at or above this are no limit (cgroup v1 writes 2^63 - 4096 for
 // none).
 constexpr size_t kHugeLimit = size_t(1) << 62;
-constexpr char kLedgerMagic[8] = {'L', 'M', 'S', 'H', 'O', 'S', 'T', '\0'};
-constexpr size_t kLedgerBytes =
-    sizeof(HostLedgerHeader) + kHostLedgerSlots * sizeof(HostLedgerSlot);
-static_assert(sizeof(HostLedgerHeader) == 32 && sizeof(HostLedgerSlot) == 32);
 
 // Why this thread's last allocate() gave no buffer.
 thread_local HostRefusal t_refusal;
@@ -414,246 +410,6 @@ size_t hostReserve(size_t total) {
 }
 
 // ---------------------------------------------------------------------------
-// HostLedger
-// ---------------------------------------------------------------------------
-
-namespace {
-
-size_t slotOffset(int slot) {
-  return sizeof(HostLedgerHeader) +
-      static_cast<size_t>(slot) * sizeof(HostLedgerSlot);
-}
-
-} // namespace
-
-HostLedger::HostLedger(std::string path, uint64_t cgroup_id)
-    : path_(std::move(path)), cgroup_id_(cgroup_id) {
-  owner_pid_ = static_cast<int64_t>(::getpid());
-  (void)open();
-}
-
-HostLedger::~HostLedger() {
-  if (map_ != nullptr) {
-    ::munmap(map_, kLedgerBytes);
-  }
-  if (fd_ >= 0) {
-    ::close(fd_);
-  }
-}
-
-std::string HostLedger::defaultPath() {
-  const char* env = std::getenv("PYTORCH_LMS_HOST_LEDGER");
-  if (env != nullptr && *env != '\0') {
-    return env;
-  }
-  // One file per user: a file of another user's could not be opened, and
-  // one that every user may write would let any of them stop the others.
-  return "/dev/shm/pytorch-lms-host-ledger-" +
-      std::to_string(static_cast<unsigned long>(::geteuid()));
-}
-
-HostLedgerSlot* HostLedger::slots() {
-  return reinterpret_cast<HostLedgerSlot*>(
-      static_cast<char*>(map_) + sizeof(HostLedgerHeader));
-}
-
-bool HostLedger::lockByte(size_t offset, bool wait) {
-  struct flock lock {};
-  lock.l_type = F_WRLCK;
-  lock.l_whence = SEEK_SET;
-  lock.l_start = static_cast<off_t>(offset);
-  lock.l_len = 1;
-  while (::fcntl(fd_, wait ? F_SETLKW : F_SETLK, &lock) != 0) {
-    if (errno != EINTR) {
-      return false;
-    }
-  }
-  return true;
-}
-
-void HostLedger::unlockByte(size_t offset) {
-  struct flock lock {};
-  lock.l_type = F_UNLCK;
-  lock.l_whence = SEEK_SET;
-  lock.l_start = static_cast<off_t>(offset);
-  lock.l_len = 1;
-  (void)::fcntl(fd_, F_SETLK, &lock);
-}
-
-bool HostLedger::open() {
-  fd_ = ::open(
-      path_.c_str(),
-      O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC,
-      S_IRUSR | S_IWUSR);
-  if (fd_ < 0) {
-    fallBack(std::string("cannot open it: ") + std::strerror(errno));
-    return false;
-  }
-  struct stat st {};
-  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) ||
-      st.st_uid != ::geteuid()) {
-    fallBack("it is not a regular file of this user");
-    return false;
-  }
-  if (!lockByte(0, /*wait=*/true)) {
-    fallBack(std::string("cannot lock it: ") + std::strerror(errno));
-    return false;
-  }
-  // The first process to lock a new (empty) file lays it out.
-  bool fresh = false;
-  if (::fstat(fd_, &st) == 0 && st.st_size == 0) {
-    fresh = ::ftruncate(fd_, static_cast<off_t>(kLedgerBytes)) == 0;
-    if (!fresh) {
-      fallBack(std::string("cannot size it: ") + std::strerror(errno));
-      return false;
-    }
-  } else if (static_cast<size_t>(st.st_size) != kLedgerBytes) {
-    fallBack("it has another layout (another version of Large Model Support?)");
-    return false;
-  }
-  void* map =
-      ::mmap(nullptr, kLedgerBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
-  if (map == MAP_FAILED) {
-    fallBack(std::string("cannot map it: ") + std::strerror(errno));
-    return false;
-  }
-  map_ = map;
-  auto* header = static_cast<HostLedgerHeader*>(map_);
-  if (fresh) {
-    std::memcpy(header->magic, kLedgerMagic, sizeof(kLedgerMagic));
-    header->version = kHostLedgerVersion;
-    header->slot_count = kHostLedgerSlots;
-  } else if (
-      std::memcmp(header->magic, kLedgerMagic, sizeof(kLedgerMagic)) != 0 ||
-      header->version != kHostLedgerVersion ||
-      header->slot_count != kHostLedgerSlots) {
-    fallBack("it has another layout (another version of Large Model Support?)");
-    return false;
-  }
-  unlockByte(0);
-  return true;
-}
-
-void HostLedger::fallBack(const std::string& why) {
-  if (map_ != nullptr) {
-    ::munmap(map_, kLedgerBytes);
-    map_ = nullptr;
-  }
-  if (fd_ >= 0) {
-    ::close(fd_); // drops this process's locks on the file
-    fd_ = -1;
-  }
-  slot_ = -1;
-  TORCH_WARN(
-      "Large Model Support: the host ledger ",
-      path_,
-      " cannot be used (",
-      why,
-      "), so this process counts only its own pinned host memory against the "
-      "host budget and does not see what other LMS processes of this host "
-      "pin. Set PYTORCH_LMS_HOST_LEDGER to a file on a writable local file "
-      "system (the same for every LMS process of the host) to share one.");
-}
-
-bool HostLedger::claimSlot() {
-  for (int i = 0; i < static_cast<int>(kHostLedgerSlots); ++i) {
-    if (!lockByte(slotOffset(i), /*wait=*/false)) {
-      continue; // a live process holds it
-    }
-    HostLedgerSlot& slot = slots()[i];
-    slot.pid = owner_pid_;
-    slot.cgroup = cgroup_id_;
-    slot.bytes = 0;
-    slot_ = i;
-    return true;
-  }
-  return false;
-}
-
-HostLedger::Locked::Locked(HostLedger& ledger)
-    : ledger_(ledger), lock_(ledger.mutex_) {
-  const auto pid = static_cast<int64_t>(::getpid());
-  if (pid != ledger_.owner_pid_) {
-    // A child after fork: its parent's slot and pinned bytes are not its own
-    // (record locks are not inherited, so the slot stays the parent's).
-    ledger_.owner_pid_ = pid;
-    ledger_.slot_ = -1;
-    ledger_.own_bytes_ = 0;
-  }
-  if (ledger_.shared() && !ledger_.lockByte(0, /*wait=*/true)) {
-    ledger_.fallBack(std::string("cannot lock it: ") + std::strerror(errno));
-  }
-}
-
-HostLedger::Locked::~Locked() {
-  if (ledger_.shared()) {
-    ledger_.unlockByte(0);
-  }
-}
-
-HostLedger::Totals HostLedger::Locked::totals() {
-  Totals totals;
-  const auto own =
-      static_cast<size_t>(std::max<int64_t>(ledger_.own_bytes_, 0));
-  totals.own = own;
-  if (!ledger_.shared()) {
-    totals.all = own;
-    totals.cgroup = own;
-    return totals;
-  }
-  HostLedgerSlot* slots = ledger_.slots();
-  for (int i = 0; i < static_cast<int>(kHostLedgerSlots); ++i) {
-    HostLedgerSlot& slot = slots[i];
-    if (slot.pid == 0) {
-      continue;
-    }
-    if (i != ledger_.slot_) {
-      // A slot whose byte no process locks belongs to one that has ended:
-      // its pinned memory went with it.
-      struct flock probe {};
-      probe.l_type = F_WRLCK;
-      probe.l_whence = SEEK_SET;
-      probe.l_start = static_cast<off_t>(slotOffset(i));
-      probe.l_len = 1;
-      if (::fcntl(ledger_.fd_, F_GETLK, &probe) == 0 &&
-          probe.l_type == F_UNLCK) {
-        slot = HostLedgerSlot{};
-        continue;
-      }
-    }
-    const auto bytes = static_cast<size_t>(std::max<int64_t>(slot.bytes, 0));
-    totals.all += bytes;
-    if (slot.cgroup == ledger_.cgroup_id_) {
-      totals.cgroup += bytes;
-    }
-  }
-  if (ledger_.slot_ < 0) { // nothing pinned through the ledger yet
-    totals.all += own;
-    totals.cgroup += own;
-  }
-  return totals;
-}
-
-void HostLedger::Locked::add(int64_t delta) {
-  ledger_.own_bytes_ = std::max<int64_t>(ledger_.own_bytes_ + delta, 0);
-  if (!ledger_.shared()) {
-    return;
-  }
-  if (ledger_.slot_ < 0) {
-    if (ledger_.own_bytes_ == 0) {
-      return;
-    }
-    if (!ledger_.claimSlot()) {
-      ledger_.fallBack(
-          "all " + std::to_string(kHostLedgerSlots) +
-          " process slots are taken");
-      return;
-    }
-  }
-  ledger_.slots()[ledger_.slot_].bytes = ledger_.own_bytes_;
-}
-
-// ---------------------------------------------------------------------------
 // HostBudget
 // ---------------------------------------------------------------------------
 
@@ -709,10 +465,23 @@ std::string describeHostRefusal(const HostRefusal& refusal) {
   const std::string holders = mib(held.all) + " (this process " +
       mib(held.own) + ", other LMS processes " +
       mib(saturatingSub(held.all, held.own)) + ")";
-  const std::string ledger_note = refusal.ledger_path.empty()
+  std::string ledger_note = refusal.ledger_path.empty()
       ? " This process could not use the host ledger (see the warning) and "
         "counts only its own pinned memory."
       : std::string();
+  char waited[32];
+  std::snprintf(waited, sizeof(waited), "%.1f s", refusal.waited_s);
+  if (refusal.wait == HostRefusal::Wait::TimedOut) {
+    ledger_note += std::string(" It waited ") + waited +
+        " for other LMS processes of this host to release pinned memory "
+        "(torch.cuda.set_host_wait_lms(), lms_host_wait_s).";
+  } else if (refusal.wait == HostRefusal::Wait::Yielded) {
+    ledger_note += std::string(" It waited ") + waited +
+        " for other LMS processes of this host to release pinned memory, "
+        "until every one of them that holds pinned memory waited too; of "
+        "those, this process started last and gives up its wait so that the "
+        "others can go on.";
+  }
   const std::string remedies =
       " Free host memory (other programs, data-loader workers), train with a "
       "smaller batch, or, where the host has the memory, raise the budget "
@@ -822,6 +591,25 @@ HostBuffer HostPool::allocate(size_t size) {
       return reused;
     }
   }
+  // A new buffer is pinned: idle ones of other sizes go back first if
+  // another process waits for room.
+  yieldCacheIfWanted();
+  WaitState wait;
+  do {
+    HostBuffer buffer = allocateNew(rounded);
+    if (buffer.ptr != nullptr) {
+      return buffer;
+    }
+  } while (t_refusal.cause == HostRefusal::Cause::Budget &&
+           waitForRoom(rounded, wait));
+  if (t_refusal.cause == HostRefusal::Cause::Budget) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++usage_.budget_refusals;
+  }
+  return {};
+}
+
+HostBuffer HostPool::allocateNew(size_t rounded) {
   for (int attempt = 0; attempt < 2; ++attempt) {
     // Host memory is a tier with a budget (see the header): past it, the
     // kernel's OOM killer would end an LMS process of the host.
@@ -854,11 +642,155 @@ HostBuffer HostPool::allocate(size_t size) {
     // Idle cached buffers of other sizes may be what stands in the way.
     releaseCached();
   }
-  if (t_refusal.cause == HostRefusal::Cause::Budget) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    ++usage_.budget_refusals;
-  }
   return {};
+}
+
+bool HostPool::waitForRoom(size_t bytes, WaitState& state) {
+  const double limit_s = wait_s_.load();
+  if (limit_s <= 0) {
+    return false;
+  }
+  const auto limit = std::chrono::duration<double>(limit_s);
+  HostLedger& book = ledger();
+  std::string whom;
+  while (true) {
+    {
+      HostLedger::Locked locked(book);
+      std::vector<HostLedgerSlot> others;
+      const HostLedger::Totals held = locked.totals(&others);
+      const HostBudget& budget = budgetFor(held);
+      HostBudget::Source source = HostBudget::Source::None;
+      const size_t in_force = budget.inForce(held, &source);
+      const auto now = std::chrono::steady_clock::now();
+      const auto refuse = [&](HostRefusal::Wait how) {
+        t_refusal.held = held;
+        t_refusal.budget = in_force;
+        t_refusal.source = source;
+        t_refusal.reading = budget;
+        t_refusal.wait = how;
+        if (state.begun) {
+          t_refusal.waited_s =
+              std::chrono::duration<double>(now - state.begin).count();
+        }
+        if (state.started) {
+          endWait(locked, state);
+        }
+        return false;
+      };
+      if (bytes <= in_force && held.all <= in_force - bytes) {
+        if (state.started) {
+          endWait(locked, state);
+        }
+        return true; // try again (another process may take it first)
+      }
+      // What the others hold, and whether any of them is not waiting: a
+      // process that is not waiting is making progress and will release.
+      size_t others_hold = 0;
+      bool all_wait = true;
+      uint64_t youngest = locked.ticket();
+      for (const HostLedgerSlot& slot : others) {
+        if (slot.bytes <= 0) {
+          continue;
+        }
+        others_hold += static_cast<size_t>(slot.bytes);
+        all_wait = all_wait && slot.waiting != 0;
+        youngest = std::max(youngest, slot.ticket);
+      }
+      // Nothing to wait for: no other process holds pinned bytes, or even
+      // all of theirs would not make room.
+      if (others_hold == 0 || bytes > in_force ||
+          held.all - others_hold > in_force - bytes) {
+        return refuse(
+            state.begun ? HostRefusal::Wait::TimedOut
+                        : HostRefusal::Wait::None);
+      }
+      if (!state.started) {
+        if (!locked.setWaiting(bytes)) {
+          return false; // not shared: no other process is seen
+        }
+        state.started = true;
+        state.since = now;
+        youngest = std::max(youngest, locked.ticket());
+        if (!state.begun) {
+          state.begun = true;
+          state.begin = now;
+          for (const HostLedgerSlot& slot : others) {
+            if (slot.bytes > 0) {
+              whom += (whom.empty() ? "pid " : ", pid ") +
+                  std::to_string(slot.pid) + " (" +
+                  mib(static_cast<size_t>(slot.bytes)) +
+                  (slot.waiting != 0 ? ", waiting" : "") + ")";
+            }
+          }
+          std::lock_guard<std::mutex> lock(mutex_);
+          ++usage_.waits;
+        }
+      }
+      // The setting bounds the allocation's waits together: room that
+      // another process takes first does not start it again.
+      if (now - state.begin >= limit) {
+        return refuse(HostRefusal::Wait::TimedOut);
+      }
+      // Every holder waits: the last to join gives up (see the header).
+      if (all_wait && youngest == locked.ticket()) {
+        return refuse(HostRefusal::Wait::Yielded);
+      }
+      if (!whom.empty()) {
+        warnWait(bytes, held, in_force, limit_s, whom);
+        whom.clear();
+      }
+    }
+    std::this_thread::sleep_for(kHostWaitPoll);
+    // This process's other threads may have returned buffers meanwhile.
+    releaseCached();
+  }
+}
+
+void HostPool::warnWait(
+    size_t bytes,
+    const HostLedger::Totals& held,
+    size_t budget,
+    double limit_s,
+    const std::string& whom) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto now = std::chrono::steady_clock::now();
+    if (warned_wait_ && now - last_wait_warning_ < kHostWaitWarnInterval) {
+      return;
+    }
+    warned_wait_ = true;
+    last_wait_warning_ = now;
+  }
+  char limit[32];
+  std::snprintf(limit, sizeof(limit), "%.1f s", limit_s);
+  TORCH_WARN(
+      "Large Model Support: the host budget for pinned memory (",
+      mib(budget),
+      ", ",
+      mib(held.all),
+      " held) has no room for a page-out of ",
+      mib(bytes),
+      "; waiting up to ",
+      limit,
+      " for other LMS processes of this host to release pinned memory: ",
+      whom,
+      " (torch.cuda.set_host_wait_lms(), lms_host_wait_s).");
+}
+
+void HostPool::endWait(HostLedger::Locked& locked, WaitState& state) {
+  (void)locked.setWaiting(0);
+  const double ms = std::chrono::duration<double, std::milli>(
+                        std::chrono::steady_clock::now() - state.since)
+                        .count();
+  state.started = false;
+  std::lock_guard<std::mutex> lock(mutex_);
+  usage_.wait_ms += ms;
+}
+
+void HostPool::yieldCacheIfWanted() {
+  if (ledger_open_.load() && ledger().othersWaiting()) {
+    releaseCached();
+  }
 }
 
 void HostPool::release(
@@ -866,11 +798,15 @@ void HostPool::release(
     cudaEvent_t ready,
     c10::DeviceIndex device) {
   TORCH_INTERNAL_ASSERT(buffer.ptr != nullptr);
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::unique_lock<std::mutex> lock(mutex_);
   TORCH_INTERNAL_ASSERT(
       capacity_.count(buffer.ptr) == 1, "LMS: host buffer not from this pool");
   usage_.in_use_bytes -= static_cast<int64_t>(buffer.capacity);
   cached_.emplace(buffer.capacity, Cached{buffer.ptr, ready, device});
+  lock.unlock();
+  // Cached idle, the buffer would hold pinned memory that a waiting process
+  // needs (see the header).
+  yieldCacheIfWanted();
 }
 
 void HostPool::releaseCached() {
@@ -974,6 +910,18 @@ void HostPool::setLimit(size_t bytes) {
 
 size_t HostPool::getLimit() const {
   return limit_.load();
+}
+
+void HostPool::setWait(double seconds) {
+  TORCH_CHECK(
+      seconds >= 0 && seconds < 1e9,
+      "LMS: the host wait must be between 0 and 1e9 seconds, got ",
+      std::to_string(seconds));
+  wait_s_.store(seconds);
+}
+
+double HostPool::getWait() const {
+  return wait_s_.load();
 }
 
 HostPool::BudgetStatus HostPool::budgetStatus() {

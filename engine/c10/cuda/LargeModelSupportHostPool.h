@@ -18,6 +18,33 @@
 // c10::OutOfMemoryError naming host memory. The LMS processes of a host know
 // each other's pinned bytes through a ledger in shared memory (HostLedger),
 // updated whenever a buffer is pinned or freed (never on buffer reuse).
+//
+// Waiting for the others (setHostWait, lms_host_wait_s). Before it refuses,
+// a process whose request fits the budget once other LMS processes of the
+// host release their pinned bytes waits for them, up to the setting, polling
+// the ledger every kHostWaitPoll (neither lock held while it sleeps, so its
+// own threads go on releasing). Its slot says how much it waits for; every
+// other process then frees its idle cached buffers at its next pool
+// operation (allocate, release), so a process past its peak gives back what
+// it no longer uses instead of holding its peak to the end. The wait ends
+// when the budget has room, when no other process holds pinned bytes, at
+// the setting (the refusal's error then says how long it waited), or by the
+// rule below.
+//
+// When every LMS process of the host that holds pinned bytes is waiting, none
+// of them will release anything: they would all wait out the setting and all
+// fail. Then the one that joined the ledger last (the highest ticket) stops
+// waiting at once and raises the refusal's error; the others keep waiting.
+// Only raising frees pinned memory that is in use: a training script that
+// does not catch the error ends, its memory goes to the others, and they go
+// on; one that catches it (a smaller batch) drops the step's storages. Of the
+// waiting processes the last to join has done the least work, so its loss
+// costs least, and the older ones, closest to finishing and to releasing
+// everything, go on; a process started again joins the queue behind them. The
+// set thus finishes oldest first, as many as the budget can hold, instead of
+// none. The tickets never change, so the choice never flips between processes
+// (no livelock), and each such round ends one wait (no deadlock). Letting
+// one go on past the budget was rejected: that is what the OOM killer ends.
 
 #include <c10/core/Device.h>
 #include <c10/cuda/CUDAMacros.h>
@@ -34,6 +61,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 namespace c10::cuda::lms {
 
@@ -47,6 +75,14 @@ struct HostBuffer {
 // ---------------------------------------------------------------------------
 
 constexpr size_t kNoHostLimit = SIZE_MAX;
+// How long a refused allocation waits for the host's other LMS processes by
+// default (setHostWait): a training step of theirs, with room to spare.
+constexpr double kDefaultHostWaitSeconds = 60.0;
+// How often a waiting process reads the ledger again.
+constexpr std::chrono::milliseconds kHostWaitPoll{20};
+// Waits start often where processes take turns at every training step: one
+// warning, then at most one a minute.
+constexpr std::chrono::seconds kHostWaitWarnInterval{60};
 
 // One reading of the host's memory and of the memory limit of this process's
 // cgroup. The readers take paths so that tests can point them at fixtures.
@@ -97,14 +133,21 @@ C10_CUDA_API size_t hostReserve(size_t total);
 
 // Layout of the ledger file, shared by every LMS process of the host (any
 // version of LMS that writes it must keep it, or change kHostLedgerVersion).
-constexpr uint32_t kHostLedgerVersion = 1;
-constexpr uint32_t kHostLedgerSlots = 511; // a 16 KiB file
+// Version 2 added the waits (HostLedgerHeader::waiting, next_ticket;
+// HostLedgerSlot::waiting, ticket). A file of another layout that no live
+// process has a slot in is laid out again; one in use makes the process count
+// its own bytes alone (with a warning).
+constexpr uint32_t kHostLedgerVersion = 2;
+constexpr uint32_t kHostLedgerSlots = 511; // a 24 KiB file
 
 struct HostLedgerHeader {
   char magic[8]; // "LMSHOST\0"
   uint32_t version;
   uint32_t slot_count;
-  uint64_t reserved[2];
+  // Slots whose process is waiting (waiting != 0): read without the lock at
+  // every pool operation, to learn cheaply whether anyone waits.
+  uint64_t waiting;
+  uint64_t next_ticket; // the ticket of the next slot claimed
 };
 
 // One process. A live process holds a write lock (fcntl) on the first byte
@@ -116,6 +159,8 @@ struct HostLedgerSlot {
   int64_t pid; // in the writer's pid namespace; 0: free
   uint64_t cgroup; // HostMemory::cgroup_id of the process
   int64_t bytes; // pinned host memory the process holds
+  int64_t waiting; // bytes it waits for room for (0: not waiting)
+  uint64_t ticket; // when it joined: higher is later (see the header)
   uint64_t reserved;
 };
 
@@ -151,10 +196,17 @@ class C10_CUDA_API HostLedger {
     Locked(const Locked&) = delete;
     Locked& operator=(const Locked&) = delete;
 
-    // Frees the slots of processes that have ended, then adds up the rest.
-    Totals totals();
+    // Frees the slots of processes that have ended, then adds up the rest;
+    // `others` (may be null) gets the live slots of the other processes.
+    Totals totals(std::vector<HostLedgerSlot>* others = nullptr);
     // Adds `delta` (negative: freed) to this process's pinned bytes.
     void add(int64_t delta);
+    // Says in this process's slot that it waits for room for `bytes` (0: no
+    // longer waits). Claims a slot if it has none; false when it cannot (the
+    // ledger is not shared).
+    bool setWaiting(size_t bytes);
+    // This process's ticket (0: no slot).
+    uint64_t ticket() const;
 
    private:
     HostLedger& ledger_;
@@ -164,6 +216,9 @@ class C10_CUDA_API HostLedger {
   bool shared() const {
     return map_ != nullptr;
   }
+  // Whether another process waits for room (HostLedgerSlot::waiting): one
+  // read of shared memory, without the ledger's lock.
+  bool othersWaiting();
   const std::string& path() const {
     return path_;
   }
@@ -174,6 +229,8 @@ class C10_CUDA_API HostLedger {
   bool lockByte(size_t offset, bool wait);
   void unlockByte(size_t offset);
   bool claimSlot();
+  bool hasLayout(size_t size);
+  HostLedgerHeader* header();
   HostLedgerSlot* slots();
 
   const std::string path_;
@@ -184,6 +241,7 @@ class C10_CUDA_API HostLedger {
   int64_t owner_pid_ = 0; // the process that holds slot_ (fork: not a child)
   int slot_ = -1;
   int64_t own_bytes_ = 0;
+  bool own_waiting_ = false;
 };
 
 // ---------------------------------------------------------------------------
@@ -242,6 +300,15 @@ struct HostRefusal {
   HostBudget::Source source = HostBudget::Source::None;
   HostBudget reading;
   std::string ledger_path; // empty: this process's accounting alone
+  // How a wait for other LMS processes to release pinned memory ended
+  // before the refusal (see the top of the file).
+  enum class Wait : uint8_t {
+    None, // no wait: the setting is 0, or nothing the others hold would do
+    TimedOut, // waited the whole setting
+    Yielded, // every holder waited; this process, the last to join, gave up
+  };
+  Wait wait = Wait::None;
+  double waited_s = 0; // seconds waited
 };
 
 // The sentence an out-of-memory error carries for a refusal: what was
@@ -264,6 +331,8 @@ class C10_CUDA_API HostPool {
     int64_t in_use_bytes = 0;
     int64_t alloc_failures = 0;
     int64_t budget_refusals = 0; // allocations the host budget refused
+    int64_t waits = 0; // waits for other processes to release (setHostWait)
+    double wait_ms = 0; // time spent in them
   };
 
   // The budget in force and the ledger's totals now.
@@ -294,6 +363,11 @@ class C10_CUDA_API HostPool {
   void setLimit(size_t bytes);
   size_t getLimit() const;
   BudgetStatus budgetStatus();
+
+  // How long an allocation the budget refuses waits for other LMS processes
+  // of the host to release pinned memory, in seconds (0: it does not wait).
+  void setWait(double seconds);
+  double getWait() const;
 
   // Why this thread's last allocate() gave no buffer (Cause::None when it
   // gave one, or after clearRefusal()).
@@ -327,6 +401,32 @@ class C10_CUDA_API HostPool {
   // has room for them; otherwise records the refusal.
   bool reservePinned(size_t bytes);
   void returnPinned(size_t bytes);
+  // A wait under way in allocate().
+  struct WaitState {
+    bool begun = false; // the allocation has waited: its setting runs
+    std::chrono::steady_clock::time_point begin;
+    bool started = false; // waiting now (the slot says so)
+    std::chrono::steady_clock::time_point since;
+  };
+  // After a refusal by the budget: waits until the budget may have room for
+  // `bytes` (true: try again) or the wait ends unmet (false, the refusal
+  // recorded with how the wait ended). See the top of the file.
+  bool waitForRoom(size_t bytes, WaitState& state);
+  // The one-line warning of a wait's start (see kHostWaitWarnInterval).
+  void warnWait(
+      size_t bytes,
+      const HostLedger::Totals& held,
+      size_t budget,
+      double limit_s,
+      const std::string& whom);
+  // A new pinned buffer of `rounded` bytes within the budget, freeing this
+  // process's idle cached buffers if that makes room ({} otherwise, the
+  // refusal recorded).
+  HostBuffer allocateNew(size_t rounded);
+  // Ends a wait: clears the slot's waiting field and counts the time.
+  void endWait(HostLedger::Locked& locked, WaitState& state);
+  // Frees idle cached buffers when another process waits for room.
+  void yieldCacheIfWanted();
 
   // The ledger's bytes for a buffer about to be pinned, if the budget has
   // room for them (false otherwise, the refusal recorded); given back at the
@@ -359,6 +459,11 @@ class C10_CUDA_API HostPool {
   Usage usage_;
 
   std::atomic<size_t> limit_{0};
+  std::atomic<double> wait_s_{kDefaultHostWaitSeconds};
+  // When the last wait warning was given (at most one every
+  // kHostWaitWarnInterval, the first always).
+  std::chrono::steady_clock::time_point last_wait_warning_;
+  bool warned_wait_ = false;
   std::once_flag ledger_once_;
   std::unique_ptr<HostLedger> ledger_;
   std::atomic<bool> ledger_open_{false};

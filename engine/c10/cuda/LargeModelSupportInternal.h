@@ -308,6 +308,8 @@ struct DeviceEngine {
   int64_t detections_base = 0;
   int64_t fallbacks_base = 0;
   int64_t host_refusals_base = 0;
+  int64_t host_waits_base = 0;
+  double host_wait_ms_base = 0;
   size_t user_limit = 0;
   // The device as last read from the driver: its size, and the bytes held by
   // anything other than this process's caching allocator (other processes,

@@ -58,6 +58,10 @@ int parseCount(std::string_view key, std::string_view value) {
   return static_cast<int>(v);
 }
 
+double parseSeconds(std::string_view key, std::string_view value) {
+  return parseNonNegative(key, value);
+}
+
 // The value of a device setting given as a PYTORCH_CUDA_ALLOC_CONF key: the
 // limit of every device (one set for a device wins).
 void setLimitOfEveryDevice(size_t bytes) {
@@ -184,6 +188,14 @@ size_t getHostLimit() {
   return hostPool().getLimit();
 }
 
+void setHostWait(double seconds) {
+  hostPool().setWait(seconds);
+}
+
+double getHostWait() {
+  return hostPool().getWait();
+}
+
 void setRecomputeEnabled(bool enabled) {
   g_recompute.store(enabled);
 }
@@ -210,7 +222,8 @@ bool isHostPlacementEnabled() {
 
 bool parseConfigOption(std::string_view key, std::string_view value) {
   // A branch for each setting: its key's value, read as the setting's kind
-  // says (parseBool, parseMebibytes, parseCount), goes to its setter.
+  // says (parseBool, parseMebibytes, parseCount, parseSeconds), goes to its
+  // setter.
 #define C10_LMS_APPLY(conf_key, Kind, type, apply)                         \
   if (key == #conf_key) {                                                  \
     static_assert(                                                         \

@@ -8,7 +8,8 @@
 //     key     its PYTORCH_CUDA_ALLOC_CONF key
 //     Kind    how the key's value is written: Bool (True or False), Mebibytes
 //             (a non-negative number of MiB, fractions allowed; bytes in the
-//             API), Count (a whole number)
+//             API), Count (a whole number), Seconds (a non-negative number
+//             of seconds, fractions allowed)
 //     type    the value in the engine's API
 //     setter, getter  the engine's functions (c10::cuda::lms), declared from
 //             this table in LargeModelSupport.h
@@ -105,6 +106,16 @@ C10_LMS_SETTING(graph_prefetch, GraphPrefetch, lms_graph_prefetch, Bool, bool, s
 // names another file). A value set here replaces the derived budget, also
 // above what the host can give.
 C10_LMS_SETTING(host_limit, HostLimit, lms_host_limit_mb, Mebibytes, size_t, setHostLimit, getHostLimit, "the host limit")
+
+// Host wait, in seconds (default 60): how long an allocation that the host
+// budget refuses waits for other LMS processes of the host to release pinned
+// memory before it raises the host-memory error, when what they hold would
+// make room. While one waits, the others free their idle cached pinned
+// buffers at their next page-out or page-in; when every process that holds
+// pinned memory waits, the one that joined last stops waiting and raises at
+// once, so the others go on (LargeModelSupportHostPool.h). 0 raises at once,
+// as before the wait.
+C10_LMS_SETTING(host_wait, HostWait, lms_host_wait_s, Seconds, double, setHostWait, getHostWait, "the host wait")
 
 // Recompute instead of paging (the hybrid): a victim whose contents an
 // operator can reproduce (a recipe: operator-boundary pinning records, for

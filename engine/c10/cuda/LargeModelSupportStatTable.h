@@ -107,6 +107,10 @@ C10_LMS_COUNTER(int64_t, cache_releases)
 C10_LMS_COUNTER(int64_t, host_budget_bytes)
 C10_LMS_COUNTER(int64_t, host_ledger_bytes)
 C10_LMS_COUNTER(int64_t, host_refusals)
+// Waits of refused allocations for other LMS processes of the host to
+// release pinned memory (setHostWait), and the milliseconds they took.
+C10_LMS_COUNTER(int64_t, host_wait_count)
+C10_LMS_COUNTER(double, host_wait_ms)
 // The limit in force (getLimit; 0 before the allocator installed its
 // backend).
 C10_LMS_COUNTER(size_t, limit_bytes)

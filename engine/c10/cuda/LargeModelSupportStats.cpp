@@ -43,6 +43,8 @@ LmsStats getStats(c10::DeviceIndex device) {
   {
     std::lock_guard<std::mutex> lock(e.mutex);
     s.host_refusals = host.budget_refusals - e.host_refusals_base;
+    s.host_wait_count = host.waits - e.host_waits_base;
+    s.host_wait_ms = host.wait_ms - e.host_wait_ms_base;
   }
   const HostPool::BudgetStatus budget = hostPool().budgetStatus();
   s.host_budget_bytes =
@@ -97,7 +99,10 @@ void resetAccumulatedStats(c10::DeviceIndex device) {
     fresh.over_limit_bytes = e.stats.over_limit_bytes;
     fresh.operator_output_bytes = e.stats.operator_output_bytes;
     e.stats = fresh;
-    e.host_refusals_base = hostPool().usage().budget_refusals;
+    const HostPool::Usage host = hostPool().usage();
+    e.host_refusals_base = host.budget_refusals;
+    e.host_waits_base = host.waits;
+    e.host_wait_ms_base = host.wait_ms;
     std::lock_guard<std::mutex> schedule_lock(g_schedule_mutex);
     e.detections_base = theSchedule().detections();
     e.fallbacks_base = theSchedule().fallbacks();

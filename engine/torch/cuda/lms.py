@@ -22,6 +22,7 @@ has a ``PYTORCH_CUDA_ALLOC_CONF`` key beside its functions:
 - ``lms_prefetch_budget_mb`` (MiB): :func:`set_prefetch_budget_lms`
 - ``lms_graph_prefetch`` (True or False): :func:`set_graph_prefetch_lms`
 - ``lms_host_limit_mb`` (MiB): :func:`set_host_limit_lms`
+- ``lms_host_wait_s`` (seconds): :func:`set_host_wait_lms`
 - ``lms_recompute`` (True or False): :func:`set_recompute_lms`
 - ``lms_pack`` (True or False): :func:`set_packing_lms`
 - ``lms_host_placement`` (True or False): :func:`set_host_placement_lms`
@@ -84,6 +85,7 @@ __all__ = [
     "get_graph_prefetch_lms",
     "get_host_limit_lms",
     "get_host_placement_lms",
+    "get_host_wait_lms",
     "get_limit_lms",
     "get_lookahead_lms",
     "get_packing_lms",
@@ -106,6 +108,7 @@ __all__ = [
     "set_graph_prefetch_lms",
     "set_host_limit_lms",
     "set_host_placement_lms",
+    "set_host_wait_lms",
     "set_limit_lms",
     "set_lookahead_lms",
     "set_packing_lms",
@@ -178,6 +181,8 @@ _COUNTER_KEYS = (
     "host_budget_bytes",
     "host_ledger_bytes",
     "host_refusals",
+    "host_wait_count",
+    "host_wait_ms",
     "limit_bytes",
     # lms-tables:counter-keys:end
 )
@@ -866,6 +871,36 @@ def get_host_limit_lms() -> int:
     return int(_lms_bindings()._cuda_lms_getHostLimit())
 
 
+def set_host_wait_lms(seconds: float) -> None:
+    r"""Set how long a page-out that the host budget refuses waits for the other LMS
+    processes of the host to release pinned memory, in seconds (60 by default).
+
+    When other LMS processes of the host hold pinned memory whose release would make room
+    under the host budget (see :func:`set_host_limit_lms`), a refused page-out waits for them
+    instead of raising at once: it reads the shared ledger every 20 ms and goes on as soon as
+    the budget has room, with one warning naming whom it waits for and how much it needs.
+    While it waits, every other LMS process frees its idle cached pinned buffers at its next
+    page-out or page-in. When every process that holds pinned memory is waiting, the one that
+    joined the ledger last stops waiting at once, so that the others go on. A wait that ends
+    unmet raises :class:`torch.OutOfMemoryError` naming host memory, saying how long it
+    waited. ``PYTORCH_CUDA_ALLOC_CONF=lms_host_wait_s:<seconds>`` sets it too.
+    ``lms_stats()`` reports ``host_wait_count`` and ``host_wait_ms``.
+
+    Args:
+        seconds (float): the longest wait; ``0`` raises at once.
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"seconds must be a number, got {type(seconds).__name__}")
+    if not 0 <= seconds < 1e9:
+        raise ValueError(f"seconds must be between 0 and 1e9, got {seconds}")
+    _lms_bindings()._cuda_lms_setHostWait(float(seconds))
+
+
+def get_host_wait_lms() -> float:
+    r"""Return the host wait set with :func:`set_host_wait_lms`, in seconds."""
+    return float(_lms_bindings()._cuda_lms_getHostWait())
+
+
 def set_recompute_lms(enable: bool) -> None:
     r"""Enable or disable recomputing instead of paging (disabled by default).
 
@@ -954,8 +989,8 @@ def reclaim_inactive(device: _DeviceArg = None) -> int:
 def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     r"""Return the Large Model Support statistics of a device.
 
-    The counters are ints except ``stall_ms``, ``copy_out_ms``, ``copy_in_ms``
-    and ``recompute_ms`` (floats):
+    The counters are ints except ``stall_ms``, ``copy_out_ms``, ``copy_in_ms``,
+    ``recompute_ms`` and ``host_wait_ms`` (floats):
 
     - ``pageout_count``, ``pageout_bytes``, ``pagein_count``, ``pagein_bytes``:
       copies to and from host memory.
@@ -1032,8 +1067,11 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     - Host memory (process-wide, see :func:`set_host_limit_lms`):
       ``host_budget_bytes`` (the host budget in force, set or derived; ``0``
       when none could be derived), ``host_ledger_bytes`` (the pinned host
-      memory all LMS processes of the host hold, as their shared ledger says)
-      and ``host_refusals`` (pinned allocations the budget refused).
+      memory all LMS processes of the host hold, as their shared ledger
+      says), ``host_refusals`` (pinned allocations the budget refused),
+      ``host_wait_count`` (refused allocations that waited for other LMS
+      processes of the host to release pinned memory, see
+      :func:`set_host_wait_lms`) and ``host_wait_ms`` (the time they waited).
 
     The gauges ``managed_bytes``, ``active_bytes``, ``inactive_bytes``,
     ``pagedout_bytes``, ``dropped_bytes`` (dropped storages, whose contents

@@ -77,7 +77,8 @@ std::unique_ptr<LaunchPinsHandle> pinForLaunch(
   return handle;
 }
 
-// How the bindings pass a setting of each kind (Bool, Mebibytes, Count: see
+// How the bindings pass a setting of each kind (Bool, Mebibytes, Count,
+// Seconds: see
 // LargeModelSupportSettingTable.h) between Python and the engine, checking
 // the value before it reaches the engine.
 struct BoolSetting {
@@ -118,6 +119,23 @@ struct CountSetting {
   }
   static int64_t toPython(int count) {
     return count;
+  }
+};
+
+struct SecondsSetting {
+  using Python = double;
+  using Engine = double;
+  static double toEngine(double seconds, const char* what) {
+    TORCH_CHECK_VALUE(
+        seconds >= 0 && seconds < 1e9,
+        "Large Model Support: ",
+        what,
+        " must be between 0 and 1e9 seconds, got ",
+        std::to_string(seconds));
+    return seconds;
+  }
+  static double toPython(double seconds) {
+    return seconds;
   }
 };
 

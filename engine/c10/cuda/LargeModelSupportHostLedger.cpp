@@ -1,0 +1,362 @@
+// The ledger of the pinned bytes of a host's LMS processes (HostLedger in
+// LargeModelSupportHostPool.h): a file in shared memory with a slot per
+// process, locked with fcntl.
+
+#include <c10/cuda/LargeModelSupportHostPool.h>
+
+#include <c10/util/Exception.h>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace c10::cuda::lms {
+
+namespace {
+constexpr char kLedgerMagic[8] = {'L', 'M', 'S', 'H', 'O', 'S', 'T', '\0'};
+constexpr size_t kLedgerBytes =
+    sizeof(HostLedgerHeader) + kHostLedgerSlots * sizeof(HostLedgerSlot);
+static_assert(sizeof(HostLedgerHeader) == 32 && sizeof(HostLedgerSlot) == 48);
+} // namespace
+
+// ---------------------------------------------------------------------------
+// HostLedger
+// ---------------------------------------------------------------------------
+
+namespace {
+
+size_t slotOffset(int slot) {
+  return sizeof(HostLedgerHeader) +
+      static_cast<size_t>(slot) * sizeof(HostLedgerSlot);
+}
+
+} // namespace
+
+HostLedger::HostLedger(std::string path, uint64_t cgroup_id)
+    : path_(std::move(path)), cgroup_id_(cgroup_id) {
+  owner_pid_ = static_cast<int64_t>(::getpid());
+  (void)open();
+}
+
+HostLedger::~HostLedger() {
+  if (map_ != nullptr) {
+    ::munmap(map_, kLedgerBytes);
+  }
+  if (fd_ >= 0) {
+    ::close(fd_);
+  }
+}
+
+std::string HostLedger::defaultPath() {
+  const char* env = std::getenv("PYTORCH_LMS_HOST_LEDGER");
+  if (env != nullptr && *env != '\0') {
+    return env;
+  }
+  // One file per user: a file of another user's could not be opened, and
+  // one that every user may write would let any of them stop the others.
+  return "/dev/shm/pytorch-lms-host-ledger-" +
+      std::to_string(static_cast<unsigned long>(::geteuid()));
+}
+
+HostLedgerSlot* HostLedger::slots() {
+  return reinterpret_cast<HostLedgerSlot*>(
+      static_cast<char*>(map_) + sizeof(HostLedgerHeader));
+}
+
+bool HostLedger::lockByte(size_t offset, bool wait) {
+  struct flock lock {};
+  lock.l_type = F_WRLCK;
+  lock.l_whence = SEEK_SET;
+  lock.l_start = static_cast<off_t>(offset);
+  lock.l_len = 1;
+  while (::fcntl(fd_, wait ? F_SETLKW : F_SETLK, &lock) != 0) {
+    if (errno != EINTR) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void HostLedger::unlockByte(size_t offset) {
+  struct flock lock {};
+  lock.l_type = F_UNLCK;
+  lock.l_whence = SEEK_SET;
+  lock.l_start = static_cast<off_t>(offset);
+  lock.l_len = 1;
+  (void)::fcntl(fd_, F_SETLK, &lock);
+}
+
+bool HostLedger::open() {
+  fd_ = ::open(
+      path_.c_str(),
+      O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC,
+      S_IRUSR | S_IWUSR);
+  if (fd_ < 0) {
+    fallBack(std::string("cannot open it: ") + std::strerror(errno));
+    return false;
+  }
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) ||
+      st.st_uid != ::geteuid()) {
+    fallBack("it is not a regular file of this user");
+    return false;
+  }
+  if (!lockByte(0, /*wait=*/true)) {
+    fallBack(std::string("cannot lock it: ") + std::strerror(errno));
+    return false;
+  }
+  if (::fstat(fd_, &st) != 0) {
+    fallBack(std::string("cannot read its size: ") + std::strerror(errno));
+    return false;
+  }
+  bool fresh = st.st_size == 0;
+  if (!fresh && !hasLayout(static_cast<size_t>(st.st_size))) {
+    // A ledger of another version, left in /dev/shm by processes that have
+    // ended (it outlives them): laid out again when no live process holds a
+    // slot of it (a lock on any byte past the first, which this process
+    // holds), so that an upgrade does not leave every process alone. A file
+    // that is no ledger (a wrong PYTORCH_LMS_HOST_LEDGER) is never touched.
+    char magic[sizeof(kLedgerMagic)] = {};
+    if (::pread(fd_, magic, sizeof(magic), 0) !=
+            static_cast<ssize_t>(sizeof(magic)) ||
+        std::memcmp(magic, kLedgerMagic, sizeof(magic)) != 0) {
+      fallBack("it is not a ledger of Large Model Support");
+      return false;
+    }
+    struct flock probe {};
+    probe.l_type = F_WRLCK;
+    probe.l_whence = SEEK_SET;
+    probe.l_start = 1;
+    probe.l_len = 0; // to the end, however long
+    if (::fcntl(fd_, F_GETLK, &probe) != 0 || probe.l_type != F_UNLCK ||
+        ::ftruncate(fd_, 0) != 0) {
+      fallBack(
+          "it has another layout (another version of Large Model Support?) "
+          "and a live process uses it");
+      return false;
+    }
+    fresh = true;
+  }
+  // The first process to lock a new (empty) file lays it out.
+  if (fresh && ::ftruncate(fd_, static_cast<off_t>(kLedgerBytes)) != 0) {
+    fallBack(std::string("cannot size it: ") + std::strerror(errno));
+    return false;
+  }
+  void* map =
+      ::mmap(nullptr, kLedgerBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (map == MAP_FAILED) {
+    fallBack(std::string("cannot map it: ") + std::strerror(errno));
+    return false;
+  }
+  map_ = map;
+  auto* header = static_cast<HostLedgerHeader*>(map_);
+  if (fresh) {
+    std::memcpy(header->magic, kLedgerMagic, sizeof(kLedgerMagic));
+    header->version = kHostLedgerVersion;
+    header->slot_count = kHostLedgerSlots;
+    header->waiting = 0;
+    header->next_ticket = 0;
+  }
+  unlockByte(0);
+  return true;
+}
+
+// Whether the file (of `size` bytes, locked) has this version's layout.
+bool HostLedger::hasLayout(size_t size) {
+  if (size != kLedgerBytes) {
+    return false;
+  }
+  HostLedgerHeader header{};
+  return ::pread(fd_, &header, sizeof(header), 0) ==
+      static_cast<ssize_t>(sizeof(header)) &&
+      std::memcmp(header.magic, kLedgerMagic, sizeof(kLedgerMagic)) == 0 &&
+      header.version == kHostLedgerVersion &&
+      header.slot_count == kHostLedgerSlots;
+}
+
+HostLedgerHeader* HostLedger::header() {
+  return static_cast<HostLedgerHeader*>(map_);
+}
+
+void HostLedger::fallBack(const std::string& why) {
+  if (map_ != nullptr) {
+    ::munmap(map_, kLedgerBytes);
+    map_ = nullptr;
+  }
+  if (fd_ >= 0) {
+    ::close(fd_); // drops this process's locks on the file
+    fd_ = -1;
+  }
+  slot_ = -1;
+  own_waiting_ = false;
+  TORCH_WARN(
+      "Large Model Support: the host ledger ",
+      path_,
+      " cannot be used (",
+      why,
+      "), so this process counts only its own pinned host memory against the "
+      "host budget and does not see what other LMS processes of this host "
+      "pin. Set PYTORCH_LMS_HOST_LEDGER to a file on a writable local file "
+      "system (the same for every LMS process of the host) to share one.");
+}
+
+bool HostLedger::claimSlot() {
+  for (int i = 0; i < static_cast<int>(kHostLedgerSlots); ++i) {
+    if (!lockByte(slotOffset(i), /*wait=*/false)) {
+      continue; // a live process holds it
+    }
+    HostLedgerSlot& slot = slots()[i];
+    slot = HostLedgerSlot{};
+    slot.pid = owner_pid_;
+    slot.cgroup = cgroup_id_;
+    slot.ticket = ++header()->next_ticket;
+    slot_ = i;
+    return true;
+  }
+  return false;
+}
+
+HostLedger::Locked::Locked(HostLedger& ledger)
+    : ledger_(ledger), lock_(ledger.mutex_) {
+  const auto pid = static_cast<int64_t>(::getpid());
+  if (pid != ledger_.owner_pid_) {
+    // A child after fork: its parent's slot and pinned bytes are not its own
+    // (record locks are not inherited, so the slot stays the parent's).
+    ledger_.owner_pid_ = pid;
+    ledger_.slot_ = -1;
+    ledger_.own_bytes_ = 0;
+    ledger_.own_waiting_ = false;
+  }
+  if (ledger_.shared() && !ledger_.lockByte(0, /*wait=*/true)) {
+    ledger_.fallBack(std::string("cannot lock it: ") + std::strerror(errno));
+  }
+}
+
+HostLedger::Locked::~Locked() {
+  if (ledger_.shared()) {
+    ledger_.unlockByte(0);
+  }
+}
+
+HostLedger::Totals HostLedger::Locked::totals(
+    std::vector<HostLedgerSlot>* others) {
+  Totals totals;
+  const auto own =
+      static_cast<size_t>(std::max<int64_t>(ledger_.own_bytes_, 0));
+  totals.own = own;
+  if (!ledger_.shared()) {
+    totals.all = own;
+    totals.cgroup = own;
+    return totals;
+  }
+  HostLedgerSlot* slots = ledger_.slots();
+  for (int i = 0; i < static_cast<int>(kHostLedgerSlots); ++i) {
+    HostLedgerSlot& slot = slots[i];
+    if (slot.pid == 0) {
+      continue;
+    }
+    if (i != ledger_.slot_) {
+      // A slot whose byte no process locks belongs to one that has ended:
+      // its pinned memory went with it.
+      struct flock probe {};
+      probe.l_type = F_WRLCK;
+      probe.l_whence = SEEK_SET;
+      probe.l_start = static_cast<off_t>(slotOffset(i));
+      probe.l_len = 1;
+      if (::fcntl(ledger_.fd_, F_GETLK, &probe) == 0 &&
+          probe.l_type == F_UNLCK) {
+        if (slot.waiting != 0) { // it ended while it waited
+          HostLedgerHeader* header = ledger_.header();
+          __atomic_store_n(
+              &header->waiting,
+              header->waiting - std::min<uint64_t>(header->waiting, 1),
+              __ATOMIC_RELEASE);
+        }
+        slot = HostLedgerSlot{};
+        continue;
+      }
+      if (others != nullptr) {
+        others->push_back(slot);
+      }
+    }
+    const auto bytes = static_cast<size_t>(std::max<int64_t>(slot.bytes, 0));
+    totals.all += bytes;
+    if (slot.cgroup == ledger_.cgroup_id_) {
+      totals.cgroup += bytes;
+    }
+  }
+  if (ledger_.slot_ < 0) { // nothing pinned through the ledger yet
+    totals.all += own;
+    totals.cgroup += own;
+  }
+  return totals;
+}
+
+void HostLedger::Locked::add(int64_t delta) {
+  ledger_.own_bytes_ = std::max<int64_t>(ledger_.own_bytes_ + delta, 0);
+  if (!ledger_.shared()) {
+    return;
+  }
+  if (ledger_.slot_ < 0) {
+    if (ledger_.own_bytes_ == 0) {
+      return;
+    }
+    if (!ledger_.claimSlot()) {
+      ledger_.fallBack(
+          "all " + std::to_string(kHostLedgerSlots) +
+          " process slots are taken");
+      return;
+    }
+  }
+  ledger_.slots()[ledger_.slot_].bytes = ledger_.own_bytes_;
+}
+
+bool HostLedger::Locked::setWaiting(size_t bytes) {
+  if (!ledger_.shared()) {
+    return false;
+  }
+  if (ledger_.slot_ < 0 && !ledger_.claimSlot()) {
+    return false; // all slots taken: this process waits unseen
+  }
+  ledger_.slots()[ledger_.slot_].waiting = static_cast<int64_t>(bytes);
+  const bool waiting = bytes != 0;
+  if (waiting != ledger_.own_waiting_) {
+    HostLedgerHeader* header = ledger_.header();
+    const uint64_t count = header->waiting;
+    __atomic_store_n(
+        &header->waiting,
+        waiting ? count + 1 : count - std::min<uint64_t>(count, 1),
+        __ATOMIC_RELEASE);
+    ledger_.own_waiting_ = waiting;
+  }
+  return true;
+}
+
+uint64_t HostLedger::Locked::ticket() const {
+  return ledger_.shared() && ledger_.slot_ >= 0
+      ? ledger_.slots()[ledger_.slot_].ticket
+      : 0;
+}
+
+bool HostLedger::othersWaiting() {
+  // The process's lock only: fallBack() unmaps the file under it.
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (map_ == nullptr) {
+    return false;
+  }
+  const uint64_t waiting =
+      __atomic_load_n(&header()->waiting, __ATOMIC_ACQUIRE);
+  return waiting > (own_waiting_ ? 1u : 0u);
+}
+
+} // namespace c10::cuda::lms
