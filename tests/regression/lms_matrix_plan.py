@@ -219,15 +219,23 @@ def share_budget_host_need(budget: ShareBudget, processes: int) -> HostNeed:
     return HostNeed(budget.budget_bytes, processes * PROCESS_HOST_BYTES)
 
 
-def host_limit_env(backend: str, host_limit_mb: int, env: Mapping[str, str]) -> dict[str, str]:
-    """``env`` with ``lms_host_limit_mb:<MiB>`` added to the LMS settings variable of
-    ``backend`` (``"patched"`` or ``"extension"``), after any settings already there."""
+def host_limit_env(
+    backend: str,
+    host_limit_mb: int,
+    env: Mapping[str, str],
+    host_wait_s: float | None = None,
+) -> dict[str, str]:
+    """``env`` with ``lms_host_limit_mb:<MiB>`` (and ``lms_host_wait_s:<s>`` when
+    ``host_wait_s`` is given) added to the LMS settings variable of ``backend``
+    (``"patched"`` or ``"extension"``), after any settings already there."""
     try:
         name = LMS_CONF_VARIABLE[backend]
     except KeyError:
         raise ValueError(f"unknown LMS backend {backend!r}") from None
     out = dict(env)
     setting = f"lms_host_limit_mb:{int(host_limit_mb)}"
+    if host_wait_s is not None:
+        setting += f",lms_host_wait_s:{host_wait_s:g}"
     out[name] = f"{out[name]},{setting}" if out.get(name) else setting
     return out
 

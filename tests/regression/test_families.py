@@ -624,7 +624,10 @@ def test_share_host_budget(record: Record, tmp_path: Path) -> None:
     )
     record("host_budget", budget.describe())
     record("host_need_bytes", need.total_bytes)
-    env = plan.host_limit_env(ensure_lms_api(), budget.budget_mib, worker_env())
+    # Waiting for the others' host memory is off: this row shows the budget's refusal itself.
+    # Its first wave holds its page-outs at a barrier until the second has run, so a process
+    # of the second wave that waited would only run out its wait (lms_host_wait_s).
+    env = plan.host_limit_env(ensure_lms_api(), budget.budget_mib, worker_env(), host_wait_s=0)
 
     def wave_args(rank: int) -> list[str]:
         wave = 0 if rank < BUDGET_FIRST_WAVE else 1

@@ -149,6 +149,8 @@ def test_host_limit_env_uses_the_backends_variable() -> None:
     assert out["PYTORCH_CUDA_ALLOC_CONF"] == "lms_host_limit_mb:512"
     out = plan.host_limit_env("patched", 512, {"PYTORCH_CUDA_ALLOC_CONF": "lms:True"})
     assert out["PYTORCH_CUDA_ALLOC_CONF"] == "lms:True,lms_host_limit_mb:512"
+    out = plan.host_limit_env("extension", 512, {}, host_wait_s=0)
+    assert out["PYTORCH_LMS_CONF"] == "lms_host_limit_mb:512,lms_host_wait_s:0"
     with pytest.raises(ValueError, match="unknown LMS backend"):
         plan.host_limit_env("none", 1, {})
 
