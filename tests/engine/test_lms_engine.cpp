@@ -1599,6 +1599,49 @@ TEST_CASE(
   env.checkBaseline();
 }
 
+// By bytes the input fits, but not beside the segment that a pinned input
+// keeps mapped: its page-in pages out what it can, the allocation still
+// fails, and the input stays in its host copy all the same. Operator O reads
+// C (4 MiB), which holds a 30 MiB segment, and D (40 MiB, paged out); X
+// (20 MiB) is inactive in a segment of its own. 44 MiB of inputs fit the
+// 64 MiB cap by bytes, but D finds no room beside C's segment once X is out.
+// (Not packed: a pack would page C out and place it anew.)
+TEST_CASE(an_input_with_no_room_beside_the_pinned_ones_stays_in_host_memory) {
+  Env env(64 * kMiB);
+  const char* name = "lms_test::no_room_beside_an_input";
+  {
+    const CapAboveBaseline cap(64 * kMiB);
+    auto d = newStorage(40 * kMiB);
+    write(*d, 4);
+    lms::reclaimInactive(0);
+    lms::getBackend()->releaseCachedMemory(0);
+    auto [c, x] = inputInALargeSegment();
+    c10::StorageImpl* inputs[] = {c.get(), d.get()};
+    const auto before = lms::getStats(0);
+    lms::setPackingEnabled(false);
+    lms::beginWorkingSet(name, inputs);
+    lms::setPackingEnabled(true);
+    lms::pin(*c);
+    lms::pin(*d);
+    CHECK(state(d) == lms::StorageState::Active);
+    CHECK(onHost(d));
+    CHECK(state(x) == lms::StorageState::PagedOut); // tried to make room
+    CHECK_EQ(
+        lms::getStats(0).input_host_placement_count,
+        before.input_host_placement_count + 1);
+    CHECK(matches(*d, 4, /*anywhere=*/true));
+    write(*d, 5, /*anywhere=*/true);
+    lms::unpin(*c);
+    lms::unpin(*d);
+    lms::endWorkingSet(name);
+    CHECK(state(d) == lms::StorageState::PagedOut);
+    CHECK(matches(*d, 5));
+    CHECK(matches(*c, 1));
+    CHECK(matches(*x, 2));
+  }
+  env.checkBaseline();
+}
+
 TEST_CASE(oom_names_the_running_operators_working_set) {
   Env env(16 * kMiB);
   {

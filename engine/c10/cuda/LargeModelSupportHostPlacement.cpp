@@ -115,8 +115,11 @@ HostBuffer placeOnHost(DeviceEngine& e, size_t size) {
 void keepInputOnHost(DeviceEngine& e, Record& r) {
   TORCH_INTERNAL_ASSERT(
       r.state == State::PagedOut && !r.draining && r.host.ptr != nullptr &&
-      r.device_ptr == nullptr && r.device_ready == nullptr);
+      r.device_ptr == nullptr);
   r.on_host = true;
+  if (r.device_ready != nullptr) {
+    e.events.put(r.device_ready); // none is expected: a page-out returns it
+  }
   r.device_ready = r.host_ready;
   r.host_ready = nullptr;
   ++e.stats.input_host_placement_count;

@@ -66,12 +66,36 @@ void finishPageIn(
   r.stream_known = true;
 }
 
+// Whether `size` bytes more cannot be had on the device even with every
+// reclaimable storage paged out, by bytes alone: what cannot be paged out
+// (pinned, allocated by running operators, unmanaged) and the request pass
+// what the allocator may hold (its cap, or the device memory that others
+// leave). A page-in that may stay on the host then pages nothing out to find
+// that out. The engine lock is not held.
+bool beyondTheDevice(DeviceEngine& e, size_t size) {
+  DeviceMemoryBackend& b = backend();
+  const size_t capacity = b.capacityBytes(e.device);
+  if (capacity == SIZE_MAX) {
+    (void)limitOf(e); // reads the device memory others hold, if stale
+  }
+  const size_t allocated = b.allocatedBytes(e.device);
+  std::lock_guard<std::mutex> lock(e.mutex);
+  const size_t room = capacity != SIZE_MAX ? capacity : leftByOthers(e);
+  const size_t movable = e.draining_bytes +
+      static_cast<size_t>(std::max<int64_t>(e.stats.inactive_bytes.current, 0));
+  const size_t fixed = allocated > movable ? allocated - movable : 0;
+  return fixed + size > room;
+}
+
 // Brings a busy, paged-out record back to the device on `stream`. The engine
 // lock is not held. With `or_host`, returns false, nothing changed, when the
 // device cannot hold it even with every reclaimable storage paged out (the
 // caller keeps it in its host copy); otherwise that raises the out-of-memory
 // error.
 bool pageIn(DeviceEngine& e, Record& r, cudaStream_t stream, bool or_host) {
+  if (or_host && beyondTheDevice(e, r.size)) {
+    return false;
+  }
   DeviceScope guard(e.device);
   void* ptr = allocateDevice(e, r.size, stream, /*or_null=*/or_host);
   if (ptr == nullptr) {
