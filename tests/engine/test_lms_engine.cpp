@@ -1475,8 +1475,10 @@ class SimulatedCapture {
 // O's output goes to the device beside A and B. When O ends, C is paged out
 // with what O wrote (no page-out counted) and the next use pages it in. O
 // runs twice (A and B resident the second time): counted each time, named in
-// one warning. With host placement off the pin raises as before, and during
-// CUDA graph capture nothing is placed: the pin raises.
+// one warning. A stream recorded on C meanwhile is recorded by the engine
+// alone: no allocator block holds host memory. With host placement off the
+// pin raises as before, and during CUDA graph capture nothing is placed: the
+// pin raises.
 TEST_CASE(
     an_input_the_device_cannot_hold_stays_in_host_memory_for_its_operator) {
   Env env(64 * kMiB);
@@ -1529,6 +1531,10 @@ TEST_CASE(
       other.join();
       CHECK(seen);
       CHECK(state(c) == lms::StorageState::Active);
+      // Another stream used C (Tensor.record_stream): its host memory is no
+      // block of the allocator, which records nothing; C's page-out waits.
+      cca::recordStream(
+          c->_mutable_data_ptr_no_checks(), c10::cuda::getStreamFromPool());
       if (simulated()) {
         // A graph captured now would bake in an address that is C's only
         // until O ends.

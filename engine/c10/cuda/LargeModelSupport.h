@@ -449,8 +449,12 @@ C10_CUDA_API bool reclaimForFailedAllocation(
     cudaStream_t stream);
 
 // Records that `stream` uses the memory of an LMS storage (recordStream): a
-// page-out copy is ordered after the stream's work.
-C10_CUDA_API void recordStream(
+// page-out copy is ordered after the stream's work. Returns whether the
+// DataPtr's address is the storage's device memory, a block of the allocator
+// that the allocator may record the stream on too; false while it is the
+// storage's pinned host memory (paged out, or in host memory for a running
+// operator: setHostPlacementEnabled), which no allocator block holds.
+C10_CUDA_API bool recordStream(
     const c10::DataPtr& data_ptr,
     cudaStream_t stream);
 
