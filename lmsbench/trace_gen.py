@@ -24,13 +24,15 @@ What a trace needs from the device is computed here, not measured, so the expect
 known in advance. While an event runs, a storage cannot be paged out when it is pinned by the
 running operator, smaller than the LMS size threshold (LMS does not manage it), or "allocated"
 (created, or raw-accessed, and not pinned since: LMS keeps such storages off its reclaim list).
-``need`` is the sum of their sizes: more than the device capacity and the event cannot run, so an
-LMS ``OutOfMemoryError`` is the only correct result. ``bound`` is the same set counted in caching
-allocator segments: the allocator rounds a request up to a segment (2 MiB for requests up to
-1 MiB, 20 MiB up to 10 MiB) and can return only segments with nothing live in them, so in the
-worst case every unreclaimable storage holds a segment of its own. At or below ``bound`` the event
-always fits, whatever the fragmentation; between ``need`` and ``bound`` an out-of-memory error is
-allowed but not required.
+``need`` is the sum of their sizes: more than the device capacity and the event cannot run with
+all of them on the device. Then an operator runs with those that do not fit kept in pinned host
+memory (LMS host placement, on by default), and anything else (an allocation, a raw access), or
+an operator with host placement off, must raise LMS's ``OutOfMemoryError``. ``bound`` is the
+same set counted in caching allocator segments: the allocator rounds a request up to a segment
+(2 MiB for requests up to 1 MiB, 20 MiB up to 10 MiB) and can return only segments with nothing
+live in them, so in the worst case every unreclaimable storage holds a segment of its own. At or
+below ``bound`` the event always fits, whatever the fragmentation; between ``need`` and ``bound``
+an out-of-memory error (or, in an operator, host placement) is allowed but not required.
 
 Command line (prints the trace and, on stderr, its summary and the replay command)::
 
@@ -551,7 +553,9 @@ def choose_device(rng: random.Random, analysis: Analysis, regime: str) -> tuple[
     tight: capacity a little above ``need_max`` and usually the default limit, so LMS pages out
          when device allocations fail, with fragmentation in play (out of memory allowed only
          where ``bound`` exceeds the capacity);
-    over: capacity below ``need_max``: some operator cannot run, out of memory is required.
+    over: capacity below ``need_max``: some event cannot run with its storages on the device;
+         an operator keeps what does not fit in host memory (host placement), anything else,
+         or an operator with host placement off, runs out of memory.
     """
 
     def mib_up(n: float) -> int:

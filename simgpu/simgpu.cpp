@@ -144,6 +144,9 @@ struct Stream {
   uint64_t completed = 0;
   bool stopping = false;
   bool started = false;
+  // simgpu_set_capturing: the capture queries report an active capture.
+  // Sim::mu guards it.
+  bool capturing = false;
 
   // Blocking streams synchronize with the legacy default stream.
   bool blocking() const {
@@ -1950,7 +1953,8 @@ cudaError_t cudaStreamGetId(cudaStream_t hStream, unsigned long long* id) {
   return ok();
 }
 
-// ---- stream capture (never capturing: graphs are not simulated) ------------
+// ---- stream capture (graphs are not simulated: a stream reports a capture
+// only while simgpu_set_capturing says so, and its work runs as it is queued)
 
 cudaError_t cudaStreamIsCapturing(
     cudaStream_t stream,
@@ -1964,7 +1968,8 @@ cudaError_t cudaStreamIsCapturing(
   if (cudaError_t err = resolve_stream(s, stream, &st)) {
     return err;
   }
-  *pCaptureStatus = cudaStreamCaptureStatusNone;
+  *pCaptureStatus = st->capturing ? cudaStreamCaptureStatusActive
+                                  : cudaStreamCaptureStatusNone;
   return ok();
 }
 
@@ -1985,9 +1990,10 @@ cudaError_t cudaStreamGetCaptureInfo(
   if (cudaError_t err = resolve_stream(s, stream, &st)) {
     return err;
   }
-  *captureStatus_out = cudaStreamCaptureStatusNone;
+  *captureStatus_out = st->capturing ? cudaStreamCaptureStatusActive
+                                     : cudaStreamCaptureStatusNone;
   if (id_out != nullptr) {
-    *id_out = 0;
+    *id_out = st->capturing ? st->id : 0;
   }
   if (graph_out != nullptr) {
     *graph_out = nullptr;
@@ -2382,6 +2388,17 @@ void simgpu_reset_counters(void) {
 
 void simgpu_set_copy_bandwidth(double bytes_per_second) {
   sim().bandwidth = bytes_per_second > 0 ? bytes_per_second : 0;
+}
+
+cudaError_t simgpu_set_capturing(cudaStream_t stream, int capturing) {
+  Sim& s = sim();
+  std::lock_guard<std::mutex> lock(s.mu);
+  StreamPtr st;
+  if (cudaError_t err = resolve_stream(s, stream, &st)) {
+    return err;
+  }
+  st->capturing = capturing != 0;
+  return ok();
 }
 
 const char* simgpu_last_error_detail(void) {

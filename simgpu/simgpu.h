@@ -124,6 +124,13 @@ void simgpu_reset_counters(void);
 // A copy of n bytes then takes at least n / bandwidth seconds on its stream.
 void simgpu_set_copy_bandwidth(double bytes_per_second);
 
+// While `capturing` is nonzero, cudaStreamIsCapturing and
+// cudaStreamGetCaptureInfo report an active capture on `stream` (0: the
+// current device's legacy default stream), so that code which must act
+// otherwise during CUDA graph capture can be tested. Nothing is recorded: the
+// stream's work runs as it is queued. Returns the error of an invalid stream.
+cudaError_t simgpu_set_capturing(cudaStream_t stream, int capturing);
+
 // Why the last failing CUDA call on this thread failed, in words (empty when
 // the last call succeeded). The pointer stays valid until this thread's next
 // CUDA call.

@@ -39,6 +39,8 @@ COUNTERS = (
     "fragment_reclaims",
     "host_placement_count",
     "host_placement_bytes",
+    "input_host_placement_count",
+    "input_host_placement_bytes",
     "alloc_from_cache",
     "alloc_from_device",
     "alloc_after_reclaim",

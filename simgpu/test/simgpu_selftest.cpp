@@ -416,6 +416,36 @@ TEST_CASE(stream_ordered_allocation) {
   (void)cudaGetLastError();
 }
 
+// A stream reports a capture under way while the test says so, and its work
+// still runs; other streams are not capturing.
+TEST_CASE(capture_status_follows_set_capturing) {
+  Reset reset;
+  cudaStream_t s = nullptr;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusActive;
+  CHECK_CUDA(cudaStreamIsCapturing(s, &status));
+  CHECK(status == cudaStreamCaptureStatusNone);
+  CHECK_CUDA(simgpu_set_capturing(s, 1));
+  CHECK_CUDA(cudaStreamIsCapturing(s, &status));
+  CHECK(status == cudaStreamCaptureStatusActive);
+  unsigned long long id = 0;
+  CHECK_CUDA(cudaStreamGetCaptureInfo(s, &status, &id));
+  CHECK(status == cudaStreamCaptureStatusActive && id != 0);
+  CHECK_CUDA(cudaStreamIsCapturing(nullptr, &status));
+  CHECK(status == cudaStreamCaptureStatusNone);
+  int value = 0;
+  CHECK_CUDA(cudaLaunchHostFunc(
+      s, [](void* p) { *static_cast<int*>(p) = 1; }, &value));
+  CHECK_CUDA(cudaStreamSynchronize(s));
+  CHECK(value == 1);
+  CHECK_CUDA(simgpu_set_capturing(s, 0));
+  CHECK_CUDA(cudaStreamIsCapturing(s, &status));
+  CHECK(status == cudaStreamCaptureStatusNone);
+  CHECK_CUDA(cudaStreamDestroy(s));
+  CHECK_CUDA_EQ(simgpu_set_capturing(s, 1), cudaErrorInvalidResourceHandle);
+  (void)cudaGetLastError();
+}
+
 TEST_CASE(copy_bandwidth_simulation) {
   Reset reset;
   const size_t n = 8 << 20;

@@ -7,10 +7,13 @@
 
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/Exception.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #if LMS_C10_HAS_CACHING_DEVICE_ALLOCATOR
 #include <c10/core/CachingDeviceAllocator.h>
@@ -54,5 +57,74 @@ inline std::string allocatorName() {
   return "native";
 #endif
 }
+
+// Collects the messages of c10 warnings (TORCH_WARN) instead of printing
+// them, while it lives. Releases whose warning handler takes a Warning object
+// keep the handler functions in WarningUtils; earlier ones take the message
+// and keep them in the Warning namespace.
+class WarningCollector : public c10::WarningHandler {
+ public:
+  WarningCollector() : previous_(handlers::get_warning_handler()) {
+    handlers::set_warning_handler(this);
+  }
+  ~WarningCollector() override {
+    handlers::set_warning_handler(previous_);
+  }
+  WarningCollector(const WarningCollector&) = delete;
+  WarningCollector& operator=(const WarningCollector&) = delete;
+
+#if LMS_C10_HAS_WARNING_OBJECT
+  void process(const c10::Warning& warning) override {
+    add(warning.msg());
+  }
+#else
+  void process(
+      const c10::SourceLocation& /*source_location*/,
+      const std::string& msg,
+      const bool /*verbatim*/) override {
+    add(msg);
+  }
+#endif
+
+  // How many of the warnings collected contain `text`.
+  int count(const std::string& text) const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    int n = 0;
+    for (const std::string& message : messages_) {
+      n += message.find(text) != std::string::npos ? 1 : 0;
+    }
+    return n;
+  }
+
+ private:
+#if LMS_C10_HAS_WARNING_OBJECT
+  struct handlers {
+    static c10::WarningHandler* get_warning_handler() {
+      return c10::WarningUtils::get_warning_handler();
+    }
+    static void set_warning_handler(c10::WarningHandler* handler) {
+      c10::WarningUtils::set_warning_handler(handler);
+    }
+  };
+#else
+  struct handlers {
+    static c10::WarningHandler* get_warning_handler() {
+      return c10::Warning::get_warning_handler();
+    }
+    static void set_warning_handler(c10::WarningHandler* handler) {
+      c10::Warning::set_warning_handler(handler);
+    }
+  };
+#endif
+
+  void add(const std::string& message) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    messages_.push_back(message);
+  }
+
+  c10::WarningHandler* previous_;
+  mutable std::mutex mutex_;
+  std::vector<std::string> messages_;
+};
 
 } // namespace lms_compat

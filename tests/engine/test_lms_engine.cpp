@@ -51,6 +51,8 @@ __attribute__((weak)) void simgpu_clear_faults(void);
 __attribute__((weak)) size_t simgpu_device_bytes_in_use(int device);
 __attribute__((weak)) size_t simgpu_host_bytes_in_use(void);
 __attribute__((weak)) void simgpu_set_copy_bandwidth(double bytes_per_second);
+__attribute__((weak)) cudaError_t
+simgpu_set_capturing(cudaStream_t stream, int capturing);
 }
 
 namespace {
@@ -1431,6 +1433,217 @@ TEST_CASE(
     lms::endWorkingSet(name);
     CHECK(matches(*y, 3));
     CHECK(matches(*c, 1));
+  }
+  env.checkBaseline();
+}
+
+// Turns host placement off for a scope.
+class HostPlacementOff {
+ public:
+  HostPlacementOff() {
+    lms::setHostPlacementEnabled(false);
+  }
+  ~HostPlacementOff() {
+    lms::setHostPlacementEnabled(true);
+  }
+  HostPlacementOff(const HostPlacementOff&) = delete;
+  HostPlacementOff& operator=(const HostPlacementOff&) = delete;
+};
+
+// The simulated GPU reports a CUDA graph capture under way on the current
+// stream for a scope.
+class SimulatedCapture {
+ public:
+  SimulatedCapture() {
+    C10_CUDA_CHECK(simgpu_set_capturing(stream(), 1));
+  }
+  ~SimulatedCapture() {
+    C10_CUDA_CHECK_WARN(simgpu_set_capturing(stream(), 0));
+  }
+  SimulatedCapture(const SimulatedCapture&) = delete;
+  SimulatedCapture& operator=(const SimulatedCapture&) = delete;
+};
+
+// An operator whose inputs cannot all be resident under the cap runs with the
+// ones the device cannot hold left in their host copies (host placement):
+// under a 64 MiB cap, operator O reads A (12 MiB), B (20 MiB) and C (40 MiB),
+// all paged out, and writes A and C in place. Pinned smallest first, as
+// operator-boundary pinning pins them, A and B are paged in, and C, with no
+// room for it even with everything else paged out, stays in its host copy:
+// pinned there at the host copy's address, with nothing copied either way. A
+// nested pin (the write) and another thread's operator use it there too, and
+// O's output goes to the device beside A and B. When O ends, C is paged out
+// with what O wrote (no page-out counted) and the next use pages it in. O
+// runs twice (A and B resident the second time): counted each time, named in
+// one warning. A stream recorded on C meanwhile is recorded by the engine
+// alone: no allocator block holds host memory. With host placement off the
+// pin raises as before, and during CUDA graph capture nothing is placed: the
+// pin raises.
+TEST_CASE(
+    an_input_the_device_cannot_hold_stays_in_host_memory_for_its_operator) {
+  Env env(64 * kMiB);
+  const char* name = "lms_test::inputs_over_the_device";
+  {
+    const CapAboveBaseline cap(64 * kMiB);
+    auto a = newStorage(12 * kMiB);
+    write(*a, 1);
+    auto b = newStorage(20 * kMiB);
+    write(*b, 2);
+    auto c = newStorage(40 * kMiB);
+    write(*c, 3);
+    lms::reclaimInactive(0);
+    REQUIRE(state(a) == lms::StorageState::PagedOut);
+    REQUIRE(state(b) == lms::StorageState::PagedOut);
+    REQUIRE(state(c) == lms::StorageState::PagedOut);
+    c10::StorageImpl* inputs[] = {a.get(), b.get(), c.get()};
+    lms_compat::WarningCollector warnings;
+    for (int round = 0; round < 2; ++round) {
+      const auto before = lms::getStats(0);
+      lms::beginWorkingSet(name, inputs);
+      for (c10::StorageImpl* input : inputs) {
+        lms::pin(*input);
+      }
+      const auto pinned = lms::getStats(0);
+      CHECK(state(c) == lms::StorageState::Active);
+      CHECK(onHost(c));
+      CHECK(!onHost(a));
+      CHECK(!onHost(b));
+      CHECK_EQ(
+          pinned.input_host_placement_count,
+          before.input_host_placement_count + 1);
+      CHECK_EQ(
+          pinned.input_host_placement_bytes - before.input_host_placement_bytes,
+          int64_t(40 * kMiB));
+      CHECK_EQ(pinned.pagein_count - before.pagein_count, round == 0 ? 2 : 0);
+      CHECK_EQ(pinned.pageout_count, before.pageout_count);
+      CHECK_EQ(pinned.oom_count, before.oom_count);
+      CHECK_EQ(allocatedBytes(), 32 * kMiB);
+      // O reads its inputs and writes A and C in place; C over the bus.
+      CHECK(matches(*c, round == 0 ? 3 : 10, /*anywhere=*/true));
+      CHECK(matches(*b, 2));
+      write(*c, 10 + round, /*anywhere=*/true);
+      write(*a, 20 + round);
+      bool seen = false;
+      std::thread other([&] {
+        c10::cuda::set_device(0);
+        seen = matches(*c, 10 + round, /*anywhere=*/true);
+      });
+      other.join();
+      CHECK(seen);
+      CHECK(state(c) == lms::StorageState::Active);
+      // Another stream used C (Tensor.record_stream): its host memory is no
+      // block of the allocator, which records nothing; C's page-out waits.
+      cca::recordStream(
+          c->_mutable_data_ptr_no_checks(), c10::cuda::getStreamFromPool());
+      if (simulated()) {
+        // A graph captured now would bake in an address that is C's only
+        // until O ends.
+        const SimulatedCapture capture;
+        CHECK_THROWS_AS(lms::pin(*c), c10::Error, "pinned host memory");
+      }
+      auto y = newStorage(16 * kMiB);
+      CHECK(!onHost(y));
+      write(*y, 30 + round);
+      for (c10::StorageImpl* input : inputs) {
+        lms::unpin(*input);
+      }
+      lms::releaseOutput(*y);
+      lms::endWorkingSet(name);
+      CHECK(state(c) == lms::StorageState::PagedOut);
+      CHECK(state(a) == lms::StorageState::Inactive);
+      const auto after = lms::getStats(0);
+      CHECK_EQ(after.pageout_count, before.pageout_count);
+      CHECK_EQ(after.host_placement_count, before.host_placement_count);
+      CHECK_EQ(after.pagedout_bytes.current, int64_t(40 * kMiB));
+      CHECK(matches(*y, 30 + round));
+    }
+    CHECK_EQ(warnings.count("an input of lms_test::inputs_over_the_device"), 1);
+    CHECK(matches(*c, 11)); // paged in, A and B paged out for its room
+    CHECK(!onHost(c));
+    CHECK(matches(*a, 21));
+    CHECK(matches(*b, 2));
+
+    // Off, the pin raises the out-of-memory error, and C stays paged out.
+    lms::reclaimInactive(0);
+    {
+      const HostPlacementOff off;
+      const auto before = lms::getStats(0);
+      lms::beginWorkingSet(name, inputs);
+      lms::pin(*a);
+      lms::pin(*b);
+      CHECK_THROWS_AS(
+          lms::pin(*c), c10::OutOfMemoryError, "Tried to allocate 40.00 MiB");
+      CHECK(state(c) == lms::StorageState::PagedOut);
+      lms::unpin(*a);
+      lms::unpin(*b);
+      lms::endWorkingSet(name);
+      CHECK_EQ(
+          lms::getStats(0).input_host_placement_count,
+          before.input_host_placement_count);
+    }
+
+    // During capture a paged-out input raises, as a page-in would: nothing is
+    // placed.
+    if (simulated()) {
+      const auto before = lms::getStats(0);
+      lms::reclaimInactive(0);
+      lms::beginWorkingSet(name, inputs);
+      {
+        const SimulatedCapture capture;
+        CHECK_THROWS_AS(lms::pin(*c), c10::Error, "CUDA graph capture");
+      }
+      lms::endWorkingSet(name);
+      CHECK(state(c) == lms::StorageState::PagedOut);
+      CHECK_EQ(
+          lms::getStats(0).input_host_placement_count,
+          before.input_host_placement_count);
+    }
+    CHECK(matches(*c, 11));
+    CHECK(matches(*a, 21));
+    CHECK(matches(*b, 2));
+  }
+  env.checkBaseline();
+}
+
+// By bytes the input fits, but not beside the segment that a pinned input
+// keeps mapped: its page-in pages out what it can, the allocation still
+// fails, and the input stays in its host copy all the same. Operator O reads
+// C (4 MiB), which holds a 30 MiB segment, and D (40 MiB, paged out); X
+// (20 MiB) is inactive in a segment of its own. 44 MiB of inputs fit the
+// 64 MiB cap by bytes, but D finds no room beside C's segment once X is out.
+// (Not packed: a pack would page C out and place it anew.)
+TEST_CASE(an_input_with_no_room_beside_the_pinned_ones_stays_in_host_memory) {
+  Env env(64 * kMiB);
+  const char* name = "lms_test::no_room_beside_an_input";
+  {
+    const CapAboveBaseline cap(64 * kMiB);
+    auto d = newStorage(40 * kMiB);
+    write(*d, 4);
+    lms::reclaimInactive(0);
+    lms::getBackend()->releaseCachedMemory(0);
+    auto [c, x] = inputInALargeSegment();
+    c10::StorageImpl* inputs[] = {c.get(), d.get()};
+    const auto before = lms::getStats(0);
+    lms::setPackingEnabled(false);
+    lms::beginWorkingSet(name, inputs);
+    lms::setPackingEnabled(true);
+    lms::pin(*c);
+    lms::pin(*d);
+    CHECK(state(d) == lms::StorageState::Active);
+    CHECK(onHost(d));
+    CHECK(state(x) == lms::StorageState::PagedOut); // tried to make room
+    CHECK_EQ(
+        lms::getStats(0).input_host_placement_count,
+        before.input_host_placement_count + 1);
+    CHECK(matches(*d, 4, /*anywhere=*/true));
+    write(*d, 5, /*anywhere=*/true);
+    lms::unpin(*c);
+    lms::unpin(*d);
+    lms::endWorkingSet(name);
+    CHECK(state(d) == lms::StorageState::PagedOut);
+    CHECK(matches(*d, 5));
+    CHECK(matches(*c, 1));
+    CHECK(matches(*x, 2));
   }
   env.checkBaseline();
 }

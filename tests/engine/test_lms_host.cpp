@@ -707,6 +707,63 @@ TEST_CASE(host_budget_refusal_raises_oom_naming_host_memory) {
   env.checkBaseline();
 }
 
+// An operator whose inputs cannot all be resident under the cap leaves the
+// one the device cannot hold in its host copy, which asks nothing more of the
+// host; what the operator then allocates and the device cannot hold goes to
+// pinned host memory within the budget. Under a 64 MiB cap and a 76 MiB
+// budget, the 72 MiB of paged-out inputs (A 12, B 20, C 40 MiB) fit, C stays
+// on the host for the operator, and a 40 MiB output has room neither on the
+// device (A and B are pinned there) nor on the host (C and it would hold
+// 80 MiB): the error names host memory, and nothing is lost.
+TEST_CASE(an_operator_over_the_cap_and_the_host_budget_raises_naming_host) {
+  HostEnv env(76 * kMiB);
+  const char* name = "lms_test::over_the_device_and_the_host";
+  {
+    const lms_test::AllocatorCap cap(64 * kMiB);
+    auto a = newStorage(12 * kMiB);
+    write(*a, 1);
+    auto b = newStorage(20 * kMiB);
+    write(*b, 2);
+    auto c = newStorage(40 * kMiB);
+    write(*c, 3);
+    lms::reclaimInactive(0);
+    c10::StorageImpl* inputs[] = {a.get(), b.get(), c.get()};
+    for (c10::StorageImpl* input : inputs) {
+      REQUIRE(lms::getState(*input) == lms::StorageState::PagedOut);
+    }
+    lms::beginWorkingSet(name, inputs);
+    for (c10::StorageImpl* input : inputs) {
+      lms::pin(*input); // smallest first: C has no room
+    }
+    CHECK_EQ(lms::getStats(0).input_host_placement_count, 1);
+    CHECK_EQ(lms::getStats(0).host_refusals, 0);
+    std::string message;
+    try {
+      auto y = newStorage(40 * kMiB);
+    } catch (const c10::OutOfMemoryError& e) {
+      message = e.what();
+    }
+    REQUIRE(!message.empty());
+    CHECK(contains(message, "host memory ran out"));
+    CHECK(contains(message, "Tried to allocate 40.00 MiB on device 0"));
+    CHECK(contains(message, "host placement could not place in pinned host"));
+    CHECK(contains(message, "of a budget of 76.00 MiB"));
+    CHECK(contains(
+        lms::lastOutOfMemoryVerdict(),
+        "Host memory ran out: the device had no room for the request"));
+    CHECK(lms::getStats(0).host_refusals >= 1);
+    for (c10::StorageImpl* input : inputs) {
+      lms::unpin(*input);
+    }
+    lms::endWorkingSet(name);
+    CHECK(lms::getState(*c) == lms::StorageState::PagedOut);
+    CHECK(matches(*c, 3));
+    CHECK(matches(*a, 1));
+    CHECK(matches(*b, 2));
+  }
+  env.checkBaseline();
+}
+
 // Idle cached buffers of another size count against the budget: the pool
 // frees them before it refuses anything.
 TEST_CASE(idle_cached_buffers_are_freed_before_a_refusal) {

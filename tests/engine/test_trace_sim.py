@@ -7,7 +7,11 @@ failing copies), each in a process of its own so that a segfault or an abort is 
 instead of ending the suite. What the engine must do is known from the trace: never crash, never
 hand an operator a storage that is not resident, never lose or corrupt a byte, leave nothing
 pinned and leak no device or pinned host memory after an error, and run out of memory only where
-an operator's unreclaimable working set cannot fit the device (or an injected fault fired).
+an unreclaimable working set cannot fit the device (or an injected fault fired). With host
+placement (on by default) an operator whose storages cannot all be on the device runs with those
+that do not fit kept in pinned host memory, where the engine must say it kept them; only what
+runs outside operators (an allocation, a raw access) can run out of memory. Replays with host
+placement off check that such an operator raises instead.
 
 A wrong outcome is reported with the commands that regenerate and replay its trace.
 ``LMS_TRACE_SEEDS`` sets the number of seeds (default 100).
@@ -62,6 +66,7 @@ class Replay:
     output: str
     problem: str | None = None
     gen_args: str = ""  # more trace_gen arguments that regenerate the trace
+    placement: bool = True  # host placement on (the engine's default)
 
     @property
     def outcome(self) -> str:
@@ -76,8 +81,17 @@ class Replay:
         return f"{gen}\nSIMGPU_SCRIBBLE=1 {' '.join(self.command)}"
 
 
-def run_replay(binary: Path, seed: int, plan: str, trace: Trace, trace_file: Path) -> Replay:
+def run_replay(
+    binary: Path,
+    seed: int,
+    plan: str,
+    trace: Trace,
+    trace_file: Path,
+    placement: bool = True,
+) -> Replay:
     command = [str(binary), str(trace_file), *fault_args(plan, trace)]
+    if not placement:
+        command.append("--no-host-placement")
     # SIMGPU_VERBOSE: each failing CUDA call and why, in the output shown for a failure.
     env = {**os.environ, "SIMGPU_SCRIBBLE": "1", "SIMGPU_DEVICE_COUNT": "1", "SIMGPU_VERBOSE": "1"}
     env.pop("SIMGPU_CAPACITY_MB", None)  # the trace sets the capacity
@@ -86,7 +100,9 @@ def run_replay(binary: Path, seed: int, plan: str, trace: Trace, trace_file: Pat
     except subprocess.TimeoutExpired as err:
         out = err.stdout or ""
         output = out.decode(errors="replace") if isinstance(out, bytes) else out
-        return Replay(seed, plan, trace, trace_file, command, {"outcome": "hang"}, output)
+        return Replay(
+            seed, plan, trace, trace_file, command, {"outcome": "hang"}, output, None, "", placement
+        )
     output = proc.stdout + proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("trace-result ")]
     if proc.returncode < 0 or not lines:
@@ -98,7 +114,7 @@ def run_replay(binary: Path, seed: int, plan: str, trace: Trace, trace_file: Pat
         result: dict[str, Any] = {"outcome": "crash", "message": how}
     else:
         result = json.loads(lines[-1].split(" ", 1)[1])
-    return Replay(seed, plan, trace, trace_file, command, result, output)
+    return Replay(seed, plan, trace, trace_file, command, result, output, None, "", placement)
 
 
 def hog_window(replay: Replay) -> tuple[int, int, int]:
@@ -128,15 +144,19 @@ def judge(replay: Replay) -> str | None:
         return trace.capacity - (hogged if start <= event < end else 0)
 
     faulted = replay.plan in FAULTING_PLANS and replay.result.get("faults_fired", 0) > 0
+    on_host = set(replay.result.get("host_events", [])) if replay.placement else set()
     if outcome == "ok":
         # Completing an event whose unreclaimable bytes exceed the device means an operator ran
-        # on storages that were not all resident: the bug class LMS exists to rule out.
-        over = [e for e, n in enumerate(analysis.need) if n > capacity_at(e)]
+        # on storages that were not all resident: the bug class LMS exists to rule out, unless
+        # the engine kept what did not fit in host memory for it (host placement), which the
+        # replayer checks storage by storage.
+        over = [e for e, n in enumerate(analysis.need) if n > capacity_at(e) and e not in on_host]
         if over:
             e = over[0]
             return (
                 f"completed, but event {e} ({trace.events[e].line()}) needs "
                 f"{analysis.need[e]} bytes on a device of {capacity_at(e)}"
+                + (", and nothing was kept in host memory for it" if replay.placement else "")
             )
         return None
     if outcome not in ("oom", "error"):
@@ -148,6 +168,11 @@ def judge(replay: Replay) -> str | None:
     e = int(replay.result["event"])
     if not 0 <= e < len(trace.events):
         return f"out of memory outside the trace (event {e}): {message}"
+    if replay.placement and trace.events[e].kind in ("op", "side_stream"):
+        return (
+            f"out of memory at event {e} ({trace.events[e].line()}), an operator, although host "
+            f"placement keeps what does not fit on the device in host memory: {message}"
+        )
     if analysis.bound[e] <= capacity_at(e):
         return (
             f"out of memory at event {e} ({trace.events[e].line()}) although its unreclaimable "
@@ -193,18 +218,24 @@ def replays(sim_build: Path, tmp_path_factory: pytest.TempPathFactory) -> list[R
 
 
 def summary(replays: list[Replay]) -> str:
-    """Outcome counts per fault plan, the wrongly ended replays and those that paged out."""
+    """Outcome counts per fault plan, the wrongly ended replays, those that paged out and those
+    whose operators found storages kept in host memory."""
     outcomes = ("ok", "oom", "error", *FAILURES)
-    rows = [f"{'plan':<13}" + "".join(f"{o:>13}" for o in outcomes) + f"{'wrong':>8}{'paged':>8}"]
+    rows = [
+        f"{'plan':<13}"
+        + "".join(f"{o:>13}" for o in outcomes)
+        + f"{'wrong':>8}{'paged':>8}{'on host':>9}"
+    ]
     for plan in dict.fromkeys(r.plan for r in replays):
         mine = [r for r in replays if r.plan == plan]
         counts = Counter(r.outcome for r in mine)
         wrong = sum(r.problem is not None for r in mine)
         paged = sum(r.result.get("pageouts", 0) > 0 for r in mine)
+        on_host = sum(r.result.get("input_host_placements", 0) > 0 for r in mine)
         rows.append(
             f"{plan:<13}"
             + "".join(f"{counts.get(o, 0):>13}" for o in outcomes)
-            + f"{wrong:>8}{paged:>8}"
+            + f"{wrong:>8}{paged:>8}{on_host:>9}"
         )
     return "\n".join(rows)
 
@@ -235,17 +266,65 @@ def test_lms_paged_in_most_completed_traces(replays: list[Replay]) -> None:
     )
 
 
-def test_traces_over_capacity_run_out_of_memory(replays: list[Replay]) -> None:
-    """Where an operator's working set cannot fit, LMS raises OutOfMemoryError, nothing else."""
+def test_traces_over_capacity_keep_what_does_not_fit_on_the_host(replays: list[Replay]) -> None:
+    """Host placement on: an operator whose storages cannot all be on the device runs with the
+    ones that do not fit kept in host memory (judge() checks every event over the capacity).
+    Such a trace ends, or runs out of memory where an allocation or raw access outside an
+    operator cannot fit (often its first allocation, whose segment the device cannot hold); each
+    that got past its first event over the capacity kept storages on the host."""
     over = [r for r in replays if r.plan == "none" and r.trace.regime == "over"]
     assert over, f"no seed in {SEEDS} has the regime 'over' of {REGIMES}"
-    first_over = {r.seed: r.trace.analysis.first_over(r.trace.capacity) for r in over}
     wrong = [
-        (r.seed, r.outcome, r.result.get("event"), first_over[r.seed])
+        (r.seed, r.outcome, r.result.get("event"))
         for r in over
-        if r.outcome != "oom" or int(r.result["event"]) > int(first_over[r.seed] or -1)
+        if r.outcome not in ("ok", "oom")
+        or (
+            r.outcome == "oom"
+            and r.trace.events[int(r.result["event"])].kind in ("op", "side_stream")
+        )
     ]
-    assert not wrong, f"(seed, outcome, event, first event over capacity): {wrong}"
+    assert not wrong, f"(seed, outcome, event): {wrong}"
+    first_over = {r.seed: r.trace.analysis.first_over(r.trace.capacity) for r in over}
+    reached = [
+        r for r in over if r.outcome == "ok" or int(r.result["event"]) > int(first_over[r.seed])
+    ]
+    assert reached, f"no trace over capacity in {SEEDS} ran past its first event over it"
+    unkept = [r.seed for r in reached if r.result.get("input_host_placements", 0) == 0]
+    assert not unkept, f"seeds that ran past an event over capacity keeping nothing: {unkept}"
+
+
+@pytest.fixture(scope="module")
+def unplaced_replays(replays: list[Replay], sim_build: Path) -> list[Replay]:
+    """The traces over capacity once more, without faults and with host placement off."""
+    binary = executable(sim_build, "trace_replay")
+    over = [r for r in replays if r.plan == "none" and r.trace.regime == "over"]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        done = list(
+            pool.map(
+                lambda r: run_replay(binary, r.seed, r.plan, r.trace, r.trace_file, False), over
+            )
+        )
+    for replay in done:
+        replay.problem = judge(replay)
+    return done
+
+
+def test_traces_over_capacity_run_out_of_memory_without_host_placement(
+    unplaced_replays: list[Replay],
+) -> None:
+    """Host placement off: where an operator's working set cannot fit, LMS raises
+    OutOfMemoryError, nothing else, and keeps nothing in host memory."""
+    assert unplaced_replays, f"no seed in {SEEDS} has the regime 'over' of {REGIMES}"
+    first_over = {r.seed: r.trace.analysis.first_over(r.trace.capacity) for r in unplaced_replays}
+    wrong = [
+        (r.seed, r.outcome, r.result.get("event"), first_over[r.seed], r.problem)
+        for r in unplaced_replays
+        if r.problem is not None
+        or r.outcome != "oom"
+        or int(r.result["event"]) > int(first_over[r.seed] or -1)
+        or r.result.get("input_host_placements", 0) != 0
+    ]
+    assert not wrong, f"(seed, outcome, event, first event over capacity, problem): {wrong}"
 
 
 def test_fault_plans_inject_faults(replays: list[Replay]) -> None:

@@ -7,7 +7,7 @@
 //                      [--release-host-cache-every N] [--empty-cache-every N]
 //                      [--hog-bytes B --hog-at EVENT [--hog-release-at EVENT]]
 //                      [--corrupt-after EVENT --corrupt-id ID]
-//                      [--continue-after-error]
+//                      [--continue-after-error] [--no-host-placement]
 //
 // Every operator pins its inputs and outputs, runs a "kernel" and unpins
 // them. The kernel is a host function queued on the operator's stream, so it
@@ -16,6 +16,14 @@
 // simulated GPU allows. It checks that each input holds the pattern its last
 // writer stored and writes a new pattern, derived from the event index and
 // the storage id, into each output.
+//
+// A pinned storage is in device memory, or, where the device cannot hold it
+// beside the operator's others, in the pinned host memory where the engine
+// kept it (host placement, on unless --no-host-placement): the kernel then
+// reads and writes it there, as a CUDA kernel would over the bus. The
+// storages an operator finds in host memory must be exactly those the
+// engine says it kept there (input_host_placement_count); the events where it
+// kept any are reported.
 //
 // --corrupt-after flips a byte of a storage after an event, to show that the
 // checks see it. An exception from the engine ends the trace (or, with
@@ -345,6 +353,7 @@ struct Options {
   long corrupt_after = -1;
   int corrupt_id = -1;
   bool continue_after_error = false;
+  bool host_placement = true;
 };
 
 struct Live {
@@ -462,6 +471,10 @@ class Replayer {
 
   size_t hogged() const {
     return hogged_;
+  }
+  // The events whose operator found storages kept in host memory.
+  const std::vector<size_t>& hostEvents() const {
+    return host_events_;
   }
   void releaseHog() {
     if (hog_ptr_ != nullptr) {
@@ -599,16 +612,24 @@ class Replayer {
     }
   }
 
-  // What an operator needs of a pinned storage: resident device memory.
-  // Looks without the raw-access hook, which would itself page in.
-  void checkResident(size_t i, int id, c10::StorageImpl& s) {
+  // What an operator needs of a pinned storage: resident device memory, or
+  // the pinned host memory the engine kept it in (host placement), which
+  // adds it to `on_host`. Looks without the raw-access hook, which would
+  // itself page in.
+  void checkResident(
+      size_t i,
+      int id,
+      c10::StorageImpl& s,
+      std::set<int>& on_host) {
     const auto state = lms::getState(s);
     const void* p = s._mutable_data_ptr_no_checks().get();
     cudaPointerAttributes attr{};
-    const bool device_memory = p != nullptr &&
-        cudaPointerGetAttributes(&attr, p) == cudaSuccess &&
-        attr.type == cudaMemoryTypeDevice;
-    if (!device_memory ||
+    const bool known =
+        p != nullptr && cudaPointerGetAttributes(&attr, p) == cudaSuccess;
+    const bool device_memory = known && attr.type == cudaMemoryTypeDevice;
+    const bool host_memory = known && attr.type == cudaMemoryTypeHost &&
+        state == lms::StorageState::Active;
+    if (!(device_memory || host_memory) ||
         (state != lms::StorageState::Active &&
          state != lms::StorageState::Unmanaged)) {
       (void)cudaGetLastError();
@@ -618,6 +639,30 @@ class Replayer {
               " is pinned but " +
               (device_memory ? std::string("in state ") + lms::toString(state)
                              : std::string("not in device memory")));
+    }
+    if (host_memory) {
+      on_host.insert(id);
+    }
+  }
+
+  // The storages an operator found in host memory are those the engine kept
+  // there while it pinned them (`kept`, its count of inputs kept on the host
+  // over the pins), no more and no fewer: a pinned storage whose address is
+  // its host copy without that is one the engine lost track of.
+  void checkKeptOnHost(size_t i, const std::set<int>& on_host, int64_t kept) {
+    if (static_cast<int64_t>(on_host.size()) != kept) {
+      std::string ids;
+      for (int id : on_host) {
+        ids += (ids.empty() ? "" : ", ") + std::to_string(id);
+      }
+      throw ReplayFailure(
+          "not_resident",
+          "event " + std::to_string(i) + ": " + std::to_string(on_host.size()) +
+              " pinned storages in host memory (" + ids + "), but the engine " +
+              "kept " + std::to_string(kept) + " there");
+    }
+    if (!on_host.empty()) {
+      host_events_.push_back(i);
     }
   }
 
@@ -726,12 +771,18 @@ class Replayer {
       lms::endWorkingSet(ev.name);
     };
     try {
+      const int64_t kept = lms::getStats(0).input_host_placement_count;
       for (int id : all) {
         c10::StorageImpl* s = storages_.at(id).storage.get();
         lms::pin(*s);
         pinned.push_back(s);
       }
-      launchOp(i, ev, all, stream);
+      launchOp(
+          i,
+          ev,
+          all,
+          stream,
+          lms::getStats(0).input_host_placement_count - kept);
     } catch (...) {
       unpinAll();
       throw;
@@ -747,19 +798,22 @@ class Replayer {
     }
   }
 
-  // The kernel of an operator whose storages are pinned.
+  // The kernel of an operator whose storages are pinned; the engine kept
+  // `kept` of them in host memory.
   void launchOp(
       size_t i,
       const Event& ev,
       const std::vector<int>& all,
-      const c10::cuda::CUDAStream& stream) {
+      const c10::cuda::CUDAStream& stream,
+      int64_t kept) {
     const bool side = ev.kind == Kind::SideOp;
     auto owner = std::make_unique<Kernel>(Kernel{i, ev.name, {}, {}});
     Kernel* k = owner.get();
     std::set<int> seen;
+    std::set<int> on_host;
     for (int id : ev.inputs) {
       Live& l = storages_.at(id);
-      checkResident(i, id, *l.storage);
+      checkResident(i, id, *l.storage, on_host);
       if (seen.insert(id).second && l.seed != 0) {
         k->reads.push_back(Read{
             id,
@@ -771,7 +825,7 @@ class Replayer {
     std::set<int> written;
     for (int id : ev.outputs) {
       Live& l = storages_.at(id);
-      checkResident(i, id, *l.storage);
+      checkResident(i, id, *l.storage, on_host);
       if (written.insert(id).second) {
         l.seed = patternSeed(i, id);
         k->writes.push_back(Write{
@@ -780,6 +834,7 @@ class Replayer {
             l.seed});
       }
     }
+    checkKeptOnHost(i, on_host, kept);
     // Memory used on a stream other than its allocation stream must not be
     // reused before that work is done (Tensor.record_stream).
     for (int id : std::set<int>(all.begin(), all.end())) {
@@ -806,6 +861,7 @@ class Replayer {
   size_t fired_seen_ = 0;
   void* hog_ptr_ = nullptr;
   size_t hogged_ = 0;
+  std::vector<size_t> host_events_;
 };
 
 // ---------------------------------------------------------------------------
@@ -868,7 +924,8 @@ int usage(const char* argv0) {
       "       [--fail-host-every N] [--fail-copy-every N]\n"
       "       [--release-host-cache-every N] [--empty-cache-every N]\n"
       "       [--hog-bytes B --hog-at EVENT [--hog-release-at EVENT]]\n"
-      "       [--corrupt-after EVENT --corrupt-id ID] [--continue-after-error]\n",
+      "       [--corrupt-after EVENT --corrupt-id ID] [--continue-after-error]\n"
+      "       [--no-host-placement]\n",
       argv0);
   return 2;
 }
@@ -878,6 +935,10 @@ bool parseOptions(int argc, char** argv, Options* opt) {
     const std::string arg = argv[i];
     if (arg == "--continue-after-error") {
       opt->continue_after_error = true;
+      continue;
+    }
+    if (arg == "--no-host-placement") {
+      opt->host_placement = false;
       continue;
     }
     if (arg.rfind("--", 0) != 0) {
@@ -941,6 +1002,7 @@ int main(int argc, char** argv) {
   size_t hogged = 0;
   lms::LmsStats stats;
   size_t faults_fired = 0;
+  std::vector<size_t> host_events;
   try {
     const Trace trace = readTrace(opt.trace);
     // Before anything allocates: the default LMS limit is measured at the
@@ -953,6 +1015,7 @@ int main(int argc, char** argv) {
     lms::setPrefetchDepth(trace.prefetch);
     lms::setSpeculativeMargin(trace.speculative);
     lms::setLimit(0, trace.limit);
+    lms::setHostPlacementEnabled(opt.host_placement);
     {
       Replayer replayer(trace, opt);
       bool failed = false;
@@ -970,6 +1033,7 @@ int main(int argc, char** argv) {
       simgpu_clear_faults();
       faults_fired = simgpu_faults_fired();
       hogged = replayer.hogged();
+      host_events = replayer.hostEvents();
       C10_CUDA_CHECK(cudaDeviceSynchronize());
       stats = lms::getStats(0);
       if (failed) {
@@ -1009,6 +1073,10 @@ int main(int argc, char** argv) {
     outcome = "exception";
     detail = e.what();
   }
+  std::string host_list;
+  for (size_t e : host_events) {
+    host_list += (host_list.empty() ? "" : ", ") + std::to_string(e);
+  }
   // One line: the driver parses it.
   std::printf(
       "trace-result {\"outcome\": %s, \"event\": %ld, \"error\": %s, "
@@ -1018,7 +1086,8 @@ int main(int argc, char** argv) {
       "\"oom_count\": %lld, \"faults_fired\": %zu, \"hogged\": %zu, "
       "\"errors\": %zu, \"schedule_detections\": %lld, "
       "\"schedule_victims\": %lld, \"early_pageouts\": %lld, "
-      "\"schedule_prefetches\": %lld}\n",
+      "\"schedule_prefetches\": %lld, \"input_host_placements\": %lld, "
+      "\"host_events\": [%s]}\n",
       jsonString(outcome).c_str(),
       at,
       jsonString(error.substr(0, 2000)).c_str(),
@@ -1036,7 +1105,9 @@ int main(int argc, char** argv) {
       static_cast<long long>(stats.schedule_detections),
       static_cast<long long>(stats.schedule_victims),
       static_cast<long long>(stats.early_pageout_count),
-      static_cast<long long>(stats.schedule_prefetch_count));
+      static_cast<long long>(stats.schedule_prefetch_count),
+      static_cast<long long>(stats.input_host_placement_count),
+      host_list.c_str());
   std::fflush(stdout);
   const bool clean = outcome == "ok" || outcome == "oom" || outcome == "error";
   return clean ? 0 : 1;

@@ -168,6 +168,8 @@ OPTIONAL_STATS = (
     "fragment_reclaims",
     "host_placement_count",
     "host_placement_bytes",
+    "input_host_placement_count",
+    "input_host_placement_bytes",
     "pack_count",
     "pack_bytes",
     "workspace_releases",

@@ -5,6 +5,8 @@ resident at once. Each case checks the contents it ends with, not only that it d
 
 from __future__ import annotations
 
+import time
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -12,7 +14,18 @@ import pytest
 pytest.importorskip("torch.nn", reason="PyTorch is not installed")
 import torch
 
-from tests.regression.lms_regression_harness import MiB, deterministic, lms_summary, memory_cap
+from tests.regression.lms_regression_harness import (
+    MiB,
+    assert_identical,
+    deterministic,
+    failed_allocations,
+    host_bytes,
+    lms_summary,
+    memory_cap,
+    release_library_workspaces,
+    settle,
+    train,
+)
 
 GiB = 1024 * MiB
 
@@ -80,13 +93,37 @@ def test_a_limit_is_a_limit(record: Callable[[str, Any], None]) -> None:
     record("lms", lms_summary(stats))
 
 
-def test_operator_whose_inputs_do_not_fit_raises_and_loses_nothing() -> None:
-    """``torch.cat`` of 1.2 GiB of inputs (and as much output) under a 1 GiB cap cannot run:
-    it raises ``torch.OutOfMemoryError`` with the LMS message, the process goes on, and
+def _has_input_placement() -> bool:
+    """Whether this LMS build keeps inputs the device cannot hold in host memory."""
+    return "input_host_placement_count" in torch.cuda.lms_stats()
+
+
+def test_operator_whose_inputs_do_not_fit_runs_with_some_on_the_host(
+    record: Callable[[str, Any], None],
+) -> None:
+    """``torch.cat`` of 1.2 GiB of inputs (and as much output) under a 1 GiB cap: two of its
+    400 MiB inputs fit beside each other, the third stays in host memory for the operator and
+    its output is placed there too, and every tensor keeps its contents. With host placement
+    off it raises ``torch.OutOfMemoryError`` with the LMS message, the process goes on, and
     every tensor keeps its contents."""
+    if not _has_input_placement():
+        pytest.skip("this LMS build keeps no operator inputs in host memory")
     torch.cuda.set_enabled_lms(True)
     with memory_cap(1 * GiB):
         xs = [_filled(float(i + 1), 400 * MiB) for i in range(3)]
+        before = torch.cuda.lms_stats()
+        joined = torch.cat(xs)
+        after = torch.cuda.lms_stats()
+        assert after["input_host_placement_count"] > before["input_host_placement_count"]
+        placed = after["input_host_placement_bytes"] - before["input_host_placement_bytes"]
+        assert placed == 400 * MiB, lms_summary(after)
+        assert after["pin_failures"] == before["pin_failures"]
+        assert _values(list(joined.chunk(3))) == [1.0, 2.0, 3.0]
+        del joined
+        assert _values(xs) == [1.0, 2.0, 3.0]
+        record("input_host_placement_mib", round(placed / MiB))
+
+        torch.cuda.set_host_placement_lms(False)
         failures = torch.cuda.lms_stats()["pin_failures"]
         with pytest.raises(torch.OutOfMemoryError, match="Large Model Support"):
             torch.cat(xs)
@@ -97,25 +134,120 @@ def test_operator_whose_inputs_do_not_fit_raises_and_loses_nothing() -> None:
         assert _values([y]) == [2.0]
 
 
-def test_in_place_operator_whose_inputs_do_not_fit_never_faults() -> None:
+def test_in_place_operator_whose_inputs_do_not_fit_writes_them_where_they_are() -> None:
     """``_foreach_mul_`` over 1.2 GiB under a 1 GiB cap (Adam's foreach step pins every
-    parameter at once like this). It either raises ``torch.OutOfMemoryError`` before touching
-    anything or, allocating nothing, runs on the host copies of the inputs left out: never a
-    fault, never a half-applied update."""
+    parameter at once like this). The input the device cannot hold beside the others stays in
+    host memory and is multiplied there, over the bus; it is paged in with its new contents
+    when next read. With host placement off it either raises ``torch.OutOfMemoryError``
+    before touching anything or, allocating nothing, runs on the host copies of the inputs
+    left out: never a fault, never a half-applied update."""
+    if not _has_input_placement():
+        pytest.skip("this LMS build keeps no operator inputs in host memory")
     torch.cuda.set_enabled_lms(True)
     with memory_cap(1 * GiB):
         xs = [_filled(float(i + 1), 400 * MiB) for i in range(3)]
+        before = torch.cuda.lms_stats()
+        torch._foreach_mul_(xs, 2.0)
+        after = torch.cuda.lms_stats()
+        assert after["input_host_placement_count"] > before["input_host_placement_count"]
+        assert after["pin_failures"] == before["pin_failures"]
+        assert _values(xs) == [2.0, 4.0, 6.0]
+
+        torch.cuda.set_host_placement_lms(False)
+        torch.cuda.reclaim_inactive()
         failures = torch.cuda.lms_stats()["pin_failures"]
         try:
             torch._foreach_mul_(xs, 2.0)
         except torch.OutOfMemoryError as exc:
             assert "Large Model Support" in str(exc)
-            expected = [1.0, 2.0, 3.0]
-        else:
             expected = [2.0, 4.0, 6.0]
+        else:
+            expected = [4.0, 8.0, 12.0]
         torch.cuda.synchronize()
         assert torch.cuda.lms_stats()["pin_failures"] > failures
         assert _values(xs) == expected
+
+
+class _Lstm(torch.nn.Module):
+    """A 4-layer cuDNN LSTM: input 512, hidden 2048 (122 M parameters, one 486 MiB buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = torch.nn.LSTM(512, 2048, num_layers=4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lstm(x)[0]
+
+
+def _lstm_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence 256, batch 64: the inputs and the targets of the outputs, seeded by step."""
+    g = torch.Generator(device="cuda").manual_seed(step)
+    inputs = torch.randn(256, 64, 512, device="cuda", generator=g)
+    targets = torch.randn(256, 64, 2048, device="cuda", generator=g)
+    return inputs, targets
+
+
+def test_lstm_whose_backward_inputs_pass_the_cap_trains_with_the_same_bits(
+    record: Callable[[str, Any], None],
+) -> None:
+    """A 4-layer cuDNN LSTM (input 512, hidden 2048, batch 64, sequence 256, Adam) under a cap
+    of half its uncapped peak. The inputs of its backward, ``aten::_cudnn_rnn_backward`` (the
+    forward's reserve space, about 2.9 GiB, the weights, the activations: about 3.6 GiB in
+    seven storages), pass the cap, so they cannot all be resident at once. LMS keeps the
+    largest of them in host memory for the operator, which reads it over the bus, and three
+    training steps give the uncapped losses, gradients and parameters bit for bit. With host
+    placement off the same training runs out of memory (the message is recorded)."""
+    if not _has_input_placement():
+        pytest.skip("this LMS build keeps no operator inputs in host memory")
+    mse = torch.nn.functional.mse_loss
+    steps = 3
+    settle()
+    reference = train(_Lstm, _lstm_batch, mse, steps)
+    release_library_workspaces()
+    settle()
+    baseline = torch.cuda.memory_allocated()
+    cap = reference.peak_bytes // 2
+    record("peak_mib", round(reference.peak_bytes / MiB))
+    record("cap_mib", round(cap / MiB))
+    torch.cuda.set_enabled_lms(True)
+    with memory_cap(cap):
+        host_baseline = host_bytes()
+        torch.cuda.reset_accumulated_lms_stats()
+        ooms = failed_allocations()
+        start = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            capped = train(_Lstm, _lstm_batch, mse, steps)
+        record("capped_seconds", round(time.perf_counter() - start, 1))
+        stats = torch.cuda.lms_stats()
+        record("lms", lms_summary(stats))
+        record("allocations_failed_and_caught", failed_allocations() - ooms)
+        record(
+            "warned",
+            [str(w.message)[:160] for w in caught if "Large Model Support" in str(w.message)],
+        )
+        torch.cuda.set_host_placement_lms(False)
+        oom = None
+        try:
+            train(_Lstm, _lstm_batch, mse, steps)
+        except torch.OutOfMemoryError as exc:
+            oom = str(exc)
+        record("placement_off_error", None if oom is None else oom[:600])
+        torch.cuda.set_host_placement_lms(True)
+        settle()
+    assert stats["input_host_placement_count"] > 0, lms_summary(stats)
+    assert stats["input_host_placement_bytes"] > 0, lms_summary(stats)
+    assert stats["pin_failures"] == 0, lms_summary(stats)
+    assert stats["oom_count"] == 0, lms_summary(stats)
+    assert capped.peak_bytes <= cap
+    assert_identical(reference, capped)
+    assert oom is not None, "with host placement off the LSTM trained under the cap"
+    del reference, capped
+    release_library_workspaces()
+    settle()
+    assert torch.cuda.memory_allocated() == baseline, "device memory did not return to baseline"
+    assert host_bytes() == host_baseline, "LMS still holds pinned host memory"
+    assert torch.cuda.lms_stats()["managed_bytes"]["current"] == 0
 
 
 def test_workspace_the_cap_cannot_hold_goes_to_the_host_with_the_same_bits(

@@ -44,6 +44,8 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "fragment_reclaims": 1,
         "host_placement_count": 1,
         "host_placement_bytes": 40 * MiB,
+        "input_host_placement_count": 1,
+        "input_host_placement_bytes": 64 * MiB,
         "alloc_from_cache": 5,
         "alloc_from_device": 7,
         "alloc_after_reclaim": 1,

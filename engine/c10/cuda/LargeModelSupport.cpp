@@ -194,8 +194,15 @@ void pin(c10::StorageImpl& storage) {
   }
   std::unique_lock<std::mutex> lock;
   r = settledResident(storage, r, lock);
-  if (r != nullptr) {
-    makeResident(*r->engine, *r, storage, State::Active, lock);
+  if (r == nullptr) {
+    return;
+  }
+  DeviceEngine& e = *r->engine;
+  if (makeResident(e, *r, storage, State::Active, lock)) {
+    // Kept in its host copy for the running operator (host placement).
+    const size_t size = r->size;
+    lock.unlock();
+    warnPlacedOnHost(e, size, /*input=*/true);
   }
 }
 
@@ -233,6 +240,8 @@ void unpin(c10::StorageImpl& storage) {
       }
       return;
     }
+    // Placed by an operator that has ended, or an input kept on the host for
+    // the operator that ends now: paged out, its host buffer its host copy.
     parkPlaced(e, *r);
     arm(storage, true);
     return;

@@ -24,7 +24,10 @@
 // An allocation made inside an operator that the device cannot hold even
 // with every other storage paged out is placed in pinned host memory
 // (setHostPlacementEnabled): the operator's kernels use it there, over the
-// bus, and it is paged out from birth once the operator ends.
+// bus, and it is paged out from birth once the operator ends. So is an input
+// of an operator that cannot be paged in beside its other inputs: it stays
+// in its host copy while the operator runs, and is paged out again with
+// what the operator wrote when it ends.
 //
 // Reclaim runs inside the allocation path: when an allocation would push the
 // bytes allocated on the device past the LMS limit, and when the device
@@ -129,7 +132,9 @@ enum class StorageState : uint8_t {
 C10_CUDA_API const char* toString(StorageState state);
 
 // Makes the storage resident (paging it in on the current stream if needed)
-// and protects it from reclaim until the matching unpin().
+// and protects it from reclaim until the matching unpin(). An input of the
+// running operator that the device cannot hold stays in its host copy
+// instead (setHostPlacementEnabled).
 C10_CUDA_API void pin(c10::StorageImpl& storage);
 
 // pin() for a recompute's replay (RecomputeHooks::recompute), which reads
@@ -444,8 +449,12 @@ C10_CUDA_API bool reclaimForFailedAllocation(
     cudaStream_t stream);
 
 // Records that `stream` uses the memory of an LMS storage (recordStream): a
-// page-out copy is ordered after the stream's work.
-C10_CUDA_API void recordStream(
+// page-out copy is ordered after the stream's work. Returns whether the
+// DataPtr's address is the storage's device memory, a block of the allocator
+// that the allocator may record the stream on too; false while it is the
+// storage's pinned host memory (paged out, or in host memory for a running
+// operator: setHostPlacementEnabled), which no allocator block holds.
+C10_CUDA_API bool recordStream(
     const c10::DataPtr& data_ptr,
     cudaStream_t stream);
 

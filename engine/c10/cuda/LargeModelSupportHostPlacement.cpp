@@ -1,10 +1,12 @@
 // Host memory that operators use over the bus. Host placement: a request
 // made inside an operator that the device cannot hold even with every
 // reclaimable storage paged out goes to pinned host memory (placeOnHost;
-// allocate() asks for it while host placement is on), and is paged out from
-// birth once no operator uses it (parkPlaced). Host use: an operator whose
-// input stays paged out reads and writes its host copy in place
-// (beginHostUse, endHostUse).
+// allocate() asks for it while host placement is on), and an input of the
+// operator whose page-in finds no such room stays in its host copy
+// (keepInputOnHost; makeResident asks for it). Either is paged out once no
+// operator uses it (parkPlaced). Host use: an operator whose input stays
+// paged out after its pins failed (host placement off) reads and writes its
+// host copy in place (beginHostUse, endHostUse).
 
 #include <c10/cuda/LargeModelSupportInternal.h>
 
@@ -16,43 +18,58 @@ namespace c10::cuda::lms {
 
 namespace detail {
 
-// Pinned host memory for a request of `size` bytes that the running operator
-// could not have on the device with every reclaimable storage paged out
-// (setHostPlacementEnabled). Raises the out-of-memory error when the host
-// budget refuses it too. The first time an operator needs it, a warning
-// names the operator: it runs slower, over the bus.
-HostBuffer placeOnHost(DeviceEngine& e, size_t size) {
-  HostBuffer placed = hostPool().allocate(size);
-  if (placed.ptr == nullptr) {
-    t_host_refused = true;
-    throwOutOfMemory(e, size);
-  }
-  {
-    std::lock_guard<std::mutex> lock(e.mutex);
-    ++e.stats.host_placement_count;
-    e.stats.host_placement_bytes += static_cast<int64_t>(size);
-  }
+// Says that host placement serves the running operator: once per operator
+// name for what it allocates, and once for its inputs (`input`), so that a
+// model that needs it every iteration is told once, and each operator that
+// needs it is named. `size`: the request, or the input left on the host.
+// Takes the engine lock (the verdict reads the statistics): call without it.
+void warnPlacedOnHost(DeviceEngine& e, size_t size, bool input) {
   static std::mutex mutex;
   static std::unordered_set<std::string> warned;
-  std::string name(t_working_set.name);
+  const WorkingSet& ws = t_working_set;
+  const std::string name(ws.name);
   {
     std::lock_guard<std::mutex> lock(mutex);
-    if (!warned.insert(name).second) {
-      return placed;
+    if (!warned.insert(input ? name + " inputs" : name).second) {
+      return;
     }
   }
-  char request[32];
-  std::snprintf(
-      request,
-      sizeof(request),
-      "%.2f MiB",
-      static_cast<double>(size) / static_cast<double>(kMiB));
+  auto mib = [](size_t bytes) {
+    char text[32];
+    std::snprintf(
+        text,
+        sizeof(text),
+        "%.2f MiB",
+        static_cast<double>(bytes) / static_cast<double>(kMiB));
+    return std::string(text);
+  };
+  if (input) {
+    // The out-of-memory verdict would count the input twice (pinned, and
+    // requested): the inputs' own figures say it.
+    TORCH_WARN(
+        "Large Model Support: an input of ",
+        name,
+        " (",
+        mib(size),
+        ") cannot be resident on the device beside the operator's other "
+        "inputs (",
+        mib(ws.pinned),
+        " in all) with every other storage paged out. LMS left it in pinned "
+        "host memory, where the operator's kernels read and write it over the "
+        "bus: the operator runs slower and computes the same numbers, and the "
+        "input is paged in when next used. Give the operator more room (a "
+        "higher memory cap or LMS limit, a smaller batch) to run it on the "
+        "device, or turn host placement off "
+        "(torch.cuda.set_host_placement_lms(False), lms_host_placement:False) "
+        "to have it raise the out-of-memory error.");
+    return;
+  }
   const std::string verdict = explainOutOfMemory(e.device, size).verdict;
   TORCH_WARN(
       "Large Model Support: ",
       name,
       " allocated ",
-      request,
+      mib(size),
       " that the device cannot hold with every other storage paged out. ",
       verdict.empty() ? std::string() : verdict + " ",
       "LMS placed it in pinned host memory, which the operator's kernels use "
@@ -63,7 +80,50 @@ HostBuffer placeOnHost(DeviceEngine& e, size_t size) {
       "placement off (torch.cuda.set_host_placement_lms(False), "
       "lms_host_placement:False) to let libraries pick an algorithm that "
       "needs less memory, whose results can differ in the last bits.");
+}
+
+// Pinned host memory for a request of `size` bytes that the running operator
+// could not have on the device with every reclaimable storage paged out
+// (setHostPlacementEnabled). Raises the out-of-memory error, naming host
+// memory, when the host budget refuses it too. The first time an operator
+// needs it, a warning names the operator: it runs slower, over the bus.
+HostBuffer placeOnHost(DeviceEngine& e, size_t size) {
+  HostBuffer placed = hostPool().allocate(size);
+  if (placed.ptr == nullptr) {
+    t_host_refused = true;
+    throwOutOfMemory(e, size, /*placement_refused=*/true);
+  }
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    ++e.stats.host_placement_count;
+    e.stats.host_placement_bytes += static_cast<int64_t>(size);
+  }
+  warnPlacedOnHost(e, size, /*input=*/false);
   return placed;
+}
+
+// An input of the running operator whose page-in found no room on the device
+// even with every reclaimable storage paged out stays in its host copy for
+// the operator (setHostPlacementEnabled): pinned there, the operator's
+// kernels read and write it over the bus, and when its last pin ends it is
+// paged out with what they wrote (parkPlaced), like an output placed on the
+// host. Nothing is copied: no host memory is asked for, and no device copy
+// is left to go stale. Its page-out copy is what fills the host copy, so
+// streams that use it wait for that copy as for a page-in (device_ready,
+// waitUntilResident). Engine lock held; the record is paged out, off every
+// list, and not draining.
+void keepInputOnHost(DeviceEngine& e, Record& r) {
+  TORCH_INTERNAL_ASSERT(
+      r.state == State::PagedOut && !r.draining && r.host.ptr != nullptr &&
+      r.device_ptr == nullptr);
+  r.on_host = true;
+  if (r.device_ready != nullptr) {
+    e.events.put(r.device_ready); // none is expected: a page-out returns it
+  }
+  r.device_ready = r.host_ready;
+  r.host_ready = nullptr;
+  ++e.stats.input_host_placement_count;
+  e.stats.input_host_placement_bytes += sz(r);
 }
 
 // An event after the work queued so far on every stream that used a
@@ -92,11 +152,20 @@ cudaEvent_t hostUseDone(DeviceEngine& e, Record& r, bool in_deleter) {
   return done;
 }
 
-// A host-placed record that no operator uses any more is paged out from then
-// on: its host buffer is its host copy, ready once the kernels that wrote it
-// are done; its next use pages it in like any other. No copy is made, so no
-// page-out is counted. Engine lock held.
+// A host-placed record (an allocation placed there, or an input kept there)
+// that no operator uses any more is paged out from then on: its host buffer
+// is its host copy, ready once the kernels that wrote it are done; its next
+// use pages it in like any other. No copy is made, so no page-out is
+// counted. Engine lock held.
 void parkPlaced(DeviceEngine& e, Record& r) {
+  if (r.device_ready != nullptr) {
+    // An input kept on the host (keepInputOnHost): the event below must come
+    // after the copy that filled the host copy too.
+    DeviceScope guard(e.device);
+    C10_CUDA_CHECK(cudaStreamWaitEvent(r.stream, r.device_ready, 0));
+    e.events.put(r.device_ready);
+    r.device_ready = nullptr;
+  }
   r.host_ready = hostUseDone(e, r, /*in_deleter=*/false);
   r.on_host = false;
   r.users.clear();

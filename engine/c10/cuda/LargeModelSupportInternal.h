@@ -136,9 +136,11 @@ struct Record {
   bool busy = false; // a copy is being set up outside the engine lock
   bool prefetched = false;
   bool graph_owned = false; // used during CUDA graph capture: never paged
-  // Placed in pinned host memory (`host`) by an operator the device could not
-  // hold it for (setHostPlacementEnabled); device_ptr stays null. Paged out
-  // from birth once no operator uses it (parkPlaced).
+  // In pinned host memory (`host`) for the operator(s) using it, because the
+  // device could not hold it (setHostPlacementEnabled): allocated there by an
+  // operator (placeOnHost), or an input kept in its host copy (Active,
+  // keepInputOnHost); device_ptr stays null. Paged out once no operator uses
+  // it (parkPlaced).
   bool on_host = false;
   // Has a recipe (setRecomputable): the recompute hooks know this context.
   bool recomputable = false;
@@ -487,7 +489,7 @@ int64_t pageOutEarlyFor(
 extern thread_local bool t_no_reclaim;
 void waitUntilResident(DeviceEngine& e, Record& r, cudaStream_t stream);
 void clearPrefetched(DeviceEngine& e, Record& r);
-void makeResident(
+bool makeResident(
     DeviceEngine& e,
     Record& r,
     c10::StorageImpl& storage,
@@ -523,7 +525,9 @@ Record* settledResident(
     std::unique_lock<std::mutex>& lock);
 
 // LargeModelSupportHostPlacement.cpp: placement in host memory, host use
+void warnPlacedOnHost(DeviceEngine& e, size_t size, bool input);
 HostBuffer placeOnHost(DeviceEngine& e, size_t size);
+void keepInputOnHost(DeviceEngine& e, Record& r);
 cudaEvent_t hostUseDone(DeviceEngine& e, Record& r, bool in_deleter);
 void parkPlaced(DeviceEngine& e, Record& r);
 
@@ -542,7 +546,13 @@ extern std::atomic<bool> g_host_placement;
 
 // LargeModelSupportOutOfMemory.cpp: the out-of-memory explanation
 void raisePendingError(size_t size);
-[[noreturn]] void throwOutOfMemory(DeviceEngine& e, size_t size);
-OutOfMemoryText explainOutOfMemory(c10::DeviceIndex device, size_t size);
+[[noreturn]] void throwOutOfMemory(
+    DeviceEngine& e,
+    size_t size,
+    bool placement_refused = false);
+OutOfMemoryText explainOutOfMemory(
+    c10::DeviceIndex device,
+    size_t size,
+    bool placement_refused = false);
 
 } // namespace c10::cuda::lms::detail

@@ -56,19 +56,29 @@ void raisePendingError(size_t size) {
   }
 }
 
-[[noreturn]] void throwOutOfMemory(DeviceEngine& e, size_t size) {
+[[noreturn]] void throwOutOfMemory(
+    DeviceEngine& e,
+    size_t size,
+    bool placement_refused) {
   {
     std::lock_guard<std::mutex> lock(e.mutex);
     ++e.stats.oom_count;
   }
-  const OutOfMemoryText text = explainOutOfMemory(e.device, size);
+  const OutOfMemoryText text =
+      explainOutOfMemory(e.device, size, placement_refused);
   ++t_oom_raised;
   t_oom_request = size;
   t_oom_verdict = text.verdict;
   TORCH_CHECK_WITH(OutOfMemoryError, false, text.message);
 }
 
-OutOfMemoryText explainOutOfMemory(c10::DeviceIndex device, size_t size) {
+// `placement_refused`: the request was to go to pinned host memory (host
+// placement, placeOnHost) and the host refused it; otherwise the host refused
+// the page-outs that would have made room, if t_host_refused says so.
+OutOfMemoryText explainOutOfMemory(
+    c10::DeviceIndex device,
+    size_t size,
+    bool placement_refused) {
   DeviceEngine& e = engineFor(device);
   const size_t limit = effectiveLimit(e);
   const size_t allocated = backend().allocatedBytes(device);
@@ -93,16 +103,28 @@ OutOfMemoryText explainOutOfMemory(c10::DeviceIndex device, size_t size) {
   if (t_host_refused &&
       HostPool::lastRefusal().cause != HostRefusal::Cause::None) {
     // The device is full and the storages that could make room cannot be
-    // paged out: the host tier below it has none. Say so, rather than give
-    // the device-side advice.
+    // paged out, or the request itself cannot be placed in host memory: the
+    // host tier below the device has no room. Say so, rather than give the
+    // device-side advice.
+    const std::string why = placement_refused
+        ? std::string(
+              ", which the device cannot hold with every reclaimable storage "
+              "paged out, and which host placement could not place in pinned "
+              "host memory either. ")
+        : std::string(
+              ", which needs inactive storages paged out to pinned host "
+              "memory. ");
     return {
-        "Host memory ran out: the page-outs that would have made room were "
-        "refused (the host budget, or pinning failed).",
+        placement_refused
+            ? "Host memory ran out: the device had no room for the request, "
+              "and placing it in pinned host memory was refused (the host "
+              "budget, or pinning failed)."
+            : "Host memory ran out: the page-outs that would have made room "
+              "were refused (the host budget, or pinning failed).",
         "CUDA out of memory with Large Model Support: host memory ran "
         "out. Tried to allocate " +
             mib(static_cast<int64_t>(size)) + " on device " +
-            std::to_string(int(device)) +
-            ", which needs inactive storages paged out to pinned host memory. " +
+            std::to_string(int(device)) + why +
             describeHostRefusal(HostPool::lastRefusal()) + " Device " +
             std::to_string(int(device)) + ": " +
             mib(static_cast<int64_t>(allocated)) + " allocated to tensors (" +

@@ -66,11 +66,41 @@ void finishPageIn(
   r.stream_known = true;
 }
 
+// Whether `size` bytes more cannot be had on the device even with every
+// reclaimable storage paged out, by bytes alone: what cannot be paged out
+// (pinned, allocated by running operators, unmanaged) and the request pass
+// what the allocator may hold (its cap, or the device memory that others
+// leave). A page-in that may stay on the host then pages nothing out to find
+// that out. The engine lock is not held.
+bool beyondTheDevice(DeviceEngine& e, size_t size) {
+  DeviceMemoryBackend& b = backend();
+  const size_t capacity = b.capacityBytes(e.device);
+  if (capacity == SIZE_MAX) {
+    (void)limitOf(e); // reads the device memory others hold, if stale
+  }
+  const size_t allocated = b.allocatedBytes(e.device);
+  std::lock_guard<std::mutex> lock(e.mutex);
+  const size_t room = capacity != SIZE_MAX ? capacity : leftByOthers(e);
+  const size_t movable = e.draining_bytes +
+      static_cast<size_t>(std::max<int64_t>(e.stats.inactive_bytes.current, 0));
+  const size_t fixed = allocated > movable ? allocated - movable : 0;
+  return fixed + size > room;
+}
+
 // Brings a busy, paged-out record back to the device on `stream`. The engine
-// lock is not held.
-void pageIn(DeviceEngine& e, Record& r, cudaStream_t stream) {
+// lock is not held. With `or_host`, returns false, nothing changed, when the
+// device cannot hold it even with every reclaimable storage paged out (the
+// caller keeps it in its host copy); otherwise that raises the out-of-memory
+// error.
+bool pageIn(DeviceEngine& e, Record& r, cudaStream_t stream, bool or_host) {
+  if (or_host && beyondTheDevice(e, r.size)) {
+    return false;
+  }
   DeviceScope guard(e.device);
-  void* ptr = allocateDevice(e, r.size, stream);
+  void* ptr = allocateDevice(e, r.size, stream, /*or_null=*/or_host);
+  if (ptr == nullptr) {
+    return false;
+  }
   try {
     cudaEvent_t start = e.events.get(/*timing=*/true);
     C10_CUDA_CHECK(cudaEventRecord(start, stream));
@@ -89,6 +119,7 @@ void pageIn(DeviceEngine& e, Record& r, cudaStream_t stream) {
     backend().free(ptr);
     throw;
   }
+  return true;
 }
 
 // Starts paging in `r` on the copy stream, into memory allocated on `stream`,
@@ -457,7 +488,10 @@ void clearPrefetched(DeviceEngine& e, Record& r) {
 
 // Makes `r` resident for use on the current stream and moves it to `target`
 // (Active for pin, Allocated for raw access). Called with `lock` held.
-void makeResident(
+// Returns true when the record, pinned for the running operator, stayed in
+// its host copy instead (host placement of an input, keepInputOnHost): the
+// caller warns once the lock is released.
+bool makeResident(
     DeviceEngine& e,
     Record& r,
     c10::StorageImpl& storage,
@@ -465,6 +499,21 @@ void makeResident(
     std::unique_lock<std::mutex>& lock) {
   e.settled.wait(lock, [&] { return !r.busy; });
   const cudaStream_t stream = currentStream(e.device);
+  if (r.on_host && r.state == State::Active) {
+    // Pinned in host memory by a running operator (an input the device had
+    // no room for): that address is good only until the operator ends (then
+    // the storage is paged out, and paged in when next used), so a captured
+    // graph must not bake it in.
+    TORCH_CHECK(
+        !isCapturing(stream),
+        "LMS: a storage of ",
+        std::to_string(r.size),
+        " bytes is in pinned host memory for a running operator (host "
+        "placement) while CUDA graph capture is underway on the current "
+        "stream; a graph cannot keep that address. Give the captured region "
+        "room on the device, or capture with LMS disabled "
+        "(torch.cuda.set_enabled_lms(False)).");
+  }
   std::vector<Record*> prefetch;
   if (target == State::Active) {
     noteUse(r);
@@ -472,13 +521,14 @@ void makeResident(
   if (r.state == State::Active && target == State::Active) {
     ++r.pins;
     waitUntilResident(e, r, stream);
-    return;
+    return false;
   }
   if (r.state == State::PagedOut && r.draining) {
     // Used again before its early page-out released the memory: the
     // contents are still there, no copy back is needed.
     rescueDrained(e, r);
   }
+  bool kept_on_host = false;
   if (r.state == State::Inactive) {
     e.reclaim_list.remove(&r);
     if (r.prefetched) {
@@ -499,6 +549,12 @@ void makeResident(
         "current stream; a page-in cannot be captured. Run the captured "
         "region once before capturing so its inputs are resident, or "
         "capture with LMS disabled (torch.cuda.set_enabled_lms(False)).");
+    // An input of the running operator that the device cannot hold may stay
+    // in its host copy for the operator (setHostPlacementEnabled). Raw
+    // access outside an operator has no end at which to page it out again.
+    const WorkingSet& ws = t_working_set;
+    const bool or_host = target == State::Active && g_host_placement.load() &&
+        ws.active && ws.device == e.device;
     const int depth = target == State::Active ? g_prefetch_depth.load() : 0;
     for (Record* p = r.prev;
          p != nullptr && static_cast<int>(prefetch.size()) < depth;
@@ -514,8 +570,9 @@ void makeResident(
     }
     r.busy = true;
     lock.unlock();
+    bool paged_in = false;
     try {
-      pageIn(e, r, stream);
+      paged_in = pageIn(e, r, stream, or_host);
     } catch (...) {
       lock.lock();
       r.busy = false;
@@ -529,9 +586,21 @@ void makeResident(
     }
     lock.lock();
     r.busy = false;
-    ++e.stats.pagein_count;
-    ++e.stats.pagein_demand_count;
-    e.stats.pagein_bytes += sz(r);
+    if (paged_in) {
+      ++e.stats.pagein_count;
+      ++e.stats.pagein_demand_count;
+      e.stats.pagein_bytes += sz(r);
+    } else {
+      keepInputOnHost(e, r);
+      kept_on_host = true;
+      // The device has no room for the storages paged out before it either.
+      for (Record* p : prefetch) {
+        p->busy = false;
+        e.pagedout_list.push_back(p);
+        addUpcoming(e, *p);
+      }
+      prefetch.clear();
+    }
     e.settled.notify_all();
   }
   waitUntilResident(e, r, stream);
@@ -561,6 +630,7 @@ void makeResident(
     }
     lock.lock();
   }
+  return kept_on_host;
 }
 
 // Pages in, on the H2D stream, the paged-out storages used within the next

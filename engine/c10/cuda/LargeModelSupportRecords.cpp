@@ -256,13 +256,14 @@ bool isManaged(const c10::DataPtr& data_ptr) {
   return recordOf(data_ptr) != nullptr;
 }
 
-void recordStream(const c10::DataPtr& data_ptr, cudaStream_t stream) {
+bool recordStream(const c10::DataPtr& data_ptr, cudaStream_t stream) {
   Record* r = recordOf(data_ptr);
   if (r == nullptr) {
-    return;
+    return true; // not LMS's: the allocator's own memory
   }
   std::lock_guard<std::mutex> lock(r->engine->mutex);
   addUser(*r, stream);
+  return data_ptr.get() != nullptr && data_ptr.get() == r->device_ptr;
 }
 
 } // namespace c10::cuda::lms

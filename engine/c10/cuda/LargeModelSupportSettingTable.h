@@ -144,6 +144,21 @@ C10_LMS_SETTING(packing, Packing, lms_pack, Bool, bool, setPackingEnabled, isPac
 // host_placement_count and host_placement_bytes; each operator that needs it
 // is named once in a warning. Off, the request raises the out-of-memory
 // error.
+//
+// The same holds for the operator's inputs: when pin() of a paged-out input
+// of the running operator (between beginWorkingSet and endWorkingSet, on the
+// operator's device) cannot page it in even after every reclaimable storage
+// is paged out, the input stays in its host copy, pinned there: its DataPtr
+// holds the host address, the operator's kernels read and write it over the
+// bus, and when its last pin ends it is paged out with what they wrote (no
+// copy either way), and paged in when next used. Nothing is asked of the host
+// budget: the host copy exists already. Operator-boundary pinning pins the
+// inputs that are paged out smallest first, so that the ones left on the
+// host are the largest, and only those the device cannot hold. Counted in
+// input_host_placement_count and input_host_placement_bytes, and named once
+// per operator in a warning. Never during CUDA graph capture (the page-in
+// raises, as without host placement). Off, the pin raises the out-of-memory
+// error.
 C10_LMS_SETTING(host_placement, HostPlacement, lms_host_placement, Bool, bool, setHostPlacementEnabled, isHostPlacementEnabled, "host placement")
 
 // clang-format on

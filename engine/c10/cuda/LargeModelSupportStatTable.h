@@ -35,6 +35,11 @@ C10_LMS_COUNTER(int64_t, fragment_reclaims)
 // device could not hold them (setHostPlacementEnabled), and their bytes.
 C10_LMS_COUNTER(int64_t, host_placement_count)
 C10_LMS_COUNTER(int64_t, host_placement_bytes)
+// Operators' inputs the device could not hold beside their other inputs,
+// left in their host copies while the operator ran (host placement), and
+// their bytes.
+C10_LMS_COUNTER(int64_t, input_host_placement_count)
+C10_LMS_COUNTER(int64_t, input_host_placement_bytes)
 // Where allocations of the LMS path were satisfied from.
 C10_LMS_COUNTER(int64_t, alloc_from_cache) // the caching allocator's free list
 C10_LMS_COUNTER(int64_t, alloc_from_device) // a new device allocation

@@ -141,6 +141,8 @@ _COUNTER_KEYS = (
     "fragment_reclaims",
     "host_placement_count",
     "host_placement_bytes",
+    "input_host_placement_count",
+    "input_host_placement_bytes",
     "alloc_from_cache",
     "alloc_from_device",
     "alloc_after_reclaim",
@@ -722,16 +724,20 @@ def set_host_placement_lms(enable: bool) -> None:
     memory. A library that would have caught the error keeps its algorithm:
     cuDNN, refused a workspace, tries a plan that needs less memory, whose
     results can differ in the last bits. What the operator still holds when it
-    ends is paged out from then on and paged in when next used. A warning
-    names each operator that needed it, once; ``host_placement_count`` and
-    ``host_placement_bytes`` in :func:`lms_stats` count the allocations.
-    Disabled, such an allocation raises the error (and a library may pick
-    another algorithm). The same setting as ``lms_host_placement`` in
-    ``PYTORCH_CUDA_ALLOC_CONF``.
+    ends is paged out from then on and paged in when next used. Likewise, when
+    an operator's inputs cannot all be resident at once, those the device
+    cannot hold beside the others (the largest) stay in their host copies
+    while it runs, and what it writes into them is paged in when they are next
+    used. A warning names each operator that needed it, once;
+    ``host_placement_count`` and ``host_placement_bytes`` in :func:`lms_stats`
+    count the allocations, ``input_host_placement_count`` and
+    ``input_host_placement_bytes`` the inputs. Disabled, such an allocation or
+    input raises the error (and a library may pick another algorithm). The
+    same setting as ``lms_host_placement`` in ``PYTORCH_CUDA_ALLOC_CONF``.
 
     Args:
-        enable (bool): ``True`` to place such allocations in host memory,
-            ``False`` to raise the out-of-memory error.
+        enable (bool): ``True`` to place such allocations and inputs in host
+            memory, ``False`` to raise the out-of-memory error.
     """
     if not isinstance(enable, bool):
         raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
@@ -1010,7 +1016,10 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       next use.
     - ``host_placement_count``, ``host_placement_bytes``: allocations inside
       operators that the device could not hold with every other storage paged
-      out, placed in pinned host memory instead (:func:`set_host_placement_lms`).
+      out, placed in pinned host memory instead (:func:`set_host_placement_lms`);
+      ``input_host_placement_count``, ``input_host_placement_bytes``: inputs
+      of operators that could not be paged in beside the operators' other
+      inputs, left in their host copies while the operators ran.
     - ``alloc_from_cache``, ``alloc_from_device``, ``alloc_after_reclaim``:
       where LMS allocations were satisfied from.
     - ``prefetch_count``, ``prefetch_hits``: storages prefetched, and those an

@@ -65,8 +65,8 @@ struct PinnedStorage {
 
 struct PinnedStorages final : at::ObserverContext {
   c10::SmallVector<PinnedStorage, 8> pinned;
-  // Inputs that stayed paged out because the operator's inputs did not all
-  // fit: the operator reads and writes their host copies in place.
+  // Inputs that stayed paged out because a pin failed (host placement off):
+  // the operator reads and writes their host copies in place.
   c10::SmallVector<c10::intrusive_ptr<c10::StorageImpl>, 2> on_host;
   // The operator's arguments, when its outputs get recipes (recompute).
   recipes::CapturePtr capture;
@@ -262,7 +262,10 @@ void beginWorkingSet(const char* name, const StorageList& storages) {
 
 // Pins the storages of every input of the outermost operator on this thread.
 //
-// When they cannot all be made resident, RecordFunction would only log an
+// An input the device cannot hold beside the others stays in its host copy,
+// pinned there by the engine (host placement, on by default): the operator
+// runs on it over the bus, and nothing fails. When a pin fails all the same
+// (host placement off, a copy that failed), RecordFunction would only log an
 // exception thrown here, and the operator would run on inputs that are not
 // where their DataPtrs say. Instead the operator keeps what could be pinned,
 // the inputs left out keep pointing at their host copies (valid device
@@ -339,6 +342,18 @@ std::unique_ptr<at::ObserverContext> pinInputs(const at::RecordFunction& fn) {
     return captureOnly(fn);
   }
   recomputeBeforeWrites(fn);
+  // Smallest first: when the inputs cannot all be resident at once, the
+  // engine leaves each one it finds no room for in its host copy (host
+  // placement), so the ones left there are the largest, and no more of them
+  // than the device cannot hold. An operator reads an input over the bus at
+  // some cost per byte; leaving the largest there leaves the fewest, and the
+  // choice does not depend on which inputs happened to be resident.
+  std::stable_sort(
+      storages.begin(),
+      storages.end(),
+      [](const c10::StorageImpl* a, const c10::StorageImpl* b) {
+        return a->nbytes() < b->nbytes();
+      });
   if (engine::isRecomputeEnabled()) {
     // Dropped inputs first: their replays then have the room that the
     // page-ins of the others would take.
