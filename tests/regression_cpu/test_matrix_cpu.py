@@ -756,7 +756,8 @@ rest = [a for a in argv if a not in flags]
 opts = dict(zip(rest[::2], rest[1::2]))  # without torch: quick to start
 spec = json.loads(os.environ["FAKE_PLAN"])
 conf = os.environ.get("PYTORCH_LMS_CONF", "")
-env_limit = int(conf.rsplit(":", 1)[1]) * MiB if "lms_host_limit_mb" in conf else 0
+settings = dict(kv.split(":", 1) for kv in conf.split(",") if ":" in kv)
+env_limit = int(settings.get("lms_host_limit_mb", 0)) * MiB
 host_limit = int(opts.get("--host-limit-mb", 0)) * MiB
 if command == "nocap":
     what = spec["limited" if host_limit else "control"]
