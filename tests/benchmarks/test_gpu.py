@@ -7,23 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from lmsbench.harness import checkout_env
+from tests.gpu_marks import GPU_ONLY
 
 REPO = Path(__file__).resolve().parents[2]
 
-try:
-    import torch.cuda
-
-    _CUDA = torch.cuda.is_available()
-except ImportError:  # no torch (a folder named torch on the path is not one)
-    _CUDA = False
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU (and a CUDA build of torch)"),
-]
+pytestmark = GPU_ONLY
 
 
 def _env() -> dict[str, str]:

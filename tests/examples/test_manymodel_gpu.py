@@ -12,18 +12,9 @@ import pytest
 from example_scripts import EXAMPLES, load
 
 from lmsbench.harness import checkout_env
+from tests.gpu_marks import GPU_ONLY
 
-try:
-    import torch.cuda
-
-    _CUDA = torch.cuda.is_available()
-except ImportError:  # no torch (a folder named torch on the path is not one)
-    _CUDA = False
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU (and a CUDA build of torch)"),
-]
+pytestmark = GPU_ONLY
 
 
 def _lms_or_skip() -> None:
