@@ -38,9 +38,17 @@ def load_fallback_module() -> ModuleType:
 class FakeBindings:
     def __init__(self) -> None:
         self.enabled = True
+        # The tensors given to _cuda_lms_moveOutOfPool; "fail" makes the next call raise.
+        self.moved: list[Any] = []
+        self.fail: Exception | None = None
 
     def _cuda_lms_getEnabled(self) -> bool:
         return self.enabled
+
+    def _cuda_lms_moveOutOfPool(self, tensor: Any) -> None:
+        if self.fail is not None:
+            raise self.fail
+        self.moved.append(tensor)
 
 
 @pytest.fixture
@@ -79,7 +87,7 @@ def fallback(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     # Process-wide state of the module (loaded once per process), fresh for each test.
     monkeypatch.setattr(module, "_TREES", weakref.WeakSet())
     monkeypatch.setattr(module, "_PENDING_WARNINGS", [])
-    monkeypatch.setattr(module, "_RELEASES", {"count": 0, "bytes": 0})
+    monkeypatch.setattr(module, "_RELEASES", {"count": 0, "bytes": 0, "outputs_moved": 0})
     module.live = live  # type: ignore[attr-defined]
     module.bindings = bindings  # type: ignore[attr-defined]
     module.releases = releases  # type: ignore[attr-defined]
@@ -438,7 +446,7 @@ def test_idle_tree_gives_its_pool_back_and_is_warmed_up_again(
     # The LMS statistics' private pools (5 MiB) hold 1 MiB besides this tree's pool.
     assert "1.00 MiB in other private pools" in note
     assert manager.graph is None  # the pool's keeper is gone, and with it the pool
-    assert fallback.graph_pool_releases() == {"count": 1, "bytes": 4 * MiB}
+    assert fallback.graph_pool_releases() == {"count": 1, "bytes": 4 * MiB, "outputs_moved": 0}
     assert fallback.releases == []  # nothing synchronizes inside the allocation
 
     # The new pool's keeper is captured empty, let through the drop-in's capture guard.
@@ -494,7 +502,7 @@ def test_tree_with_tensors_alive_in_its_pool_is_kept_and_named(
     assert not released
     assert "holds 4.00 MiB, kept: 2.00 MiB of tensors are alive in it" in note
     assert manager.graph is not None
-    assert fallback.graph_pool_releases() == {"count": 0, "bytes": 0}
+    assert fallback.graph_pool_releases() == {"count": 0, "bytes": 0, "outputs_moved": 0}
     assert fallback._PENDING_WARNINGS == []
 
 
@@ -646,37 +654,89 @@ def recorded_tree(live_output: bool, other_tensor: bool) -> tuple[FakeManager, l
 
 
 @pytest.mark.parametrize(
-    ("live_output", "other_tensor", "expected"),
+    ("live_output", "other_tensor", "expected", "released"),
     [
-        (False, False, (0, 0, 0)),
-        (True, False, (1, 1 * MiB, 1 * MiB)),
-        (False, True, (0, 0, 2 * MiB)),
+        (False, False, (0, 0, 0), True),
+        (True, False, (1, 1 * MiB, 0), True),
+        (False, True, (0, 0, 2 * MiB), False),
+        (True, True, (1, 1 * MiB, 2 * MiB), False),
     ],
-    ids=["only-the-trees-own-tensors", "an-output-held", "another-tensor"],
+    ids=["only-the-trees-own-tensors", "an-output-held", "another-tensor", "both"],
 )
 def test_pool_use_leaves_out_the_trees_own_cached_tensors(
-    fallback: ModuleType, live_output: bool, other_tensor: bool, expected: tuple[int, int, int]
+    fallback: ModuleType,
+    monkeypatch: pytest.MonkeyPatch,
+    live_output: bool,
+    other_tensor: bool,
+    expected: tuple[int, int, int],
+    released: bool,
 ) -> None:
     """Inductor's cached tensors of each graph output are the tree's own references: they do
-    not keep its pool from going back, unless the program holds the output too. Outputs of
-    the current path that the program holds, and any other tensor allocated in the pool, do."""
+    not keep its pool from going back. Outputs of the current path that the program holds are
+    copied out of the pool first (and stay valid: they are not fenced as stale); any other
+    tensor allocated in the pool keeps it."""
     manager, segments = recorded_tree(live_output, other_tensor)
     fallback.live["segments"] = segments
+    monkeypatch.setattr(fallback, "_storage_tensor", lambda ref: ("tensor over", ref()))
     use = fallback._pool_use(manager)
     assert use.reserved == 6 * MiB
     assert (use.outputs, use.output_bytes, use.tensors) == expected
     assert use.in_use() == (expected != (0, 0, 0))
+    assert use.movable() == (live_output and not other_tensor)
 
     fallback._TREES.add(manager)
-    released, note = fallback.release_idle_graph_pools(0, MiB)
-    assert released == (expected == (0, 0, 0))
+    done, note = fallback.release_idle_graph_pools(0, MiB)
+    assert done == released
     assert "the CUDA graph pool of 2 compiled function(s) ('fw', 'bw') holds 6.00 MiB" in note
-    if live_output:
-        assert "kept: 1 output(s) of its graphs (1.00 MiB) are still held by the program" in note
+    if live_output and released:
+        assert fallback.bindings.moved == [("tensor over", 0x2000)]
+        assert "released (1 output(s) it held, 1.00 MiB, copied out first)" in note
+        assert fallback.graph_pool_releases()["outputs_moved"] == 1
+    else:
+        assert fallback.bindings.moved == []
+    if other_tensor:
+        assert "kept:" in note and "2.00 MiB of tensors are alive in it" in note
     if released:
         assert manager.graph is None
         assert all(node.graph is None for node in fallback._tree_nodes(manager))
         assert all(node.cached_removed for node in fallback._tree_nodes(manager))
+
+
+def test_pool_whose_forward_waits_for_its_backward_is_kept(
+    fallback: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs of a forward whose backward has not run are the backward's saved tensors: the
+    pool stays under them, mid-step, and nothing is copied."""
+    manager, segments = recorded_tree(live_output=True, other_tensor=False)
+    manager.running_forwards_with_pending_backwards = True  # type: ignore[attr-defined]
+    fallback.live["segments"] = segments
+    monkeypatch.setattr(fallback, "_storage_tensor", lambda ref: ("tensor over", ref()))
+    fallback._TREES.add(manager)
+    done, note = fallback.release_idle_graph_pools(0, MiB)
+    assert not done
+    assert "(a forward's, whose backward has not run yet)" in note
+    assert fallback.bindings.moved == []
+    assert manager.graph is not None
+
+
+def test_pool_whose_held_outputs_cannot_be_copied_out_is_kept(
+    fallback: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No room even for the copies of the held outputs: the pool stays, its graphs too (the
+    outputs keep their data), and the out-of-memory note says why."""
+    manager, segments = recorded_tree(live_output=True, other_tensor=False)
+    fallback.live["segments"] = segments
+    monkeypatch.setattr(fallback, "_storage_tensor", lambda ref: ("tensor over", ref()))
+    fallback.bindings.fail = RuntimeError("CUDA out of memory")
+    fallback._TREES.add(manager)
+    done, note = fallback.release_idle_graph_pools(0, MiB)
+    assert not done
+    assert (
+        "kept: 1 output(s) of its graphs (1.00 MiB) are still held by the program, and "
+        "copying them out of it failed (CUDA out of memory)"
+    ) in note
+    assert manager.graph is not None
+    assert fallback.graph_pool_releases() == {"count": 0, "bytes": 0, "outputs_moved": 0}
 
 
 def test_pool_that_cannot_be_read_is_kept(

@@ -34,9 +34,11 @@ nothing is left for the rest. The LMS engine asks this module, as its last resor
 allocation fails with every reclaimable storage paged out, before it places the allocation in
 host memory or raises the out-of-memory error. The pool of every tree of that device that is
 idle is then released: no function of the tree is running (warming up, being captured,
-replaying), no output of its current graphs is held by the program, and no other tensor lives
-in its pool. Its graphs are dropped (so is the pool with them, which the allocator returns to
-the device when it retries the allocation), and the tree is made new at its next call: its
+replaying) and no tensor lives in its pool but the outputs of its current graphs. Those
+outputs that the program still holds (the last loss, logits kept for a metric) are first
+copied to memory of their own, with their data, and stay valid. Its graphs are dropped (so
+is the pool with them, which the allocator returns to the device when it retries the
+allocation), and the tree is made new at its next call: its
 functions are warmed up and captured again, into a new pool, with the same compiled code and
 the same results. A tree released once and again short of room later runs without CUDA graphs
 from then on, rather than being captured again at every step. The warnings (a
@@ -153,8 +155,9 @@ _TREES: weakref.WeakSet[Any] = weakref.WeakSet()
 # turn the release into an error).
 _PENDING_WARNINGS: list[tuple[str, type[Warning]]] = []
 
-# Pools released so far in this process, and their bytes (graph_pool_releases()).
-_RELEASES = {"count": 0, "bytes": 0}
+# Pools released so far in this process, their bytes, and the held outputs copied out of
+# them first (graph_pool_releases()).
+_RELEASES = {"count": 0, "bytes": 0, "outputs_moved": 0}
 
 # Per thread: set while idle pools are being released (an allocation made meanwhile that
 # fails does not release again).
@@ -411,9 +414,23 @@ class _PoolUse:
     outputs: int = 0
     output_bytes: int = 0
     tensors: int = 0
+    held: list[Any] = dataclasses.field(default_factory=list)
+    # A forward ran whose backward has not: its outputs are the backward's saved tensors,
+    # mid-step; the pool is kept rather than copied out under them.
+    pending_backward: bool = False
 
     def in_use(self) -> bool:
         return self.reserved is None or self.outputs > 0 or self.tensors > 0
+
+    def movable(self) -> bool:
+        """Whether all that keeps the pool are outputs the program holds, which can be copied
+        out of it (:func:`_move_held_outputs`)."""
+        return (
+            self.reserved is not None
+            and self.outputs > 0
+            and self.tensors == 0
+            and not self.pending_backward
+        )
 
     def holders(self) -> str:
         """What keeps the pool from going back to the device, as words."""
@@ -424,6 +441,11 @@ class _PoolUse:
             parts.append(
                 f"{self.outputs} output(s) of its graphs ({_mib(self.output_bytes)}) are "
                 "still held by the program"
+                + (
+                    " (a forward's, whose backward has not run yet)"
+                    if self.pending_backward
+                    else ""
+                )
             )
         if self.tensors:
             parts.append(f"{_mib(self.tensors)} of tensors are alive in it")
@@ -437,6 +459,7 @@ def _pool_use(manager: Any) -> _PoolUse:
     if segments is None:
         return _PoolUse(None)
     use = _PoolUse(sum(int(segment.get("total_size", 0)) for segment in segments))
+    use.pending_backward = bool(getattr(manager, "running_forwards_with_pending_backwards", False))
     sizes = {
         int(block["address"]): int(block.get("size", 0))
         for segment in segments
@@ -452,11 +475,15 @@ def _pool_use(manager: Any) -> _PoolUse:
             if cached is not None and index < len(refs) and refs[index] is not None:
                 if not _alive(refs[index]):
                     own.add(_address(refs[index]))
+    # Held outputs are counted as outputs, not as other tensors of the pool: they can be
+    # copied out of it.
     for node in _current_path(manager):
         for ref in getattr(node, "outputs_weakrefs", ()) or ():
             if ref is not None and _alive(ref):
                 use.outputs += 1
                 use.output_bytes += sizes.get(_address(ref), 0)
+                use.held.append(ref)
+                own.add(_address(ref))
     for segment in segments:
         blocks = segment.get("blocks")
         if blocks is None:  # the segment's figure alone: its cached tensors count too
@@ -520,7 +547,36 @@ def _tree_nodes(manager: Any) -> list[Any]:
     return found
 
 
-def _drop_graphs(manager: Any) -> None:
+def _storage_tensor(ref: Any) -> torch.Tensor | None:
+    """A tensor over the whole storage that a storage reference of Inductor's names, or
+    ``None`` once nothing holds it."""
+    cdata = ref()
+    if cdata is None:
+        return None
+    storage = torch.UntypedStorage._new_with_weak_ptr(cdata)
+    if storage is None:
+        return None
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _move_held_outputs(use: _PoolUse) -> set[int]:
+    """Copies the outputs of a tree's current graphs that the program holds to memory of
+    their own (``_cuda_lms_moveOutOfPool``), so that the pool can go back with their data
+    kept. Returns the storages moved (as Inductor's references name them), which
+    :func:`_drop_graphs` must leave valid."""
+    move = _lms_api()._lms_bindings()._cuda_lms_moveOutOfPool
+    moved: set[int] = set()
+    for ref in use.held:
+        tensor = _storage_tensor(ref)
+        if tensor is None:
+            continue
+        move(tensor)
+        moved.add(int(ref()))
+        del tensor
+    return moved
+
+
+def _drop_graphs(manager: Any, moved: frozenset[int] | set[int] = frozenset()) -> None:
     """Drops every CUDA graph of a tree, so that its pool goes back to the device.
 
     What graph outputs a program still holds stay valid where they own their memory (the
@@ -538,7 +594,7 @@ def _drop_graphs(manager: Any) -> None:
         if owning is not None and invalidate is not None:
             for ref in getattr(node, "outputs_weakrefs", ()):
                 storage = ref() if ref is not None else None
-                if storage is not None and not owning(storage):
+                if storage is not None and storage not in moved and not owning(storage):
                     invalidate(storage, _STALE_OUTPUT)
         node.graph = None
     # Warm-up nodes hold the tree's own graph, which keeps the pool alive.
@@ -641,14 +697,17 @@ def _set_without_graphs(manager: Any, message: str) -> None:
     _TREES_WITHOUT_GRAPHS[device] = weakref.ref(manager)
 
 
-def _yield_pool(manager: Any, reserved: int, size: int) -> bool:
+def _yield_pool(
+    manager: Any, reserved: int, size: int, moved: frozenset[int] | set[int] = frozenset()
+) -> bool:
     """Releases the pool of an idle tree manager (its graphs go; so does the pool, once the
-    allocator frees its cache). A tree released before goes on without CUDA graphs instead of
-    being captured again at every step. Returns whether the graphs went."""
+    allocator frees its cache); ``moved``: the held outputs copied out of it already. A tree
+    released before goes on without CUDA graphs instead of being captured again at every
+    step. Returns whether the graphs went."""
     device = int(getattr(manager, "device_index", 0))
     what = _describe_tree(manager)
     try:
-        _drop_graphs(manager)
+        _drop_graphs(manager, moved)
     except Exception:  # an Inductor of other internals: no graphs of it are used again
         _set_without_graphs(
             manager, f"Large Model Support: the graphs of {what} could not be dropped."
@@ -709,13 +768,30 @@ def _release_idle(device: int, size: int) -> tuple[bool, str]:
         held = f"{what} holds {_mib(use.reserved)}" if use.reserved is not None else what
         if int(getattr(manager, _RUNNING, 0)) > 0:
             notes.append(f"{held}, kept: one of its functions is running")
-        elif use.in_use():
+        elif use.in_use() and not use.movable():
             notes.append(f"{held}, kept: {use.holders()}")
-        elif _yield_pool(manager, int(use.reserved or 0), size):
-            released = True
-            notes.append(f"{held}, released")
         else:
-            notes.append(f"{held}, kept: its graphs could not be dropped")
+            moved: set[int] = set()
+            if use.movable():
+                try:
+                    moved = _move_held_outputs(use)
+                except Exception as error:  # no room even for the copies: keep the pool
+                    notes.append(
+                        f"{held}, kept: {use.holders()}, and copying them out of it failed "
+                        f"({error})"
+                    )
+                    continue
+                _RELEASES["outputs_moved"] += len(moved)
+            if _yield_pool(manager, int(use.reserved or 0), size, moved):
+                released = True
+                copied = (
+                    f" ({len(moved)} output(s) it held, {_mib(use.output_bytes)}, copied out first)"
+                    if moved
+                    else ""
+                )
+                notes.append(f"{held}, released{copied}")
+            else:
+                notes.append(f"{held}, kept: its graphs could not be dropped")
     others = _private_pool_bytes(device)
     if others is not None and others > counted:
         notes.append(
@@ -750,8 +826,9 @@ def release_idle_graph_pools(device: int, size: int) -> tuple[bool, str]:
 
 
 def graph_pool_releases() -> dict[str, int]:
-    """How many CUDA graph pools of idle trees went back to the device in this process, and
-    their bytes: ``{"count": ..., "bytes": ...}``."""
+    """How many CUDA graph pools of idle trees went back to the device in this process, their
+    bytes, and how many outputs of their graphs that the program held were copied out of them
+    first: ``{"count": ..., "bytes": ..., "outputs_moved": ...}``."""
     return dict(_RELEASES)
 
 

@@ -7,7 +7,10 @@
 #include <ATen/cuda/LmsPinning.h>
 #include <ATen/cuda/LmsRecipes.h>
 #include <c10/core/StorageImpl.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/utils/device_lazy_init.h>
@@ -18,6 +21,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace torch::cuda::lms {
@@ -197,6 +201,35 @@ void access(const at::Tensor& tensor) {
   engine::access(storageOf(tensor, "_cuda_lms_access"));
 }
 
+// Gives the storage of `tensor` memory of its own from the device's caching
+// allocator, holding the same bytes. For outputs of CUDA graphs that the
+// program holds: their storages own nothing, their memory is the graph pool's,
+// and the pool of an idle graph tree can go back to the device only once
+// nothing in it is used (torch/cuda/_lms_cudagraphs.py). The copy runs on the
+// current stream, which is synchronized before the storage changes hands: the
+// pool's memory goes to others as soon as the tree's graphs are dropped.
+void moveOutOfPool(const at::Tensor& tensor) {
+  c10::StorageImpl& storage = storageOf(tensor, "_cuda_lms_moveOutOfPool");
+  TORCH_CHECK_VALUE(
+      storage.device_type() == c10::DeviceType::CUDA,
+      "_cuda_lms_moveOutOfPool: expected a CUDA tensor, got one on ",
+      storage.device().str());
+  const size_t nbytes = storage.nbytes();
+  const c10::cuda::CUDAGuard guard(storage.device());
+  c10::DataPtr fresh = c10::cuda::CUDACachingAllocator::get()->allocate(nbytes);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (nbytes > 0) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(
+        fresh.get(),
+        storage.data_ptr().get(),
+        nbytes,
+        cudaMemcpyDeviceToDevice,
+        stream));
+  }
+  C10_CUDA_CHECK(cudaStreamSynchronize(stream));
+  storage.set_data_ptr_noswap(std::move(fresh));
+}
+
 int64_t pageInAhead(const std::vector<at::Tensor>& tensors) {
   std::vector<c10::StorageImpl*> storages;
   storages.reserve(tensors.size());
@@ -350,6 +383,9 @@ void initLmsBindings(PyObject* module) {
       torch::wrap_pybind_function_no_gil(&resetAccumulatedStats));
   m.def("_cuda_lms_storageState", torch::wrap_pybind_function(&storageState));
   m.def("_cuda_lms_access", torch::wrap_pybind_function_no_gil(&access));
+  m.def(
+      "_cuda_lms_moveOutOfPool",
+      torch::wrap_pybind_function_no_gil(&moveOutOfPool));
   py::class_<LaunchPinsHandle>(m, "_CudaLmsLaunchPins")
       .def(
           "release",
