@@ -31,6 +31,8 @@ struct FakeRecipes {
   std::mutex mutex;
   std::map<void*, uint64_t> seed; // by DataPtr context
   double cost_ms = 0.0;
+  // A storage's own replay cost (by DataPtr context), instead of cost_ms.
+  std::map<void*, double> cost_of;
   bool valid = true;
   int forgotten = 0;
   int replays = 0;
@@ -49,9 +51,12 @@ inline FakeRecipes& recipes() {
 inline double fakeCost(c10::StorageImpl& storage) {
   FakeRecipes& r = recipes();
   std::lock_guard<std::mutex> lock(r.mutex);
-  const bool known =
-      r.seed.count(storage._mutable_data_ptr_no_checks().get_context()) > 0;
-  return known && r.valid ? r.cost_ms : -1.0;
+  void* context = storage._mutable_data_ptr_no_checks().get_context();
+  const bool known = r.seed.count(context) > 0;
+  const auto own = r.cost_of.find(context);
+  return !known || !r.valid    ? -1.0
+      : own != r.cost_of.end() ? own->second
+                               : r.cost_ms;
 }
 
 inline bool fakeRetain(c10::StorageImpl& storage) {
@@ -100,6 +105,10 @@ inline void fakeRecompute(c10::StorageImpl& storage) {
     std::lock_guard<std::mutex> lock(r.mutex);
     r.seed.erase(old_context);
     r.seed[context] = seed;
+    if (const auto own = r.cost_of.find(old_context); own != r.cost_of.end()) {
+      r.cost_of[context] = own->second;
+      r.cost_of.erase(own);
+    }
   }
   c10::cuda::lms::setRecomputable(storage, true);
 }
@@ -108,6 +117,7 @@ inline void fakeForget(void* context) {
   FakeRecipes& r = recipes();
   std::lock_guard<std::mutex> lock(r.mutex);
   r.seed.erase(context);
+  r.cost_of.erase(context);
   ++r.forgotten;
 }
 
@@ -141,6 +151,7 @@ class FakeRecipesInstalled {
     {
       std::lock_guard<std::mutex> lock(r.mutex);
       r.seed.clear();
+      r.cost_of.clear();
       r.input_of.clear();
       r.cost_ms = 0.0;
       r.valid = true;

@@ -2432,4 +2432,89 @@ TEST_CASE(limit_reclaim_drops_recomputable_victims) {
   env.checkBaseline();
 }
 
+// Recompute first: a reclaim drops the storages whose replay is cheap before
+// it pages anything out, the most bytes per millisecond of replay first and,
+// among equals, the one whose next use is furthest (here, without a learned
+// schedule: the least recently used). The storage without a recipe at the
+// head of the reclaim order is paged out only once nothing cheap is left.
+TEST_CASE(reclaims_drop_cheap_replays_first_best_priced_first) {
+  Env env(64 * kMiB);
+  {
+    RecomputeEnv recompute;
+    lms::resetAccumulatedStats(0);
+    const double paging = lms::pagingCostMs(0, 8 * kMiB);
+    std::printf("  paging 8 MiB out and back in: %.3f ms\n", paging);
+    REQUIRE(paging > 0.4); // p/40 above the least price of a replay
+    auto plain = newStorage(8 * kMiB); // least recently used
+    write(*plain, 800);
+    auto dear = recompute.withRecipe(8 * kMiB, 801); // 10x the replay
+    auto cheap = recompute.withRecipe(8 * kMiB, 802);
+    auto costly = recompute.withRecipe(8 * kMiB, 803); // dearer than paging
+    auto stale = recompute.withRecipe(8 * kMiB, 804);
+    auto fresh = recompute.withRecipe(8 * kMiB, 805);
+    auto cost = [&](const StoragePtr& s, double ms) {
+      FakeRecipes& r = recipes();
+      std::lock_guard<std::mutex> lock(r.mutex);
+      r.cost_of[s->_mutable_data_ptr_no_checks().get_context()] = ms;
+    };
+    cost(dear, paging / 4);
+    cost(cheap, paging / 40);
+    cost(costly, paging * 10);
+    cost(stale, paging / 20);
+    cost(fresh, paging / 20);
+    // `stale` and `fresh` cost the same: `fresh` was used later.
+    for (int i = 0; i < 3; ++i) {
+      lms::beginOperator("recompute_first_" + std::to_string(i), {});
+    }
+    lms::pin(*fresh);
+    lms::unpin(*fresh);
+    const auto reclaim_one = [&](const StoragePtr& expected) {
+      CHECK_EQ(lms::reclaimBytes(0, 8 * kMiB), 8 * kMiB);
+      CHECK(state(expected) == lms::StorageState::Dropped);
+    };
+    reclaim_one(cheap);
+    reclaim_one(stale);
+    reclaim_one(fresh);
+    reclaim_one(dear);
+    CHECK(state(plain) == lms::StorageState::Inactive);
+    CHECK(state(costly) == lms::StorageState::Inactive);
+    CHECK_EQ(lms::getStats(0).pageout_count, 0);
+    // Nothing cheap is left: the reclaim order pages out.
+    CHECK_EQ(lms::reclaimBytes(0, 8 * kMiB), 8 * kMiB);
+    CHECK(state(plain) == lms::StorageState::PagedOut);
+    CHECK(state(costly) == lms::StorageState::Inactive);
+    const auto st = lms::getStats(0);
+    CHECK_EQ(st.drop_count, 4);
+    CHECK_EQ(st.pageout_count, 1);
+    CHECK(matches(*plain, 800));
+    CHECK(matches(*dear, 801));
+    CHECK(matches(*cheap, 802));
+    CHECK(matches(*costly, 803));
+    CHECK(matches(*stale, 804));
+    CHECK(matches(*fresh, 805));
+  }
+  env.checkBaseline();
+}
+
+// With recompute off the same storages are paged out in the reclaim order,
+// the storage without a recipe first: recompute first changes nothing else.
+TEST_CASE(with_recompute_off_reclaims_keep_the_reclaim_order) {
+  Env env(64 * kMiB);
+  {
+    RecomputeEnv recompute;
+    lms::setRecomputeEnabled(false);
+    lms::resetAccumulatedStats(0);
+    auto plain = newStorage(8 * kMiB);
+    write(*plain, 810);
+    auto cheap = recompute.withRecipe(8 * kMiB, 811);
+    CHECK_EQ(lms::reclaimBytes(0, 8 * kMiB), 8 * kMiB);
+    CHECK(state(plain) == lms::StorageState::PagedOut);
+    CHECK(state(cheap) == lms::StorageState::Inactive);
+    CHECK_EQ(lms::getStats(0).drop_count, 0);
+    CHECK(matches(*plain, 810));
+    CHECK(matches(*cheap, 811));
+  }
+  env.checkBaseline();
+}
+
 LMS_TEST_MAIN()

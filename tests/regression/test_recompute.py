@@ -187,6 +187,62 @@ def test_dropout_replays_with_its_saved_generator_state(autocast: bool) -> None:
     assert ops[name]["recompute_bytes"] == d.numel() * d.element_size()
 
 
+BATCH_NORMS = (
+    "aten::batch_norm",
+    "aten::_batch_norm_impl_index",
+    "aten::_batch_norm_with_update",
+    "aten::native_batch_norm",
+    "aten::_native_batch_norm_legit",
+    "aten::cudnn_batch_norm",
+)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_training_batch_norm_replays_without_updating_running_statistics(
+    autocast: bool,
+) -> None:
+    """A training-mode batch norm output is dropped and comes back with the same bits, and
+    the module's running statistics change once, in its own run: the replay updates copies
+    of them. Its input (16 MiB, random: no recipe) is paged out after the drop and paged in
+    for the replay. In evaluation mode the output reads the running statistics: no recipe,
+    it is paged out."""
+    _on()
+    bn = torch.nn.BatchNorm2d(64).cuda().train()
+    g = torch.Generator(device="cuda").manual_seed(21)
+    x = torch.randn(16, 64, 64, 64, device="cuda", generator=g) * 3 + 1
+
+    def make() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return bn(x)
+
+    _warm(make)
+    before = bn.running_mean.clone(), bn.running_var.clone()
+    y = make()  # 16 MiB
+    want = y.cpu()
+    after = bn.running_mean.clone(), bn.running_var.clone()
+    assert not torch.equal(after[0], before[0]) and not torch.equal(after[1], before[1])
+    torch.cuda.synchronize()
+    torch.cuda.reset_accumulated_lms_stats()
+    assert torch.cuda.reclaim_inactive() > 0
+    assert storage_state(y) == "dropped"
+    assert storage_state(x) == "paged out"
+    assert torch.equal(y.cpu(), want)  # replayed: the same bits
+    assert torch.equal(bn.running_mean, after[0]), "the replay updated running_mean"
+    assert torch.equal(bn.running_var, after[1]), "the replay updated running_var"
+    ops = torch.cuda.lms_recompute_operators()
+    replayed = [n for n in BATCH_NORMS if ops.get(n, {}).get("recompute_count", 0) > 0]
+    assert len(replayed) == 1, ops
+    assert ops[replayed[0]]["drop_count"] == 1, ops
+    assert torch.cuda.lms_stats()["recompute_count"] == 1
+    bn.eval()
+    z = make()
+    want_z = z.cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(z) == "paged out"
+    assert torch.equal(z.cpu(), want_z)
+
+
 def test_recompute_off_pages_out() -> None:
     _on()
     torch.cuda.set_recompute_lms(False)

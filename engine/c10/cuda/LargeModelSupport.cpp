@@ -158,7 +158,11 @@ c10::DataPtr allocate(
   r->fresh = true;
   // Born in the running operator: the schedule measures distances from here.
   r->touch.store(g_op_clock.load(std::memory_order_relaxed));
-  r->gap.store(AccessSchedule::kBirth + g_births_in_op.fetch_add(1));
+  // A replay's allocations are not the operator's own: whether it needs one
+  // differs between iterations, and its ordinals must not.
+  r->gap.store(
+      AccessSchedule::kBirth +
+      (t_replays > 0 ? g_births_in_op.load() : g_births_in_op.fetch_add(1)));
   if (ws.active && ws.device == device) {
     r->working_set = ws.serial;
     ws.inside += size;

@@ -150,6 +150,10 @@ struct Record {
   // Its memory went to another storage (fillDropped): its death is not the
   // death of a storage the learned schedule knows.
   bool moved = false;
+  // Device milliseconds its replay cost when last priced (RecomputeHooks::
+  // cost_ms; -1: never priced, or no longer recomputable): which candidates
+  // a reclaim prices again first (cheapDrops).
+  double replay_ms = -1.0;
   // Operator clock of the allocation or the last pin: what the learned
   // schedule identifies the storage by (see LargeModelSupportSchedule.h).
   std::atomic<uint64_t> touch{0};
@@ -518,7 +522,18 @@ extern thread_local WorkingSet t_working_set;
 // LargeModelSupportRecompute.cpp: drop and recompute
 extern std::atomic<const RecomputeHooks*> g_recompute_hooks;
 extern thread_local int t_recompute_pins;
+extern thread_local int t_replays;
 bool dropInstead(DeviceEngine& e, Record& r, StorageRef& keep_alive);
+// A storage a reclaim may drop before it pages anything out: its record,
+// the storage (kept alive while the reclaim runs) and its rank (the bytes
+// its drop frees per millisecond of replay, times its distance to its next
+// use).
+struct DropCandidate {
+  Record* r = nullptr;
+  StorageRef storage;
+  double score = 0.0;
+};
+std::vector<DropCandidate> cheapDrops(DeviceEngine& e, size_t threshold);
 Record* settledResident(
     c10::StorageImpl& storage,
     Record* r,

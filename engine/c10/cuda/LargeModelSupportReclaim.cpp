@@ -297,7 +297,8 @@ thread_local bool t_host_refused = false;
 
 // Pages out inactive storages until `bytes` are freed or none is left: the
 // one used furthest in the future while a learned schedule is active, else
-// the least recently used. Returns the bytes freed.
+// the least recently used. With recompute on, storages whose replay is cheap
+// are dropped first, best ranked first (cheapDrops). Returns the bytes freed.
 size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
   t_host_refused = false;
   // Storages paged out early are on their way already: releasing their
@@ -306,6 +307,36 @@ size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
   size_t freed = drainPageOuts(e, bytes);
   bool counted = false;
   const size_t threshold = g_size_threshold.load();
+  if (freed < bytes && g_recompute.load()) {
+    // Destroyed after every victim is no longer busy.
+    const std::vector<DropCandidate> drops = cheapDrops(e, threshold);
+    for (const DropCandidate& c : drops) {
+      if (freed >= bytes) {
+        break;
+      }
+      {
+        std::lock_guard<std::mutex> lock(e.mutex);
+        // Taken meanwhile, or no longer its storage's allocation.
+        if (recordOf(*c.storage) != c.r || c.r->busy ||
+            c.r->list != &e.reclaim_list) {
+          continue;
+        }
+        e.reclaim_list.remove(c.r);
+        c.r->busy = true;
+        if (!counted) {
+          counted = true;
+          countReclaim(e, trigger);
+        }
+      }
+      StorageRef keep_alive;
+      // Dropped, or paged out when its price has changed since it was
+      // ranked (dropInstead decides again).
+      if (!pageOutVictim(e, *c.r, keep_alive)) {
+        return freed;
+      }
+      freed += c.r->size;
+    }
+  }
   while (freed < bytes) {
     // Destroyed last in each round, after the victim is no longer busy.
     StorageRef keep_alive;

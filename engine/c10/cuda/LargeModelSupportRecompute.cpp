@@ -1,13 +1,20 @@
-// Recompute instead of paging (setRecomputeEnabled): a victim with a recipe
-// is dropped when replaying it costs less than paging it out and back in,
-// and a dropped storage is recomputed when it is used, through the hooks of
-// the layer that records recipes (RecomputeHooks).
+// Recompute instead of paging (setRecomputeEnabled): a reclaim first drops
+// the storages whose replay is cheap, best bytes per millisecond of replay
+// and furthest next use first (cheapDrops), and pages out only what is left;
+// any other victim with a recipe is dropped when replaying it costs less
+// than paging it out and back in (dropInstead). A dropped storage is
+// recomputed when it is used, through the hooks of the layer that records
+// recipes (RecomputeHooks).
 
 #include <c10/cuda/LargeModelSupportInternal.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdio>
+#include <limits>
 #include <mutex>
 #include <utility>
+#include <vector>
 
 namespace c10::cuda::lms {
 
@@ -18,6 +25,11 @@ std::atomic<const RecomputeHooks*> g_recompute_hooks{nullptr};
 // Pins made for a recompute's replay on this thread (pinForRecompute): uses
 // the program does not make, which the learned schedule must not see.
 thread_local int t_recompute_pins = 0;
+
+// Replays of dropped storages running on this thread (rematerialize): what
+// they allocate is no allocation of the running operator, whose ordinals
+// identify its outputs in the learned schedule.
+thread_local int t_replays = 0;
 
 // Drops a victim instead of copying it out, when it has a recipe and
 // recomputing it costs less than paging it out and back in (pagingCost():
@@ -85,6 +97,163 @@ bool dropInstead(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
 
 namespace {
 
+// Candidates a reclaim prices (cheapDrops): pricing asks the recipes (a
+// lookup, and an event query and a state per input), so a reclaim asks
+// again only about those that ranked best by their last price, not about
+// every inactive storage.
+constexpr size_t kPricedCandidates = 16;
+
+// A replay is priced at no less than this many milliseconds: one kernel
+// launch. It keeps the ratio of bytes to milliseconds finite.
+constexpr double kLeastReplayMs = 0.005;
+
+// The rank of dropping `bytes` whose replay takes `ms`, next used
+// `distance` operators from now: bytes freed per millisecond of replay,
+// times the distance (the memory is free for longer, and a replay far ahead
+// of its use can be made ahead of it). As DTR and Capuchin rank evictions.
+double dropScore(size_t bytes, double ms, uint64_t distance) {
+  return static_cast<double>(bytes) * static_cast<double>(distance) /
+      std::max(ms, kLeastReplayMs);
+}
+
+} // namespace
+
+// The storages a reclaim drops before it pages anything out, best first:
+// inactive, resident storages with a recipe whose replay costs less than
+// paging them out and back in (pagingCost), ranked by dropScore(). The
+// distance is to the next use the learned schedule predicts (twice the
+// period for one it predicts none for), and without a schedule the time
+// since the last use (least recently used first, as DTR's staleness).
+// Storages kept for a recompute (needed_by) are left out: dropping an input
+// of a dropped storage's recipe would make the chain of replays longer.
+// Empty when recompute is off, when no hooks are installed, and before any
+// copy was timed (victims are then paged out: that measures the bus). The
+// engine lock is not held.
+std::vector<DropCandidate> cheapDrops(DeviceEngine& e, size_t threshold) {
+  std::vector<DropCandidate> out;
+  const RecomputeHooks* hooks = g_recompute_hooks.load();
+  if (hooks == nullptr || !g_recompute.load()) {
+    return out;
+  }
+  struct Seen {
+    Record* r;
+    uint64_t distance;
+    double guess; // by the last price, unpriced first
+  };
+  std::vector<Seen> seen;
+  std::vector<uint64_t> distances;
+  // Released after the engine lock: a last reference runs the deleter.
+  std::vector<StorageRef> passed;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    std::unique_lock<std::mutex> schedule_lock(
+        g_schedule_mutex, std::defer_lock);
+    const AccessSchedule* schedule = nullptr;
+    uint64_t now = g_op_clock.load(std::memory_order_relaxed);
+    if (g_schedule_enabled.load()) {
+      schedule_lock.lock();
+      if (theSchedule().active()) {
+        schedule = &theSchedule();
+        now = schedule->now();
+      } else {
+        schedule_lock.unlock();
+      }
+    }
+    for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
+      if (!r->recomputable || r->busy || r->size < threshold ||
+          r->graph_owned || r->draining || !r->stream_known ||
+          r->device_ptr == nullptr ||
+          r->needed_by.load(std::memory_order_relaxed) != 0) {
+        continue;
+      }
+      const uint64_t touch = r->touch.load(std::memory_order_relaxed);
+      uint64_t distance = 1;
+      if (schedule != nullptr) {
+        const uint64_t next = schedule->nextUse(touch, r->size, r->gap.load());
+        distance = next == AccessSchedule::kNever ? 2 * schedule->period()
+            : next > now                          ? next - now
+                                                  : 1;
+      } else if (now > touch) {
+        distance = now - touch + 1;
+      }
+      seen.push_back(Seen{r, std::max<uint64_t>(distance, 1), r->replay_ms});
+    }
+    const size_t priced = std::min(seen.size(), kPricedCandidates);
+    std::partial_sort(
+        seen.begin(),
+        seen.begin() + static_cast<std::ptrdiff_t>(priced),
+        seen.end(),
+        [](const Seen& a, const Seen& b) {
+          // Never priced: first, so that every candidate gets a price.
+          const double sa = a.guess < 0.0
+              ? std::numeric_limits<double>::infinity()
+              : dropScore(a.r->size, a.guess, a.distance);
+          const double sb = b.guess < 0.0
+              ? std::numeric_limits<double>::infinity()
+              : dropScore(b.r->size, b.guess, b.distance);
+          return sa > sb;
+        });
+    seen.resize(priced);
+    for (const Seen& c : seen) {
+      StorageRef storage = c.r->owner.lock();
+      if (!storage || recordOf(*storage) != c.r) {
+        passed.push_back(std::move(storage));
+        continue;
+      }
+      out.push_back(DropCandidate{c.r, std::move(storage), 0.0});
+      distances.push_back(c.distance);
+    }
+  }
+  // Priced outside the engine lock: the recipes read their inputs' states.
+  size_t kept = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    DropCandidate& c = out[i];
+    const size_t size = c.storage->nbytes();
+    const double paging = pagingCost(e, size);
+    if (paging < 0.0) {
+      out.clear(); // the bus is not measured yet
+      return out;
+    }
+    const double cost = hooks->cost_ms(*c.storage);
+    {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      if (recordOf(*c.storage) != c.r) {
+        continue;
+      }
+      c.r->replay_ms = cost;
+    }
+    if (isRecomputeLogEnabled()) {
+      std::fprintf(
+          stderr,
+          "LMS recompute: candidate of %zu bytes, next use in %llu "
+          "operators: recompute %.3f ms, paging %.3f ms: %s\n",
+          size,
+          static_cast<unsigned long long>(distances[i]),
+          cost,
+          paging,
+          cost >= 0.0 && cost < paging ? "drop first" : "not first");
+    }
+    if (cost < 0.0 || cost >= paging) {
+      continue;
+    }
+    c.score = dropScore(size, cost, distances[i]);
+    if (kept != i) {
+      out[kept] = std::move(c);
+    }
+    ++kept;
+  }
+  out.resize(kept);
+  std::stable_sort(
+      out.begin(),
+      out.end(),
+      [](const DropCandidate& a, const DropCandidate& b) {
+        return a.score > b.score;
+      });
+  return out;
+}
+
+namespace {
+
 // Serializes recomputes: a replay may recompute its own inputs first (the
 // same thread, again), and two threads must not both recompute one storage.
 std::recursive_mutex g_recompute_mutex;
@@ -132,12 +301,15 @@ Record* rematerialize(c10::StorageImpl& storage, Record* r) {
   DeviceScope guard(e.device);
   cudaEvent_t start = e.events.get(/*timing=*/true);
   C10_CUDA_CHECK(cudaEventRecord(start, stream));
+  ++t_replays;
   try {
     hooks->recompute(storage);
   } catch (...) {
+    --t_replays;
     e.events.put(start);
     throw;
   }
+  --t_replays;
   cudaEvent_t end = e.events.get(/*timing=*/true);
   C10_CUDA_CHECK(cudaEventRecord(end, stream));
   addTiming(e, Timed::Recompute, start, end, size);

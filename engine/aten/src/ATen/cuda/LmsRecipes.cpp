@@ -85,6 +85,19 @@ bool onAllowList(std::string_view name) {
       "aten::native_layer_norm",
       "aten::group_norm",
       "aten::native_group_norm",
+      // Batch normalization in training mode: saves its input. Its running
+      // statistics are updated in place (scratchArguments): a replay runs on
+      // copies of them, so they change once, in the operator's own run. The
+      // output depends only on the batch's statistics. Whichever of these
+      // the boundary sees: batch_norm (the outermost), or what it calls
+      // under autocast (_batch_norm_with_update in PyTorch 2.x, through
+      // _batch_norm_impl_index in 1.x), and the kernels' own.
+      "aten::batch_norm",
+      "aten::_batch_norm_impl_index",
+      "aten::_batch_norm_with_update",
+      "aten::native_batch_norm",
+      "aten::_native_batch_norm_legit",
+      "aten::cudnn_batch_norm",
       // Pooling: saves its input.
       "aten::max_pool2d",
       "aten::max_pool2d_with_indices",
@@ -109,6 +122,14 @@ bool isRandom(std::string_view name) {
   return name == "aten::dropout" || name == "aten::native_dropout";
 }
 
+// Whether an argument named `name` of an operator on the allow-list is state
+// the operator updates in place but that does not shape its output: batch
+// normalization's running statistics in training mode. A recipe neither
+// holds nor tracks it, and a replay runs on a copy of it.
+bool isScratchArgument(std::string_view name) {
+  return name == "running_mean" || name == "running_var";
+}
+
 thread_local int t_replaying = 0;
 
 // An operator's handle and whether it may be a recipe, per operator name.
@@ -121,6 +142,12 @@ struct OperatorInfo {
   // whatever autocast's state at the replay.
   bool cast_free = false;
   std::vector<size_t> written; // the arguments its schema writes
+  // Running statistics (isScratchArgument): replayed on copies.
+  std::vector<size_t> scratch;
+  // Its `training` argument, where it has one: only a training-mode run is
+  // a recipe (in evaluation mode the output reads the running statistics,
+  // which a later training step changes in place).
+  std::optional<size_t> training;
 };
 
 const OperatorInfo& infoOf(const c10::OperatorName& name) {
@@ -135,17 +162,27 @@ const OperatorInfo& infoOf(const c10::OperatorName& name) {
     if (handle.has_value() && handle->hasSchema()) {
       const c10::FunctionSchema& schema = handle->schema();
       const auto& arguments = schema.arguments();
+      const bool listed = onAllowList(name.name);
+      bool writes_state_only = true; // every written argument is scratch
       for (size_t i = 0; i < arguments.size(); ++i) {
+        const bool scratch = listed && isScratchArgument(arguments[i].name());
+        if (scratch) {
+          slot->scratch.push_back(i);
+        }
+        if (listed && arguments[i].name() == "training") {
+          slot->training = i;
+        }
         if (arguments[i].alias_info() && arguments[i].alias_info()->isWrite()) {
           slot->written.push_back(i);
+          writes_state_only = writes_state_only && scratch;
         }
       }
       bool aliases = false;
       for (const c10::Argument& ret : schema.returns()) {
         aliases = aliases || static_cast<bool>(ret.alias_info());
       }
-      slot->pure = onAllowList(name.name) && slot->written.empty() &&
-          !schema.is_mutable() && !aliases;
+      slot->pure = listed && writes_state_only &&
+          (slot->written.empty() ? !schema.is_mutable() : true) && !aliases;
       slot->random = isRandom(name.name);
       slot->cast_free =
           handle->hasKernelForDispatchKey(c10::DispatchKey::CUDA) &&
@@ -217,6 +254,9 @@ struct TensorArg {
   uint32_t version = 0;
   at::Tensor strong;
   c10::StorageImpl* storage = nullptr; // CUDA storage, for dependents
+  // Running statistics (isScratchArgument): neither held nor tracked (the
+  // operator itself writes them); a replay runs on a copy.
+  bool scratch = false;
 };
 
 // Whether a recipe can hold `tensor` as its storage and view: a dense,
@@ -501,6 +541,21 @@ at::Tensor tensorOf(const TensorArg& arg) {
   return storage ? viewOf(arg, std::move(storage)) : at::Tensor();
 }
 
+c10::StorageImpl* cudaStorageOf(const at::Tensor& tensor) {
+  c10::StorageImpl* storage =
+      tensor.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
+  return storage != nullptr && storage->device_type() == c10::DeviceType::CUDA
+      ? storage
+      : nullptr;
+}
+
+// The running statistics an argument held (its view of their storage, of
+// whatever version), or undefined when they are gone.
+at::Tensor scratchOf(const TensorArg& arg) {
+  StorageStrong storage = arg.weak.lock();
+  return storage ? viewOf(arg, std::move(storage)) : at::Tensor();
+}
+
 // With the recompute log on (engine::isRecomputeLogEnabled), why a recipe
 // cannot price a recompute, and recipes an existing one blocks, are printed.
 double noCost(const Recipe& recipe, const char* why) {
@@ -540,6 +595,9 @@ double costMs(c10::StorageImpl& storage) {
       return noCost(*recipe, "its run is not timed yet");
     }
     for (const TensorArg& arg : recipe->tensors) {
+      if (arg.scratch) {
+        continue; // resident (small) or copied: not priced
+      }
       at::Tensor t = tensorOf(arg);
       if (!t.defined()) {
         return noCost(*recipe, "an input is gone or was written");
@@ -603,6 +661,10 @@ bool retain(c10::StorageImpl& storage) {
   }
   held.reserve(recipe.tensors.size());
   for (const TensorArg& arg : recipe.tensors) {
+    if (arg.scratch) {
+      held.emplace_back(); // not held: a replay copies what is there then
+      continue;
+    }
     at::Tensor t = tensorOf(arg);
     if (!t.defined()) {
       return false;
@@ -694,9 +756,19 @@ void recompute(c10::StorageImpl& storage) {
   // The replay's arguments: every tensor alive and unchanged.
   std::vector<c10::IValue> stack = recipe->args;
   std::vector<c10::StorageImpl*> inputs;
+  // Running statistics: replayed on copies (scratchArguments), by index.
+  std::vector<std::pair<const TensorArg*, at::Tensor>> scratch;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     for (const TensorArg& arg : recipe->tensors) {
+      if (arg.scratch) {
+        at::Tensor t = scratchOf(arg);
+        if (c10::StorageImpl* held = t.defined() ? cudaStorageOf(t) : nullptr) {
+          inputs.push_back(held); // read by the copy
+        }
+        scratch.emplace_back(&arg, std::move(t));
+        continue;
+      }
       at::Tensor t = tensorOf(arg);
       TORCH_CHECK(
           t.defined(),
@@ -736,6 +808,16 @@ void recompute(c10::StorageImpl& storage) {
     }
     ++t_replaying;
     try {
+      for (auto& [arg, stats] : scratch) {
+        // The operator updates them in place: it updates a copy here, so the
+        // real ones change once, in its own run. In training mode the output
+        // reads only the batch's statistics: the same bits either way (zeros
+        // where the module that held them is gone).
+        stack[arg->index] = stats.defined()
+            ? stats.clone()
+            : stack[recipe->tensors.front().index].toTensor().new_zeros(
+                  arg->sizes, at::TensorOptions().dtype(arg->dtype));
+      }
       recipe->handle.callBoxed(&stack);
     } catch (...) {
       --t_replaying;
@@ -842,14 +924,6 @@ bool collectable(const c10::IValue& value) {
   return true;
 }
 
-c10::StorageImpl* cudaStorageOf(const at::Tensor& tensor) {
-  c10::StorageImpl* storage =
-      tensor.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl();
-  return storage != nullptr && storage->device_type() == c10::DeviceType::CUDA
-      ? storage
-      : nullptr;
-}
-
 } // namespace
 
 bool replaying() {
@@ -905,6 +979,10 @@ CapturePtr capture(const at::RecordFunction& fn) {
   if (inputs.size() != info.handle->schema().arguments().size()) {
     return nullptr; // the record has no arguments to replay with
   }
+  if (info.training.has_value() &&
+      !(inputs[*info.training].isBool() && inputs[*info.training].toBool())) {
+    return nullptr; // evaluation mode: reads the running statistics
+  }
   CapturePtr capture(new Capture(*info.handle));
   capture->args.reserve(inputs.size());
   for (const c10::IValue& value : inputs) {
@@ -913,8 +991,13 @@ CapturePtr capture(const at::RecordFunction& fn) {
     }
     if (value.isTensor() && value.toTensor().defined()) {
       const at::Tensor& tensor = value.toTensor();
+      const bool scratch =
+          std::find(
+              info.scratch.begin(), info.scratch.end(), capture->args.size()) !=
+          info.scratch.end();
       if (tensor.is_inference() || !viewable(tensor) ||
-          !tensor.unsafeGetTensorImpl()->version_counter().enabled()) {
+          (!scratch &&
+           !tensor.unsafeGetTensorImpl()->version_counter().enabled())) {
         return nullptr;
       }
       const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
@@ -932,7 +1015,10 @@ CapturePtr capture(const at::RecordFunction& fn) {
       arg.wrapped_number = impl->is_wrapped_number();
       arg.version_counter = impl->version_counter();
       arg.version = arg.version_counter.current_version();
-      arg.storage = cudaStorageOf(tensor);
+      arg.scratch = scratch;
+      // Running statistics are no input a recipe depends on: the operator
+      // writes them itself, and a replay copies them.
+      arg.storage = scratch ? nullptr : cudaStorageOf(tensor);
       if (arg.storage != nullptr && capture->device < 0) {
         capture->device = arg.storage->device().index();
       }

@@ -18,6 +18,9 @@
 //   (convolution, matrix products, pointwise operators whose backward reads
 //   their inputs, layer and group normalization, pooling, embedding) whose
 //   schema writes no argument and returns no alias: same inputs, same bits.
+//   Batch normalization in training mode writes only its running
+//   statistics, which do not shape its output: a replay runs on copies of
+//   them, so they change once (evaluation mode is no recipe).
 //   Their tensor arguments are ones autograd saves anyway, so keeping them
 //   alive for a dropped storage costs no memory.
 // * Random operators on the list (dropout) save the state of the device's
