@@ -973,19 +973,31 @@ def test_train_measure_sets_recompute_up_for_lms_hybrid_and_puts_it_back(
     assert m.recompute_ms_per_iter == 15.0 and m.dropped_peak_bytes == 2 * GiB
     assert compare.capped_measurement_record(m)["recompute_ms_per_iter"] == "15.00"
 
-    # An lms row runs with recompute off, also where it was on before, and puts it back.
+    assert m.recompute_on is True
+    # An lms_paging row runs with recompute off, also where it was on before, and puts it back.
     torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True, state=True)
-    m = Measurement("resnet152", "lms", None, None, 4)
-    settings = compare.method_lms_settings(args, "lms", None)
+    m = Measurement("resnet152", "lms_paging", None, None, 4)
+    settings = compare.method_lms_settings(args, "lms_paging", None)
     compare.train_measure(
         args, TinyWorkload(torch, events, cuda), m, warmup=1, iterations=2, lms=settings
     )
-    assert m.status == "ok"
+    assert m.status == "ok" and m.recompute_on is False
     assert [e for e in events if e[0] != "apply_lms"] == [
         ("set_recompute_lms", False),
         ("build", False),
         ("set_recompute_lms", True),
     ]
+    # An lms row keeps LMS's own default, on or off, and says which it was.
+    for default in (True, False):
+        torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True, state=default)
+        m = Measurement("resnet152", "lms", None, None, 4)
+        settings = compare.method_lms_settings(args, "lms", None)
+        compare.train_measure(
+            args, TinyWorkload(torch, events, cuda), m, warmup=1, iterations=2, lms=settings
+        )
+        assert m.status == "ok" and m.recompute_on is default
+        assert [e for e in events if e[0] != "apply_lms"] == [("build", default)]
+        assert f"recompute {'on' if default else 'off'}" in compare.describe(m)
     # A row without LMS leaves recompute alone.
     torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True)
     m = Measurement("resnet152", "baseline", None, None, 4)
