@@ -66,6 +66,10 @@ MIN_STEADY_ITERATIONS = 10
 # compare.py options every call of a run gets (bf16 autocast, as the committed H200 results
 # the estimates come from were run; --speed-args replaces them).
 DEFAULT_COMPARE_ARGS = ("--amp",)
+# compare.py options of one model's calls, before --speed-args (which may override them):
+# ResNet-152's batch 64 (compare.py's default is 8), the capped batch and the first fitting
+# batch of the reference runs.
+MODEL_ARGS: dict[str, tuple[str, ...]] = {"resnet152": ("--batch", "64")}
 SHORT_NAMES = {"resnet152": "ResNet-152", "vit_l": "ViT-L", "gpt": "GPT"}
 METHOD_LABELS = {
     "lms": "LMS default",
@@ -149,7 +153,7 @@ class Group:
         ]
         if self.regime == "capped":
             argv += ["--no-search", "--no-overhead"]
-        return [*argv, *extra]
+        return [*argv, *MODEL_ARGS.get(self.model, ()), *extra]
 
 
 def plan_groups(

@@ -112,6 +112,12 @@ def test_the_parser_selects_a_subset_and_defaults_to_the_whole_table() -> None:
     assert cargs.methods == ("checkpoint", "lms_paging") and cargs.iterations == 10
     nocap = speed.Group("gpt", "nocap", (1.5,), ("lms",)).argv(Path("o"), 3, 10, 50, [])
     assert "--no-search" not in nocap and "nocap" in nocap
+    # ResNet-152 at the reference's batch 64; --speed-args come after and may override it.
+    r152 = speed.Group("resnet152", "nocap", (1.5,), ("lms",)).argv(
+        Path("o"), 3, 10, 50, ["--batch", "32"]
+    )
+    assert r152[-4:] == ["--batch", "64", "--batch", "32"]
+    assert compare.build_parser().parse_args(r152).batch == 32
 
 
 def test_help_runs() -> None:
