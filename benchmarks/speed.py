@@ -524,17 +524,33 @@ def row_key(run: Run, row: dict[str, Any]) -> RowKey:
     )
 
 
+# No-cap batches of two calls this close (relative) make one row: the memory free at the
+# start of each call differed by a little (the cells say their own batch, and the ratios are
+# of times per sample).
+BATCH_TOLERANCE = 0.02
+
+
+def _same_row(a: RowKey, b: RowKey) -> bool:
+    if (a.device, a.model, a.regime, a.factor) != (b.device, b.model, b.regime, b.factor):
+        return False
+    if not a.batch or not b.batch:
+        return a.batch == b.batch
+    return abs(a.batch - b.batch) <= BATCH_TOLERANCE * min(a.batch, b.batch)
+
+
 def merge_cells(runs: Sequence[Run]) -> dict[RowKey, dict[str, Cell]]:
     """RowKey -> method -> its cell, over ``runs`` in order: a later run's cell of the same
     method replaces an earlier one's, except that a cell that was not measured (skipped)
-    never replaces one that was. A row skipped before it had a batch (batch 0) is left out
-    where the same GPU, model, regime and factor has a row with a batch."""
+    never replaces one that was; a cell whose batch is within BATCH_TOLERANCE of a row's joins
+    that row. A row skipped before it had a batch (batch 0) is left out where the same GPU,
+    model, regime and factor has a row with a batch."""
     cells: dict[RowKey, dict[str, Cell]] = {}
     for run in runs:
         for m in run.record.get("measurements", []):
             if m.get("factor") is None or m.get("method") not in METHODS:
                 continue
             key = row_key(run, m)
+            key = next((k for k in cells if _same_row(k, key)), key)
             methods = cells.setdefault(key, {})
             old = methods.get(str(m["method"]))
             if (
@@ -567,10 +583,12 @@ def _seconds(value: float) -> str:
 STREAM_OFFLOAD_DETAIL = "baseline: models.StreamOffload"
 
 
-def cell_text(row: dict[str, Any] | None, ckpt: dict[str, Any] | None) -> str:
+def cell_text(
+    row: dict[str, Any] | None, ckpt: dict[str, Any] | None, row_batch: int | None = None
+) -> str:
     """A method's cell: its steady median (s/iter, marked where of fewer than
-    MIN_STEADY_ITERATIONS), its ratio to checkpointing's, its warm-up iterations; or why it has
-    none."""
+    MIN_STEADY_ITERATIONS), its ratio to checkpointing's, its warm-up iterations, its own batch
+    where it is not the row's ``row_batch``; or why it has none."""
     if row is None:
         return "not measured"
     status = row.get("status")
@@ -597,6 +615,8 @@ def cell_text(row: dict[str, Any] | None, ckpt: dict[str, Any] | None) -> str:
         parts.append(f"recompute {'on' if row['recompute_on'] else 'off'}")
     if row.get("activation_budget") is not None:
         parts.append(f"budget {float(row['activation_budget']):g}")
+    if row_batch and int(row.get("batch") or 0) != row_batch:
+        parts.append(f"batch {row['batch']}")
     if str(row.get("detail") or "").startswith(STREAM_OFFLOAD_DETAIL):
         parts.append("torchtune's mechanism written here (torchtune not installed)")
     return "; ".join(parts)
@@ -614,8 +634,12 @@ def _median_of(row: dict[str, Any] | None) -> float | None:
 
 
 def _ratio(row: dict[str, Any] | None, ckpt: dict[str, Any] | None) -> float | None:
+    """``row``'s time per sample over checkpointing's (the batches of one row may differ a
+    little: BATCH_TOLERANCE)."""
     a, b = _median_of(row), _median_of(ckpt)
-    return None if a is None or b is None or b <= 0 else a / b
+    if a is None or b is None or b <= 0 or row is None or ckpt is None:
+        return None
+    return (a / int(row.get("batch") or 1)) / (b / int(ckpt.get("batch") or 1))
 
 
 def speed_table(runs: Sequence[Run], methods: Sequence[str] = METHODS) -> str:
@@ -651,7 +675,11 @@ def speed_table(runs: Sequence[Run], methods: Sequence[str] = METHODS) -> str:
                 "" if memory is None else _seconds(memory),
                 share,
                 *(
-                    cell_text(here[m].row if m in here else None, ckpt.row if ckpt else None)
+                    cell_text(
+                        here[m].row if m in here else None,
+                        ckpt.row if ckpt else None,
+                        key.batch,
+                    )
                     for m in shown_methods
                 ),
             ]

@@ -448,9 +448,22 @@ def test_rows_of_another_gpu_or_batch_are_rows_of_their_own(tmp_path: Path) -> N
             row("checkpoint", 1.5, 64, **timed([2.0] * 10, [2.0])),
         ],
     )
+    # A third call's paging row, one sample more (1% more free memory): the H200 row's.
+    write_run(
+        tmp_path / "h200b",
+        "gpt",
+        "nocap",
+        [
+            row("baseline", None, 8, **timed([0.4] * 10, [1.0])),
+            row("lms_paging", 1.5, 65, **timed([4.0625] * 10, [9.0])),
+        ],
+    )
     table = speed.speed_table(speed.load_runs([tmp_path], str))
     lines = [line for line in table.splitlines() if line.startswith("| GPT")]
     assert len(lines) == 2
+    h200 = next(line for line in lines if "| H200 |" in line)
+    # Per sample: (4.0625 / 65) / (2.0 / 64) = 2.
+    assert "**4.06**; 2.00x ckpt; warm-up 9.00; batch 65" in h200
     h100 = next(line for line in lines if "| H100 |" in line)
     # Its lms row has no checkpointing of its own GPU to be compared with.
     assert "x ckpt" not in h100 and "| 4.00 |" in h100  # 0.1 s per sample x 40
