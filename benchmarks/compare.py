@@ -1923,6 +1923,24 @@ def build_parser() -> argparse.ArgumentParser:
         "first batch and its static memory " + _regime_default("linearity_check"),
     )
     parser.add_argument(
+        "--row-order",
+        choices=("methods", "factors"),
+        default=None,
+        help="nocap: measure method by method, each at every factor (methods: where the time "
+        "runs out, the last methods are skipped), or factor by factor, each factor's methods "
+        "in --methods order (factors: the last factors are skipped); capped runs factor by "
+        "factor (default: methods)",
+    )
+    parser.add_argument(
+        "--prior-slowdown",
+        type=positive_float,
+        default=None,
+        help="nocap: a row is started only where its time estimate times this (until rows "
+        "of the run measure how far off the estimates are) fits in what is left of "
+        f"--time-budget-s (default: {NOCAP_PRIOR_SLOWDOWN:g}; a caller that plans the rows "
+        "to its own estimates lowers it)",
+    )
+    parser.add_argument(
         "--capped-results",
         type=Path,
         default=None,
@@ -2048,6 +2066,12 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError("--linearity-check belongs to --regime nocap")
         if args.capped_results is not None:
             raise ValueError("--capped-results is what --regime nocap (or --rescore) compares with")
+        for option in ("row_order", "prior_slowdown"):
+            if getattr(args, option) is not None:
+                raise ValueError(
+                    f"--{option.replace('_', '-')} belongs to --regime nocap: capped runs "
+                    "factor by factor and starts a row where 3 x the longest so far fits"
+                )
     for option, value in REGIME_DEFAULTS[args.regime].items():
         if getattr(args, option) is None:
             setattr(args, option, list(value) if isinstance(value, list) else value)
@@ -3096,13 +3120,15 @@ class NocapRun:
 
     def slowdown(self, method: str) -> float:
         """What a row's estimate is multiplied by: NOCAP_OBSERVED_MARGIN x the largest ratio
-        measured for ``method`` in this run; before any, the prior NOCAP_PRIOR_SLOWDOWN or the
+        measured for ``method`` in this run; before any, the prior (--prior-slowdown, default
+        NOCAP_PRIOR_SLOWDOWN) or the
         largest ratio of another method, whichever is larger."""
         own = self.observed.get(method)
         if own:
             return NOCAP_OBSERVED_MARGIN * max(own)
         others = [r for m, rs in self.observed.items() if m not in FIT_METHODS for r in rs]
-        return max([NOCAP_PRIOR_SLOWDOWN, *others])
+        prior = getattr(self.args, "prior_slowdown", None) or NOCAP_PRIOR_SLOWDOWN
+        return max([prior, *others])
 
     def host_room(self) -> int:
         """Pinned host memory a row may need: --host-budget-gib, and no more than the host's
@@ -3330,32 +3356,35 @@ class NocapRun:
                 f"(estimate), deficit {plan.deficit_bytes / GiB:.2f} GiB"
             )
         # Method by method, LMS first (the order of --methods): where the time runs out, the
-        # rivals' rows are the ones skipped.
-        for method in args.methods:
+        # rivals' rows are the ones skipped. --row-order factors: factor by factor instead,
+        # each factor's methods in that order, so that a factor's row is whole before the next.
+        cells = [(method, f) for method in args.methods for f in args.factors]
+        if getattr(args, "row_order", None) == "factors":
+            cells = [(method, f) for f in args.factors for method in args.methods]
+        for method, f in cells:
             steps = self.steps + (args.profile_iterations if method in PROFILED_METHODS else 0)
             lms = method_lms_settings(args, method, None)
-            for f in args.factors:
-                if f not in plans:
-                    reason = next(p["error"] for p in self.plans if p["factor"] == f)
-                    self.rows.append(Measurement(args.model, method, f, None, 0, "skipped", reason))
-                    self.save(final=False)
-                    continue
-                plan = plans[f]
-                budget = None
-                if method in COMPILE_BUDGET_METHODS:
-                    budget = activation_budget(limit, plan.need_bytes, int(model.intercept_bytes))
-                self.row(
-                    method,
-                    f,
-                    plan.batch,
-                    lms,
-                    estimate_s=nocap_row_estimate(
-                        method, plan, model.per_sample_bytes, compute[0], self.bw, steps, saved
-                    ),
-                    plan=plan,
-                    host_bytes=nocap_host_bytes(method, plan, model.per_sample_bytes, saved),
-                    budget=budget,
-                )
+            if f not in plans:
+                reason = next(p["error"] for p in self.plans if p["factor"] == f)
+                self.rows.append(Measurement(args.model, method, f, None, 0, "skipped", reason))
+                self.save(final=False)
+                continue
+            plan = plans[f]
+            budget = None
+            if method in COMPILE_BUDGET_METHODS:
+                budget = activation_budget(limit, plan.need_bytes, int(model.intercept_bytes))
+            self.row(
+                method,
+                f,
+                plan.batch,
+                lms,
+                estimate_s=nocap_row_estimate(
+                    method, plan, model.per_sample_bytes, compute[0], self.bw, steps, saved
+                ),
+                plan=plan,
+                host_bytes=nocap_host_bytes(method, plan, model.per_sample_bytes, saved),
+                budget=budget,
+            )
         return 0
 
 

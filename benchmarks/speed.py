@@ -45,7 +45,7 @@ from typing import Any
 
 from benchmarks import compare
 from lmsbench.harness import markdown_table
-from lmsbench.lms_setup import nonneg_int, positive_float, positive_int
+from lmsbench.lms_setup import GiB, nonneg_int, positive_float, positive_int
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -130,9 +130,16 @@ class Group:
         return f"{self.regime}/{self.model}"
 
     def argv(
-        self, out: Path, warmup: int, iterations: int, budget_s: float, extra: Sequence[str]
+        self,
+        out: Path,
+        warmup: int,
+        iterations: int,
+        budget_s: float,
+        extra: Sequence[str],
+        host_gib: float | None = None,
     ) -> list[str]:
-        """compare.py's arguments for this group."""
+        """compare.py's arguments for this group; ``host_gib``: its --host-budget-gib (no
+        cap), the host's available memory, so that the host alone bounds a row."""
         argv = [
             "--model",
             self.model,
@@ -153,6 +160,10 @@ class Group:
         ]
         if self.regime == "capped":
             argv += ["--no-search", "--no-overhead"]
+        else:
+            argv += ["--row-order", "factors", "--prior-slowdown", f"{NOCAP_PRIOR_SLOWDOWN:g}"]
+            if host_gib is not None:
+                argv += ["--host-budget-gib", f"{max(host_gib, 1.0):.0f}"]
         return [*argv, *MODEL_ARGS.get(self.model, ()), *extra]
 
 
@@ -202,6 +213,11 @@ PRIOR_SLOWDOWN = {"offload": 8.5}
 # (building the model, settling, cleaning up), as the reference's rows measured them.
 CALL_SETUP_S = {"capped": 15.0, "nocap": 25.0}
 ROW_SETUP_S = compare.ROW_SETUP_S
+# compare.py's no-cap row gate (--prior-slowdown): a row starts where its own estimate times
+# this fits in the call's time. Its default (2) guards a run planned by nobody; a call of this
+# plan has a share sized to the rows already, and with 2 the first LMS row of a share would
+# rarely start.
+NOCAP_PRIOR_SLOWDOWN = 1.25
 # What a call may run past its share before it is stopped (compare.py saves on SIGTERM).
 CALL_GRACE_S = 30.0
 # A row that runs out of memory at the reference ends after about one step.
@@ -226,6 +242,7 @@ class Reference:
     memory_model: compare.MemoryModel | None = None
     limit_bytes: int | None = None
     batch: int = 0  # capped: the run's batch
+    saved_per_sample: float | None = None  # no cap: bytes autograd saves per sample
 
 
 def _fit_per_sample(measurements: Sequence[dict[str, Any]]) -> float | None:
@@ -258,6 +275,8 @@ def reference_from_run(run: dict[str, Any]) -> Reference | None:
             float(mm["intercept_bytes"]), float(mm["per_sample_bytes"]), str(mm["source"]), ()
         )
         ref.limit_bytes = int((run.get("device_memory") or {}).get("limit_bytes") or 0) or None
+        saved = run.get("saved_bytes_per_sample")
+        ref.saved_per_sample = float(saved) if saved else None
     for m in measurements:
         if m.get("factor") is None or m.get("status") not in ("ok", "oom"):
             continue
@@ -312,8 +331,9 @@ def estimate_cell(
     The steady time is the reference row's slowdown over the in-memory time (at the nearest
     factor it measured) times the in-memory time at this cell's batch; with no cap, a
     moving method's (LMS, offload) slowdown over 1 grows as the square root of the deficit
-    ((factor - 1) over the reference's), as the measured 1.5x and 2x rows of ResNet-152 and
-    GPT do, and its warm-up excess with the steady time. A method the reference lacks gets
+    ((factor - 1) over the reference's), as the committed H100 no-cap rows of LMS at 1.5x and
+    2x (results/nocap/2026-11-25-h100-cb6b81b) do within 10%, and its warm-up excess with
+    the steady time. A method the reference lacks gets
     PRIOR_SLOWDOWN (or checkpointing's); compile_budget adds compare.COMPILE_ESTIMATE_S."""
     batch = cell_batch(ref, regime, factor)
     if batch is None:
@@ -343,6 +363,25 @@ def estimate_cell(
     return ROW_SETUP_S + compiling + excess + (warmup + iterations) * steady
 
 
+def cell_host_bytes(ref: Reference, regime: str, factor: float, method: str) -> int:
+    """The pinned host memory compare.py expects a no-cap cell to need
+    (compare.nocap_host_bytes: LMS about the deficit, offload every saved tensor); 0 under a
+    cap, where compare.py checks none."""
+    if regime != "nocap" or ref.memory_model is None or ref.limit_bytes is None:
+        return 0
+    try:
+        plan = compare.nocap_plan(ref.memory_model, ref.limit_bytes, factor)
+    except ValueError:
+        return 0
+    return compare.nocap_host_bytes(
+        method, plan, ref.memory_model.per_sample_bytes, ref.saved_per_sample
+    )
+
+
+# A cell compare.py skips at once (its host memory does not fit): seconds.
+SKIPPED_ROW_S = 1.0
+
+
 @dataclass(frozen=True)
 class CellPlan:
     group: Group
@@ -350,6 +389,7 @@ class CellPlan:
     method: str
     batch: int | None
     estimate_s: float
+    note: str = ""  # why compare.py is expected to skip it
 
 
 def plan_cells(
@@ -357,18 +397,45 @@ def plan_cells(
     refs: dict[tuple[str, str], Reference],
     warmup: int,
     iterations: int,
+    host_room_bytes: int | None = None,
 ) -> list[CellPlan]:
+    """Each cell of ``groups`` with its estimate. ``host_room_bytes``: the pinned host memory
+    a no-cap row may take (compare.py's --host-budget-gib and the host's available memory less
+    compare.HOST_MARGIN_BYTES); a cell expected to need more is skipped by compare.py at once,
+    and planned so."""
     cells = []
     for g in groups:
         ref = refs.get((g.model, g.regime))
-        for method in g.methods:
-            for f in g.factors:
+        # Factor by factor, as compare.py runs them (capped always, no cap with --row-order).
+        for f in g.factors:
+            for method in g.methods:
                 if ref is None:
                     cells.append(CellPlan(g, f, method, None, math.nan))
                     continue
+                batch = cell_batch(ref, g.regime, f)
+                host = cell_host_bytes(ref, g.regime, f, method)
+                if host_room_bytes is not None and host > host_room_bytes:
+                    note = (
+                        f"skipped: needs about {host / GiB:.0f} GiB of pinned host memory, "
+                        f"{max(host_room_bytes, 0) / GiB:.0f} GiB room"
+                    )
+                    cells.append(CellPlan(g, f, method, batch, SKIPPED_ROW_S, note))
+                    continue
                 est = estimate_cell(ref, g.regime, f, method, warmup, iterations)
-                cells.append(CellPlan(g, f, method, cell_batch(ref, g.regime, f), est))
+                cells.append(CellPlan(g, f, method, batch, est))
     return cells
+
+
+def host_room(host_gib: float) -> int:
+    """The pinned host memory a no-cap row may take on a host with ``host_gib`` available,
+    as compare.py counts it."""
+    return int(host_gib * GiB) - compare.HOST_MARGIN_BYTES
+
+
+def available_host_gib() -> float | None:
+    """This machine's available memory in GiB (MemAvailable), None where unknown."""
+    found = compare.host_available_bytes()
+    return None if found is None else found / GiB
 
 
 def group_estimate(group: Group, cells: Sequence[CellPlan]) -> float:
@@ -377,9 +444,15 @@ def group_estimate(group: Group, cells: Sequence[CellPlan]) -> float:
     return CALL_SETUP_S[group.regime] + sum(60.0 if math.isnan(e) else e for e in own)
 
 
-def plan_text(groups: Sequence[Group], cells: Sequence[CellPlan], budget_s: float) -> str:
-    """The dry run: each call with its cells and their estimates, and the total."""
-    lines = []
+def plan_text(
+    groups: Sequence[Group], cells: Sequence[CellPlan], budget_s: float, host_gib: float | None
+) -> str:
+    """The dry run: the host memory it plans with, each call with its cells and their
+    estimates, the calls' shares and the total."""
+    lines = [
+        "host memory available for no-cap rows: "
+        + ("unknown (not checked)" if host_gib is None else f"{host_gib:.0f} GiB")
+    ]
     total = 0.0
     for g in groups:
         est = group_estimate(g, cells)
@@ -389,7 +462,8 @@ def plan_text(groups: Sequence[Group], cells: Sequence[CellPlan], budget_s: floa
             label = compare_label(g.regime, c.factor)
             shown = "no reference" if math.isnan(c.estimate_s) else f"{c.estimate_s:.0f} s"
             batch = "" if c.batch is None else f", batch {c.batch}"
-            lines.append(f"  {label:<24} {c.method:<15} {shown}{batch}")
+            note = f" ({c.note})" if c.note else ""
+            lines.append(f"  {label:<24} {c.method:<15} {shown}{batch}{note}")
     verdict = (
         "fits"
         if total <= budget_s
@@ -749,7 +823,9 @@ def run_groups(
             log(f"== {g.folder}: not run, {max(left, 0.0):.0f} s left")
             worst = max(worst, 3)
             continue
-        argv = g.argv(args.out, args.warmup, args.iterations, budget, args.speed_args)
+        argv = g.argv(
+            args.out, args.warmup, args.iterations, budget, args.speed_args, args.host_gib
+        )
         log(f"== {g.folder}: compare.py {shlex.join(argv)}")
         status = runner(argv, budget)
         if status:
@@ -830,6 +906,14 @@ def _add_selection(parser: argparse.ArgumentParser) -> None:
         "its estimate",
     )
     parser.add_argument(
+        "--host-gib",
+        type=positive_float,
+        default=None,
+        help="host memory available to the runs in GiB: each no-cap call's --host-budget-gib, "
+        "and what the plan expects compare.py to skip for host memory (default: this "
+        "machine's available memory)",
+    )
+    parser.add_argument(
         "--speed-args",
         type=shlex.split,
         default=list(DEFAULT_COMPARE_ARGS),
@@ -865,10 +949,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _selection(args: argparse.Namespace) -> tuple[list[Group], list[CellPlan]]:
+    """The calls and cells of the selection ``args`` names; fills ``args.host_gib`` where it
+    was not given (this machine's available memory)."""
+    if args.host_gib is None:
+        args.host_gib = available_host_gib()
     groups = plan_groups(
         args.models, args.regimes, args.nocap_factors, args.capped_factors, args.methods
     )
-    return groups, plan_cells(groups, load_references(), args.warmup, args.iterations)
+    room = None if args.host_gib is None else host_room(args.host_gib)
+    return groups, plan_cells(groups, load_references(), args.warmup, args.iterations, room)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -886,7 +975,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not groups:
         print("speed.py: the selection has no cells", file=sys.stderr)
         return 2
-    print(plan_text(groups, cells, args.budget_s))
+    print(plan_text(groups, cells, args.budget_s, args.host_gib))
     if args.command == "plan":
         return 0
     args.out.mkdir(parents=True, exist_ok=True)

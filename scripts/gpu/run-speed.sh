@@ -3,9 +3,9 @@
 # call per model and regime, 3 warm-up and 10 timed iterations a row, each call given its share
 # of the time left after the extension's build, the whole script within TOTAL_S (default 540 s:
 # 9 minutes). By default the most important subset: ResNet-152 and GPT, no cap at 1.5x and 2x
-# the device and capped at 1/2 of the peak, LMS hybrid, checkpointing and LMS paging only
-# (in that order: where a call's share runs out, its last rows are skipped and say so), with the
-# in-memory figure of each run's fitting batches.
+# the device and capped at 1/2 of the peak, checkpointing, LMS hybrid and LMS paging only
+# (in that order, factor by factor: where a call's share runs out, its last rows are skipped
+# and say so), with the in-memory figure of each run's fitting batches.
 #
 #   scripts/gpu/run-speed.sh                    results under $OUT (default: out/speed)
 #   DRY_RUN=1 scripts/gpu/run-speed.sh          the cells and their estimated times; no GPU
@@ -16,7 +16,11 @@
 #   table's full set 1.25,1.5,2,4), SPEED_CAPPED_FACTORS (2; full 1.5,2,4), SPEED_METHODS
 #   (lms_hybrid,checkpoint,lms_paging; full lms,lms_hybrid,checkpoint,lms_paging,compile_budget,
 #   offload), SPEED_WARMUP (3), SPEED_ITERATIONS (10), SPEED_ARGS (more compare.py arguments,
-#   default --amp), TOTAL_S (540), OUT, PYTHON (python3), REBUILD=1 (rebuild torch_lms).
+#   default --amp), SPEED_HOST_GIB (host memory no-cap rows may pin; default: what is
+#   available), TOTAL_S (540), OUT, PYTHON (python3), REBUILD=1 (rebuild torch_lms).
+# With no cap, LMS pins about the deficit plus 5% of the device: at 2x on an H200 about 146 GiB,
+# more than a one-GPU host of 128 GiB has (those rows are skipped and say so); a host of 256 GiB
+# (two GPUs; the run uses one) has room for them.
 # The results name their engine: from git where this tree has its .git; on a copy without it
 # (a GPU host the tree was sent to) export LMS_ENGINE_COMMIT=<commit> and LMS_ENGINE_DIRTY=0|1
 # of the sending checkout, or the run stops before it starts.
@@ -25,7 +29,8 @@
 set -euo pipefail
 
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
-  sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
+  # The comment block at the top of this file, without its '#'.
+  awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"
   exit 0
 fi
 
@@ -44,6 +49,8 @@ selection=(
   --iterations "${SPEED_ITERATIONS:-10}"
   "--speed-args=${SPEED_ARGS---amp}"
 )
+# The host memory no-cap rows may pin (default: what the host has available).
+[[ -n "${SPEED_HOST_GIB:-}" ]] && selection+=(--host-gib "$SPEED_HOST_GIB")
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 

@@ -112,6 +112,13 @@ def test_the_parser_selects_a_subset_and_defaults_to_the_whole_table() -> None:
     assert cargs.methods == ("checkpoint", "lms_paging") and cargs.iterations == 10
     nocap = speed.Group("gpt", "nocap", (1.5,), ("lms",)).argv(Path("o"), 3, 10, 50, [])
     assert "--no-search" not in nocap and "nocap" in nocap
+    assert nocap[nocap.index("--row-order") + 1] == "factors"
+    assert "--host-budget-gib" not in nocap  # the host's memory unknown: compare.py's own
+    sized = speed.Group("gpt", "nocap", (1.5,), ("lms",)).argv(Path("o"), 3, 10, 50, [], 250.0)
+    assert sized[sized.index("--host-budget-gib") + 1] == "250"
+    cargs = compare.build_parser().parse_args(["--regime", "nocap", *sized])
+    compare.check_args(cargs)
+    assert cargs.row_order == "factors" and cargs.prior_slowdown == speed.NOCAP_PRIOR_SLOWDOWN
     # ResNet-152 at the reference's batch 64; --speed-args come after and may override it.
     r152 = speed.Group("resnet152", "nocap", (1.5,), ("lms",)).argv(
         Path("o"), 3, 10, 50, ["--batch", "32"]
@@ -216,13 +223,14 @@ def test_run_gives_each_call_its_share_of_what_is_left(tmp_path: Path) -> None:
     assert any("capped/gpt: not run" in line for line in lines)
 
 
-def test_the_runner_prints_its_plan_without_a_gpu(tmp_path: Path) -> None:
+def dry_run(tmp_path: Path, host_gib: str) -> str:
     env = {
         **os.environ,
         "DRY_RUN": "1",
         "PYTHON": sys.executable,
         "OUT": str(tmp_path),
         "TOTAL_S": "540",
+        "SPEED_HOST_GIB": host_gib,
     }
     done = subprocess.run(
         ["bash", str(REPO / "scripts" / "gpu" / "run-speed.sh")],
@@ -233,18 +241,31 @@ def test_the_runner_prints_its_plan_without_a_gpu(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
-    out = done.stdout
+    return done.stdout
+
+
+def test_the_runner_prints_its_plan_without_a_gpu(tmp_path: Path) -> None:
+    out = dry_run(tmp_path, "250")  # a host of 256 GiB
+    assert out.startswith("host memory available for no-cap rows: 250 GiB")
     for folder in ("capped/resnet152", "capped/gpt", "nocap/resnet152", "nocap/gpt"):
         assert f"{folder}: about " in out
     assert "vit_l" not in out
     cells = [line for line in out.splitlines() if line.startswith("  ")]
-    # 2 models x (2 no-cap factors + 1 cap) x 3 methods, each with its estimate.
+    # 2 models x (2 no-cap factors + 1 cap) x 3 methods, each with its estimate, factor by
+    # factor, checkpointing first.
     assert len(cells) == 18
     assert all(re.search(r" \d+ s, batch \d+$", line) for line in cells), cells
+    nocap = [c.split()[-5] for c in cells if "no cap" in c][:6]
+    assert nocap == ["checkpoint", "lms_hybrid", "lms_paging"] * 2
     assert any("no cap, need 2x device" in c and "lms_paging" in c for c in cells)
     assert any("cap 1/2 of the peak" in c and "checkpoint" in c for c in cells)
     assert "budget of 540 s" in out and out.strip().splitlines()[-1].startswith("total about")
     assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+    # A one-GPU H200 host (128 GiB): LMS at 2x needs more pinned memory than it has.
+    small = dry_run(tmp_path, "120")
+    skipped = [line for line in small.splitlines() if "skipped: needs about" in line]
+    assert len(skipped) == 4 and all("need 2x device" in line for line in skipped)
+    assert all("checkpoint" not in line for line in skipped)
     help_text = subprocess.run(
         ["bash", str(REPO / "scripts" / "gpu" / "run-speed.sh"), "--help"],
         capture_output=True,
@@ -252,6 +273,7 @@ def test_the_runner_prints_its_plan_without_a_gpu(tmp_path: Path) -> None:
         check=True,
     ).stdout
     assert "LMS_ENGINE_COMMIT" in help_text and "SPEED_METHODS" in help_text
+    assert "SPEED_HOST_GIB" in help_text and "set -euo" not in help_text
 
 
 def test_the_runner_refuses_to_run_without_an_engine_to_name(tmp_path: Path) -> None:
