@@ -658,11 +658,15 @@ STREAM_OFFLOAD_DETAIL = "baseline: models.StreamOffload"
 
 
 def cell_text(
-    row: dict[str, Any] | None, ckpt: dict[str, Any] | None, row_batch: int | None = None
+    row: dict[str, Any] | None,
+    ckpt: dict[str, Any] | None,
+    row_batch: int | None = None,
+    in_memory_per_sample_s: float | None = None,
 ) -> str:
     """A method's cell: its steady median (s/iter, marked where of fewer than
-    MIN_STEADY_ITERATIONS), its ratio to checkpointing's, its warm-up iterations, its own batch
-    where it is not the row's ``row_batch``; or why it has none."""
+    MIN_STEADY_ITERATIONS), its ratio to checkpointing's, its throughput as a share of the
+    in-memory one (``in_memory_per_sample_s``), its warm-up iterations, its own batch where it
+    is not the row's ``row_batch``; or why it has none."""
     if row is None:
         return "not measured"
     status = row.get("status")
@@ -682,6 +686,9 @@ def cell_text(
     ratio = _ratio(row, ckpt)
     if ratio is not None and row is not ckpt:
         parts.append(f"{ratio:.2f}x ckpt")
+    batch = int(row.get("batch") or 0)
+    if in_memory_per_sample_s and batch:
+        parts.append(f"{in_memory_per_sample_s * batch / median:.0%} of in-memory")
     warm = warmup_times(row)
     if warm:
         parts.append("warm-up " + ", ".join(_seconds(w) for w in warm))
@@ -727,18 +734,15 @@ def speed_table(runs: Sequence[Run], methods: Sequence[str] = METHODS) -> str:
         "regime",
         "batch",
         "in memory (s/iter)",
-        "LMS default, share of in-memory throughput",
         *(METHOD_LABELS[m] for m in shown_methods),
     )
     rows = []
     for key in sorted(cells):
         here = cells[key]
-        # The in-memory figure of the run of the default LMS row where there is one.
+        # The row's in-memory figure from the run of its default LMS cell where it has one;
+        # each cell's share of in-memory throughput from its own run's fitting batches.
         first = here.get("lms") or next(iter(here.values()))
         memory = in_memory_s(first.run, key.batch) if key.batch else None
-        lms = here.get("lms")
-        lms_median = _median_of(lms.row if lms else None)
-        share = "" if memory is None or lms_median is None else f"{memory / lms_median:.0%}"
         ckpt = here.get("checkpoint")
         rows.append(
             [
@@ -747,12 +751,12 @@ def speed_table(runs: Sequence[Run], methods: Sequence[str] = METHODS) -> str:
                 compare_label(key.regime, key.factor),
                 str(key.batch or ""),
                 "" if memory is None else _seconds(memory),
-                share,
                 *(
                     cell_text(
                         here[m].row if m in here else None,
                         ckpt.row if ckpt else None,
                         key.batch,
+                        in_memory_s(here[m].run, 1) if m in here else None,
                     )
                     for m in shown_methods
                 ),
@@ -785,9 +789,10 @@ def speed_summary(folders: Sequence[Path], shown: Callable[[Path], str], engine_
     what = (
         "Seconds per iteration: the median of the timed iterations after the warm-up "
         f"({', '.join(map(str, counts)) or 'none'} per row), its ratio to checkpointing's "
-        "(below 1: faster), and the warm-up iterations' own times, iteration 0 first. The "
-        "in-memory figure is the time per sample of the largest batch of the same run that "
-        "fits (LMS off), times the row's batch."
+        "(below 1: faster), its throughput as a share of the in-memory throughput, and the "
+        "warm-up iterations' own times, iteration 0 first. The in-memory figure is the time "
+        "per sample of the largest batch of the same run that fits (LMS off), times the row's "
+        "batch."
     )
     return "\n".join([*lines, "", what, "", speed_table(runs)])
 

@@ -421,6 +421,8 @@ def test_median_and_warmup_bookkeeping() -> None:
     assert speed._median_of(row("lms", 1.5, 4, status="oom")) is None
     text = speed.cell_text(row("lms", 1.5, 4, **timed([1.0] * 3, [5.0])), None)
     assert text == "**1.00** (median of 3); warm-up 5.00"
+    text = speed.cell_text(row("lms", 1.5, 4, **timed([1.0] * 3, [5.0])), None, 4, 0.2)
+    assert text == "**1.00** (median of 3); 80% of in-memory; warm-up 5.00"
 
 
 def test_table_merges_folders_into_rows_with_ratios_and_in_memory_figures(tmp_path: Path) -> None:
@@ -432,21 +434,27 @@ def test_table_merges_folders_into_rows_with_ratios_and_in_memory_figures(tmp_pa
     assert nocap["model"] == "GPT" and nocap["GPU"] == "H200" and nocap["batch"] == "64"
     # In memory: the largest fitting batch's 1/32 s per sample, times 64; LMS at 2.0 s.
     assert nocap["in memory (s/iter)"] == "2.00"
-    assert nocap["LMS default, share of in-memory throughput"] == "100%"
     # The later folder's checkpointing (3.0) replaced the first's; its skipped lms did not.
-    assert nocap["LMS default"] == ("**2.00**; 0.67x ckpt; warm-up 12.0, 4.00, 2.50; recompute on")
-    assert nocap["checkpointing (per block)"] == "**3.00**; warm-up 3.10, 3.00, 3.00"
+    assert nocap["LMS default"] == (
+        "**2.00**; 0.67x ckpt; 100% of in-memory; warm-up 12.0, 4.00, 2.50; recompute on"
+    )
+    # Each cell's share is of its own run's fitting batches: 0.4 s for 8 there, 3.2 s at 64.
+    assert nocap["checkpointing (per block)"] == (
+        "**3.00**; 107% of in-memory; warm-up 3.10, 3.00, 3.00"
+    )
     assert (
-        nocap["LMS paging only"] == "**4.00** (median of 5); 1.33x ckpt; warm-up 50.0, 34.0, 6.10"
+        nocap["LMS paging only"]
+        == "**4.00** (median of 5); 1.33x ckpt; 50% of in-memory; warm-up 50.0, 34.0, 6.10"
     )
     assert nocap["torch.compile activation_memory_budget"] == "not run: no compile here"
     assert nocap["offloading (torchtune-style)"] == "out of memory"
     assert nocap["LMS hybrid (recompute on)"] == "not measured"
     capped = rows["cap 1/2 of the peak"]
     assert capped["in memory (s/iter)"] == "0.10" and capped["LMS default"] == "not measured"
-    assert capped["LMS default, share of in-memory throughput"] == ""
     # Checkpointing out of memory: no ratio.
-    assert capped["LMS hybrid (recompute on)"] == "**0.30**; warm-up 1.50, 0.40, 0.30"
+    assert capped["LMS hybrid (recompute on)"] == (
+        "**0.30**; 33% of in-memory; warm-up 1.50, 0.40, 0.30"
+    )
     assert capped["offloading (torchtune-style)"].endswith("(torchtune not installed)")
 
 
@@ -485,7 +493,7 @@ def test_rows_of_another_gpu_or_batch_are_rows_of_their_own(tmp_path: Path) -> N
     assert len(lines) == 2
     h200 = next(line for line in lines if "| H200 |" in line)
     # Per sample: (4.0625 / 65) / (2.0 / 64) = 2.
-    assert "**4.06**; 2.00x ckpt; warm-up 9.00; batch 65" in h200
+    assert "**4.06**; 2.00x ckpt; 80% of in-memory; warm-up 9.00; batch 65" in h200
     h100 = next(line for line in lines if "| H100 |" in line)
     # Its lms row has no checkpointing of its own GPU to be compared with.
     assert "x ckpt" not in h100 and "| 4.00 |" in h100  # 0.1 s per sample x 40
@@ -525,3 +533,36 @@ def test_summarize_tables_leaves_the_speed_table_out_until_its_runs_are_named() 
         assert "speed-table" in summarize.SECTION_FILES
     else:
         assert "speed-table" not in summarize.SECTION_FILES
+
+
+def test_run_calls_compare_per_group_and_writes_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    made: list[list[str]] = []
+
+    def fake_compare(argv: list[str], budget_s: float) -> int:
+        made.append(argv)
+        out = Path(argv[argv.index("--out") + 1])
+        model, regime = argv[argv.index("--model") + 1], argv[argv.index("--regime") + 1]
+        factor = float(argv[argv.index("--factors") + 1])
+        methods = argv[argv.index("--methods") + 1].split(",")
+        rows = [row("baseline", None, 8, **timed([0.4] * 10, [1.0]))]
+        rows += [row(m, factor, 64, **timed([1.0] * 10, [2.0, 1.5, 1.0])) for m in methods]
+        write_run(out, model, regime, rows)
+        return 0
+
+    monkeypatch.setattr(speed, "_subprocess_call", fake_compare)
+    out = tmp_path / "speed"
+    argv = ["run", "--out", str(out), "--models", "gpt", "--methods", "checkpoint,lms_hybrid"]
+    argv += ["--nocap-factors", "1.5", "--capped-factors", "2", "--host-gib", "200"]
+    assert speed.main(argv) == 0
+    assert [a[a.index("--regime") + 1] for a in made] == ["capped", "nocap"]
+    assert all(a[a.index("--methods") + 1] == "checkpoint,lms_hybrid" for a in made)
+    table = (out / "speed-table.md").read_text()
+    assert table.startswith("Engine abcdef0")
+    assert "| GPT | H200 | cap 1/2 of the peak | 64 |" in table
+    assert "| GPT | H200 | no cap, need 1.5x device | 64 |" in table
+    assert "**1.00**; 1.00x ckpt; 320% of in-memory; warm-up 2.00, 1.50, 1.00" in table
+    printed = capsys.readouterr().out
+    assert printed.startswith("host memory available for no-cap rows: 200 GiB")
+    assert "== nocap/gpt: compare.py --model gpt --regime nocap" in printed
