@@ -334,12 +334,21 @@ def estimate_cell(
     ((factor - 1) over the reference's), as the committed H100 no-cap rows of LMS at 1.5x and
     2x (results/nocap/2026-11-25-h100-cb6b81b) do within 10%, and its warm-up excess with
     the steady time. A method the reference lacks gets
-    PRIOR_SLOWDOWN (or checkpointing's); compile_budget adds compare.COMPILE_ESTIMATE_S."""
+    PRIOR_SLOWDOWN (or checkpointing's); compile_budget takes checkpointing's steps at the
+    nearest factor where it trained (its budget fits caps checkpointing does not) and adds
+    compare.COMPILE_ESTIMATE_S."""
     batch = cell_batch(ref, regime, factor)
     if batch is None:
         return OOM_ROW_S
     source = REFERENCE_METHOD.get(method, method)
-    found = _nearest(ref, source, factor)
+    compiled = method in compare.COMPILE_BUDGET_METHODS
+    if compiled:
+        # Its own budget fits the cap where checkpointing does not: the nearest factor at
+        # which checkpointing trained stands for its steps.
+        trained = [(f, r) for (m, f), r in ref.rows.items() if m == source and r.status == "ok"]
+        found = min(trained, key=lambda fr: abs(math.log(fr[0] / factor)), default=None)
+    else:
+        found = _nearest(ref, source, factor)
     if found is not None and found[1].status == "oom" and regime == "capped" and found[0] <= factor:
         return OOM_ROW_S  # out of memory at a larger cap: out of memory here too, at once
     ok = found is not None and found[1].status == "ok" and found[1].steady_s > 0
@@ -359,7 +368,7 @@ def estimate_cell(
             prior = ckpt[1].steady_s / (ref.per_sample_s * ckpt[1].batch)
         steady = (prior or compare.CHECKPOINT_RECOMPUTE) * ref.per_sample_s * batch
         excess = 0.0
-    compiling = compare.COMPILE_ESTIMATE_S if method in compare.COMPILE_BUDGET_METHODS else 0.0
+    compiling = compare.COMPILE_ESTIMATE_S if compiled else 0.0
     return ROW_SETUP_S + compiling + excess + (warmup + iterations) * steady
 
 

@@ -172,6 +172,8 @@ def test_estimates_come_from_the_committed_h200_reference() -> None:
     )
     # Out of memory under a larger cap: out of memory at once under this one.
     assert est("gpt", "capped", 4.0, "checkpoint") == speed.OOM_ROW_S
+    # Not so compile_budget: it compiles, and its budget may fit where checkpointing did not.
+    assert est("gpt", "capped", 4.0, "compile_budget") > speed.compare.COMPILE_ESTIMATE_S
     # offload has no no-cap reference (host memory): the prior slowdown.
     assert est("resnet152", "nocap", 1.5, "offload") > est("resnet152", "nocap", 1.5, "checkpoint")
 
