@@ -23,9 +23,9 @@ The methods are compare.py's: ``lms`` (LMS's defaults), ``lms_paging`` (recomput
 
 Per row of the table: each method's steady-state median (of the timed iterations after the
 warm-up; at least MIN_STEADY_ITERATIONS of them for a figure that counts, fewer are marked),
-its ratio to checkpointing's, and the warm-up iterations' own times (iteration 0, 1, ...); the
-in-memory figure (the time per sample of the largest batch of the run that fits, LMS off,
-times the row's batch) and the default LMS's throughput as a share of it.
+its ratio to checkpointing's (per sample), its throughput as a share of the in-memory one, and
+the warm-up iterations' own times (iteration 0, 1, ...); and the row's in-memory figure (the
+time per sample of the largest batch of the run that fits, LMS off, times the row's batch).
 """
 
 from __future__ import annotations
@@ -53,9 +53,10 @@ MODELS = compare.MODELS
 REGIMES = ("nocap", "capped")
 # The table's columns, in its order.
 METHODS = ("lms", "lms_hybrid", "lms_paging", "checkpoint", "compile_budget", "offload")
-# The order a call measures them in: compare.py runs its --methods in the order given, method
-# by method, and where its time runs out the last rows are the ones skipped. Checkpointing, the
-# yardstick of every ratio, is short; then LMS's hybrid and default, what the goals judge.
+# The order a call measures a factor's methods in (compare.py runs factor by factor: under a
+# cap always, with no cap by --row-order factors; each factor's --methods in the order given),
+# where its time runs out the last rows are the ones skipped. Checkpointing, the yardstick of
+# every ratio, is short; then LMS's hybrid and default, what the goals judge.
 MEASURE_ORDER = ("checkpoint", "lms_hybrid", "lms", "lms_paging", "offload", "compile_budget")
 NOCAP_FACTORS = (1.25, 1.5, 2.0, 4.0)
 CAPPED_FACTORS = (1.5, 2.0, 4.0)
@@ -477,7 +478,7 @@ def plan_text(
         "fits"
         if total <= budget_s
         else "does not fit: each call gets its share (shares), and compare.py skips the rows "
-        "that do not fit in it, the last of its methods first ('time budget')"
+        "that do not fit in it, its last rows first ('time budget')"
     )
     given = shares([group_estimate(g, cells) for g in groups], budget_s)
     lines.append(

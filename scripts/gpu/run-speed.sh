@@ -34,7 +34,7 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
   exit 0
 fi
 
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd -P)
 OUT=${OUT:-$ROOT/out/speed}
 PY=${PYTHON:-python3}
 TOTAL_S=${TOTAL_S:-540}
@@ -58,7 +58,9 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   exec "$PY" -m benchmarks.speed plan "${selection[@]}" --budget-s "$TOTAL_S"
 fi
 
-if [[ -z "${LMS_ENGINE_COMMIT:-}" ]] && ! git -C "$ROOT" rev-parse HEAD >/dev/null 2>&1; then
+# This tree's own .git, not one of a folder above it.
+if [[ -z "${LMS_ENGINE_COMMIT:-}" ]] &&
+  [[ "$(git -C "$ROOT" rev-parse --show-toplevel 2>/dev/null)" != "$ROOT" ]]; then
   echo "run-speed.sh: this tree has no .git and LMS_ENGINE_COMMIT is not set: the table must" \
     "name the engine that ran it. Export LMS_ENGINE_COMMIT=<commit> and LMS_ENGINE_DIRTY=0|1" \
     "of the checkout this tree was copied from." >&2

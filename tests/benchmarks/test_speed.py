@@ -293,6 +293,20 @@ def test_the_runner_refuses_to_run_without_an_engine_to_name(tmp_path: Path) -> 
     )
     assert done.returncode == 2
     assert "LMS_ENGINE_COMMIT" in done.stderr and not (tmp_path / "out").exists()
+    # A repository in a folder above the tree is not the tree's: the same.
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    env.pop("GIT_CEILING_DIRECTORIES")
+    done = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, env=env, check=False
+    )
+    assert done.returncode == 2 and "LMS_ENGINE_COMMIT" in done.stderr
+    # With the engine named, the check passes (the run then stops at the missing environment
+    # report of this partial copy, after the check).
+    env.update(LMS_ENGINE_COMMIT="1234abc", LMS_ENGINE_DIRTY="0")
+    done = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, env=env, check=False
+    )
+    assert "no .git" not in done.stderr
 
 
 # ---------------------------------------------------------------------------------------
