@@ -11,12 +11,16 @@ For one model group (``--model resnet152|vit_l|gpt``) it measures, in this order
    off again, for LMS's overhead when nothing is paged;
 4. for each oversubscription factor f (default 1.5, 2, 4), under the cap P/f
    (``torch.cuda.set_per_process_memory_fraction``), at batch B, the methods of ``--methods``:
-   ``lms``, ``lms_hybrid`` (``lms`` with ``torch.cuda.set_recompute_lms(True)``: a victim is
-   dropped and recomputed instead of paged out where replaying its operator is cheaper than
-   copying it out and back), ``lms_reactive`` (the learned schedule off), ``lms_nopack``
-   (packing tight operators off: ``torch.cuda.set_packing_lms(False)``), ``offload``,
-   ``save_on_cpu`` (``torch.autograd.graph.save_on_cpu(pin_memory=True)``) and
-   ``checkpoint`` (``torch.utils.checkpoint`` around every block);
+   ``lms`` (LMS's defaults, recompute as the build has it), ``lms_hybrid`` (``lms`` with
+   ``torch.cuda.set_recompute_lms(True)``: a victim is dropped and recomputed instead of
+   paged out where replaying its operator is cheaper than copying it out and back),
+   ``lms_paging`` (recompute off: paging only), ``lms_reactive`` (the learned schedule off),
+   ``lms_nopack`` (packing tight operators off: ``torch.cuda.set_packing_lms(False)``),
+   ``offload`` (torchtune's ``OffloadActivations`` where installed, else the same
+   stream-overlapped mechanism, ``models.StreamOffload``), ``save_on_cpu``
+   (``torch.autograd.graph.save_on_cpu(pin_memory=True)``), ``checkpoint``
+   (``torch.utils.checkpoint`` around every block) and ``compile_budget`` (``torch.compile``
+   under AOTAutograd's ``activation_memory_budget``, chosen per row by activation_budget);
 5. for each factor, while the search budget lasts: the largest batch that trains without
    LMS under the cap, ``no_lms`` measured at that batch, and the largest batch that trains
    with LMS (exponential then binary search; every probe a subprocess, so an out-of-memory
@@ -122,14 +126,27 @@ PEER_METHODS = (
     "offload",
     "save_on_cpu",
     "checkpoint",
+    "lms_paging",
+    "compile_budget",
 )
 # Every method of a capped run's rows: the peers, and no_lms, measured at its own largest batch.
 CAPPED_METHODS = (*PEER_METHODS, "no_lms")
-# The capped regime's default --methods: every peer but lms_nopack, which measures what
-# packing costs or saves and is run by naming it.
-CAPPED_DEFAULT_METHODS = tuple(m for m in PEER_METHODS if m != "lms_nopack")
+# Methods run only where --methods names them: lms_nopack (what packing costs or saves),
+# lms_paging (paging alone, whatever LMS's default) and compile_budget (a torch.compile
+# per row, minutes of compiling).
+NAMED_ONLY_METHODS = ("lms_nopack", "lms_paging", "compile_budget")
+# The capped regime's default --methods: every peer but those.
+CAPPED_DEFAULT_METHODS = tuple(m for m in PEER_METHODS if m not in NAMED_ONLY_METHODS)
 # Rows --profile-iterations profiles: the ones that move memory.
-PROFILED_METHODS = ("lms", "lms_hybrid", "lms_reactive", "lms_nopack", "offload", "save_on_cpu")
+PROFILED_METHODS = (
+    "lms",
+    "lms_hybrid",
+    "lms_reactive",
+    "lms_nopack",
+    "offload",
+    "save_on_cpu",
+    "lms_paging",
+)
 # The goals. Each target is set here only: the goal rows, the chart's goal line and the
 # --help text (goals_help) all read it.
 # LMS time against the deficit roofline (Measurement.deficit_efficiency), at every factor.
@@ -168,12 +185,26 @@ NOCAP_VS_CAPPED_TARGET = f">= {NOCAP_VS_CAPPED_GOAL:.2f}x capped"
 
 # Per-regime defaults of the options whose parser default is None.
 NOCAP_METHODS = ("lms", "lms_hybrid", "offload", "save_on_cpu", "checkpoint")
-# The methods that train with LMS on: lms (the defaults, learned schedule), lms_hybrid (the same
-# with recompute instead of paging where that is cheaper: torch.cuda.set_recompute_lms),
-# lms_reactive (the learned schedule off) and lms_nopack (packing off).
-LMS_METHODS = ("lms", "lms_hybrid", "lms_reactive", "lms_nopack")
-# LMS methods with recompute on (every other LMS row runs with it off).
+# The methods that train with LMS on: lms (LMS's defaults, recompute included: whatever this
+# build does unless told), lms_hybrid (recompute on: torch.cuda.set_recompute_lms(True)),
+# lms_paging (recompute off: paging only), lms_reactive (the learned schedule off) and
+# lms_nopack (packing off).
+LMS_METHODS = ("lms", "lms_hybrid", "lms_reactive", "lms_nopack", "lms_paging")
+# LMS methods with recompute on.
 RECOMPUTE_METHODS = ("lms_hybrid",)
+# LMS methods that keep LMS's own recompute default (neither set on nor off); every LMS
+# method not here or in RECOMPUTE_METHODS runs with recompute off.
+DEFAULT_RECOMPUTE_METHODS = ("lms",)
+# Compiled with torch.compile under AOTAutograd's activation memory budget
+# (torch._functorch.config.activation_memory_budget, chosen per row by activation_budget):
+# PyTorch's compile-time recompute, LMS off.
+COMPILE_BUDGET_METHODS = ("compile_budget",)
+# The share of the cap (or of the device, with no cap) the compile budget aims at: the rest
+# is for the compiled graphs' own buffers and the allocator's rounding.
+COMPILE_BUDGET_MARGIN = 0.85
+# The time compiling a model takes, for the no-cap row estimate (a cautious guess: ResNet-152
+# with a memory budget compiles in one to two minutes).
+COMPILE_ESTIMATE_S = 120.0
 # LMS methods with the learned swap schedule off.
 REACTIVE_METHODS = ("lms_reactive",)
 # LMS methods with packing off (torch.cuda.set_packing_lms(False)); every other LMS row packs.
@@ -292,6 +323,23 @@ def cap_bytes(peak_bytes: int, factor: float) -> int:
     return int(peak_bytes / factor)
 
 
+def activation_budget(
+    limit_bytes: int, need_bytes: int, static_bytes: int, margin: float = COMPILE_BUDGET_MARGIN
+) -> float:
+    """The ``activation_memory_budget`` of a compile_budget row: the share of the activation
+    memory (``need_bytes`` less ``static_bytes``, which does not grow with the batch:
+    parameters, gradients, optimizer state) that fits in ``margin`` x ``limit_bytes`` (the cap,
+    or the device with no cap) beside the static memory, clamped to [0, 1] (0: the partitioner
+    recomputes everything it can), rounded to 3 digits."""
+    if limit_bytes <= 0 or not 0 < margin <= 1 or static_bytes < 0:
+        raise ValueError("need a positive limit, static bytes >= 0 and a margin in (0, 1]")
+    activation = need_bytes - static_bytes
+    if activation <= 0:
+        return 1.0
+    share = (margin * limit_bytes - static_bytes) / activation
+    return round(min(1.0, max(0.0, share)), 3)
+
+
 def batch_bounds(batch: int, peak: int, static: int, cap: int, host_budget: int) -> tuple[int, int]:
     """(start of the no-LMS search, upper bound of the LMS search) from a linear memory model.
 
@@ -387,6 +435,10 @@ class Measurement:
     # inactive paged out so that their tensors fit in as few pages as they need). None where
     # the statistics lack the key.
     pack_count_per_iter: float | None = None
+    # LMS rows: whether recompute was on (get_recompute_lms after the row's setting; None
+    # where the build cannot say). compile_budget rows: the activation_memory_budget used.
+    recompute_on: bool | None = None
+    activation_budget: float | None = None
 
     def finish_timing(self) -> None:
         if self.iteration_times:
@@ -899,12 +951,15 @@ def nocap_row_estimate(
     """estimate_row_seconds of ``method`` at ``plan``'s batch (slowdown 1): LMS moves its host
     estimate each way, offload and save_on_cpu every saved tensor, checkpointing recomputes.
     lms_hybrid gets lms's estimate, a bound: it moves at most what lms moves, and drops a
-    victim only where replaying its operator takes less than the copies it saves."""
+    victim only where replaying its operator takes less than the copies it saves. A
+    compile_budget row recomputes as checkpointing does, after COMPILE_ESTIMATE_S of
+    compiling."""
     compute = compute_s_per_sample * plan.batch
     host = nocap_host_bytes(method, plan, per_sample_bytes, saved_per_sample)
-    if method == "checkpoint":
+    if method == "checkpoint" or method in COMPILE_BUDGET_METHODS:
         compute *= CHECKPOINT_RECOMPUTE
-    return estimate_row_seconds(compute, host, host, host, bw, steps)
+    compiling = COMPILE_ESTIMATE_S if method in COMPILE_BUDGET_METHODS else 0.0
+    return estimate_row_seconds(compute, host, host, host, bw, steps) + compiling
 
 
 def interpolate_capped_efficiency(
@@ -1839,11 +1894,16 @@ def build_parser() -> argparse.ArgumentParser:
         f"a run across calls with it): {', '.join(PEER_METHODS)}. lms_hybrid is lms with "
         "recompute on (torch.cuda.set_recompute_lms(True)): a victim is dropped and recomputed "
         "instead of paged out where replaying its operator is cheaper than copying it out and "
-        "back; the other LMS rows run with recompute off. An LMS without set_recompute_lms "
-        "ends the run with an error where lms_hybrid is named here, and leaves it out of the "
-        "default methods. lms_nopack is lms with packing off (torch.cuda.set_packing_lms("
-        "False)), for what packing tight operators costs or saves, in no default "
-        + _regime_default("methods"),
+        "back; lms keeps LMS's own recompute default (its rows say whether it was on), "
+        "lms_paging and the other LMS rows run with recompute off. An LMS without "
+        "set_recompute_lms ends the run with an error where lms_hybrid is named here, and "
+        "leaves it out of the default methods. lms_nopack is lms with packing off "
+        "(torch.cuda.set_packing_lms(False)), for what packing tight operators costs or saves. "
+        "compile_budget trains torch.compile(model) with LMS off under "
+        "torch._functorch.config.activation_memory_budget = (0.85 x cap (or device) - static "
+        "memory) / activation memory, clamped to [0, 1] (PyTorch's compile-time recompute; a "
+        "'not run: REASON' row where this torch cannot or the model does not compile). "
+        "lms_nopack, lms_paging and compile_budget are in no default " + _regime_default("methods"),
     )
     parser.add_argument(
         "--overhead",
@@ -1861,6 +1921,24 @@ def build_parser() -> argparse.ArgumentParser:
         f"{FIT_FILL * 100:.0f}%% of the device, at most {FIT_MAX_MULTIPLE}x the first; else "
         "half of it) and derive the batches from the line through both peaks instead of from the "
         "first batch and its static memory " + _regime_default("linearity_check"),
+    )
+    parser.add_argument(
+        "--row-order",
+        choices=("methods", "factors"),
+        default=None,
+        help="nocap: measure method by method, each at every factor (methods: where the time "
+        "runs out, the last methods are skipped), or factor by factor, each factor's methods "
+        "in --methods order (factors: the last factors are skipped); capped runs factor by "
+        "factor (default: methods)",
+    )
+    parser.add_argument(
+        "--prior-slowdown",
+        type=positive_float,
+        default=None,
+        help="nocap: a row is started only where its time estimate times this (until rows "
+        "of the run measure how far off the estimates are) fits in what is left of "
+        f"--time-budget-s (default: {NOCAP_PRIOR_SLOWDOWN:g}; a caller that plans the rows "
+        "to its own estimates lowers it)",
     )
     parser.add_argument(
         "--capped-results",
@@ -1988,6 +2066,12 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError("--linearity-check belongs to --regime nocap")
         if args.capped_results is not None:
             raise ValueError("--capped-results is what --regime nocap (or --rescore) compares with")
+        for option in ("row_order", "prior_slowdown"):
+            if getattr(args, option) is not None:
+                raise ValueError(
+                    f"--{option.replace('_', '-')} belongs to --regime nocap: capped runs "
+                    "factor by factor and starts a row where 3 x the longest so far fits"
+                )
     for option, value in REGIME_DEFAULTS[args.regime].items():
         if getattr(args, option) is None:
             setattr(args, option, list(value) if isinstance(value, list) else value)
@@ -2125,6 +2209,46 @@ def set_recompute(cuda: Any, enabled: bool) -> Callable[[], None]:
     previous = bool(getter()) if callable(getter) else False
     setter(enabled)
     return lambda: setter(previous)
+
+
+def recompute_state(cuda: Any) -> bool | None:
+    """Whether LMS's recompute is on now in ``cuda`` (``torch.cuda``): False for a build that
+    cannot recompute, None where it can and has no getter."""
+    if not callable(getattr(cuda, "set_recompute_lms", None)):
+        return False
+    getter = getattr(cuda, "get_recompute_lms", None)
+    return bool(getter()) if callable(getter) else None
+
+
+def compile_budget_unavailable(torch_module: Any) -> str:
+    """Why ``torch_module`` cannot run a compile_budget row (no ``torch.compile``, or no
+    ``torch._functorch.config.activation_memory_budget``), or "" where it can."""
+    if not callable(getattr(torch_module, "compile", None)):
+        return "this torch has no torch.compile"
+    try:
+        import torch._functorch.config as functorch_config
+    except Exception as exc:  # a torch without functorch's config: the row says why
+        return f"torch._functorch.config does not import ({type(exc).__name__}: {exc})"
+    if not hasattr(functorch_config, "activation_memory_budget"):
+        return "torch._functorch.config has no activation_memory_budget (torch 2.4 or later has it)"
+    return ""
+
+
+def compile_with_budget(model: Any, budget: float) -> tuple[Any, Callable[[], None]]:
+    """``torch.compile(model)`` with AOTAutograd's ``activation_memory_budget`` set to
+    ``budget`` (compiling happens at the first call, under that setting), and what puts the
+    setting back and drops the compiled graphs (rows share a process)."""
+    import torch
+    import torch._functorch.config as functorch_config
+
+    previous = functorch_config.activation_memory_budget
+    functorch_config.activation_memory_budget = budget
+
+    def restore() -> None:
+        functorch_config.activation_memory_budget = previous
+        torch._dynamo.reset()
+
+    return torch.compile(model), restore
 
 
 def check_recompute(
@@ -2265,9 +2389,11 @@ def train_measure(
     """Trains ``workload`` fresh under ``m``'s cap and method; fills ``m`` (never raises for
     out-of-memory or other training errors: they become the row's status).
 
-    With ``lms``, LMS's recompute is turned on for RECOMPUTE_METHODS (lms_hybrid) and off for
-    every other LMS row before LMS is applied and the model built, and put back as it was
-    after LMS is off again (rows share a process)."""
+    With ``lms``, LMS's recompute is turned on for RECOMPUTE_METHODS (lms_hybrid), left as
+    LMS has it for DEFAULT_RECOMPUTE_METHODS (lms) and turned off for every other LMS row
+    before LMS is applied and the model built, and put back as it was after LMS is off again
+    (rows share a process). COMPILE_BUDGET_METHODS rows train ``torch.compile(model)`` under
+    ``m.activation_budget`` (skipped, with the reason, where this torch cannot)."""
     import torch
 
     from benchmarks import models
@@ -2297,9 +2423,19 @@ def train_measure(
             m.detail = "baseline: models.StreamOffload (torchtune not installed)"
         else:
             m.detail = "torchtune.training.OffloadActivations"
+    compiled = m.method in COMPILE_BUDGET_METHODS
+    if compiled:
+        reason = compile_budget_unavailable(torch)
+        if not reason and m.activation_budget is None:
+            reason = "no activation budget chosen for this row (no memory figures for it)"
+        if reason:
+            m.status, m.detail = "skipped", f"not run: {reason}"
+            return m
     model: Any = None
+    forward: Any = None
     optimizer: Any = None
     restore_recompute: Callable[[], None] | None = None
+    restore_compile: Callable[[], None] | None = None
     retries_left = args.oom_retries if lms is not None else 0
     settle()
     if nocap:
@@ -2313,13 +2449,19 @@ def train_measure(
     try:
         with memory_cap(m.cap_bytes):
             if lms is not None:
-                restore_recompute = set_recompute(torch.cuda, m.method in RECOMPUTE_METHODS)
+                if m.method not in DEFAULT_RECOMPUTE_METHODS:
+                    restore_recompute = set_recompute(torch.cuda, m.method in RECOMPUTE_METHODS)
+                m.recompute_on = recompute_state(torch.cuda)
                 apply_lms(lms)
             with device:
                 model = workload.build()
             if m.method == "checkpoint":
                 workload.checkpoint(model)
             model.train()
+            forward = model
+            if compiled:
+                assert m.activation_budget is not None
+                forward, restore_compile = compile_with_budget(model, m.activation_budget)
             optimizer = workload.make_optimizer(model, args.optimizer)
             before: dict[str, Any] | None = None
             operators_before: dict[str, dict[str, int]] = {}
@@ -2334,7 +2476,7 @@ def train_measure(
                 else:
                     ctx = contextlib.nullcontext()
                 with ctx, amp:
-                    loss = workload.loss(model(inputs), targets)
+                    loss = workload.loss(forward(inputs), targets)
                 loss.backward()
                 del inputs, targets, loss
                 optimizer.step()
@@ -2446,11 +2588,16 @@ def train_measure(
         m.status = "oom" if is_oom(exc) else "error"
         first = str(exc).strip().splitlines()
         m.detail = f"{type(exc).__name__}: {first[0] if first else ''}"[:300]
+        if compiled and m.status == "error" and m.first_iteration_s is None:
+            # The first step compiles: an error there is torch.compile's, not training's.
+            m.detail = f"not run: does not compile: {m.detail}"[:300]
         if m.status == "error":
             log(traceback.format_exc())
         m.iteration_times.clear()
     finally:
-        model = optimizer = None
+        model = forward = optimizer = None
+        if restore_compile is not None:
+            restore_compile()
         settle()
         if lms is not None:
             apply_lms(LmsSettings(enabled=False))
@@ -2602,6 +2749,10 @@ def describe(m: Measurement) -> str:
         parts.append(f"peak {m.peak_allocated_bytes / GiB:.2f} GiB")
     if m.oom_retries:
         parts.append(f"{m.oom_retries} OOM retries")
+    if m.recompute_on is not None:
+        parts.append(f"recompute {'on' if m.recompute_on else 'off'}")
+    if m.activation_budget is not None:
+        parts.append(f"activation_memory_budget {m.activation_budget:g}")
     if m.need_bytes is not None:
         if m.first_iteration_s is not None:
             parts.append(f"first step {m.first_iteration_s:.1f} s")
@@ -2797,8 +2948,9 @@ def run_benchmark(args: argparse.Namespace, methods_given: bool = True) -> int:
         cap: int | None,
         b: int,
         lms: LmsSettings | None,
+        budget: float | None = None,
     ) -> Measurement:
-        m = Measurement(args.model, method, factor, cap, b)
+        m = Measurement(args.model, method, factor, cap, b, activation_budget=budget)
         rows.append(m)
         label = f"{method} x{factor:g}" if factor else method
         # A measurement is started only if three times the longest so far still fits.
@@ -2840,7 +2992,12 @@ def run_benchmark(args: argparse.Namespace, methods_given: bool = True) -> int:
                 f"{peak / GiB:.2f} GiB, static {static / GiB:.2f} GiB)"
             )
             for method in args.methods:
-                row = measure(method, f, caps[f], batch, method_lms_settings(args, method, caps[f]))
+                budget = None
+                if method in COMPILE_BUDGET_METHODS:
+                    budget = activation_budget(caps[f], peak, static)
+                row = measure(
+                    method, f, caps[f], batch, method_lms_settings(args, method, caps[f]), budget
+                )
                 row.deficit_bytes = max(0, peak - caps[f])
             save(final=False)
 
@@ -2963,13 +3120,15 @@ class NocapRun:
 
     def slowdown(self, method: str) -> float:
         """What a row's estimate is multiplied by: NOCAP_OBSERVED_MARGIN x the largest ratio
-        measured for ``method`` in this run; before any, the prior NOCAP_PRIOR_SLOWDOWN or the
+        measured for ``method`` in this run; before any, the prior (--prior-slowdown, default
+        NOCAP_PRIOR_SLOWDOWN) or the
         largest ratio of another method, whichever is larger."""
         own = self.observed.get(method)
         if own:
             return NOCAP_OBSERVED_MARGIN * max(own)
         others = [r for m, rs in self.observed.items() if m not in FIT_METHODS for r in rs]
-        return max([NOCAP_PRIOR_SLOWDOWN, *others])
+        prior = getattr(self.args, "prior_slowdown", None) or NOCAP_PRIOR_SLOWDOWN
+        return max([prior, *others])
 
     def host_room(self) -> int:
         """Pinned host memory a row may need: --host-budget-gib, and no more than the host's
@@ -3031,10 +3190,12 @@ class NocapRun:
         estimate_s: float = 0.0,
         plan: NocapPlan | None = None,
         host_bytes: int = 0,
+        budget: float | None = None,
     ) -> Measurement:
         """Measures one row (or records why it was skipped), writing the files before and
-        after. ``estimate_s`` is its estimate at slowdown 1 (0: always start it)."""
-        m = Measurement(self.args.model, method, factor, None, batch)
+        after. ``estimate_s`` is its estimate at slowdown 1 (0: always start it); ``budget``
+        the activation memory budget of a compile_budget row."""
+        m = Measurement(self.args.model, method, factor, None, batch, activation_budget=budget)
         if plan is not None:
             m.need_bytes, m.limit_bytes = plan.need_bytes, plan.limit_bytes
             m.deficit_bytes = plan.deficit_bytes
@@ -3195,28 +3356,35 @@ class NocapRun:
                 f"(estimate), deficit {plan.deficit_bytes / GiB:.2f} GiB"
             )
         # Method by method, LMS first (the order of --methods): where the time runs out, the
-        # rivals' rows are the ones skipped.
-        for method in args.methods:
+        # rivals' rows are the ones skipped. --row-order factors: factor by factor instead,
+        # each factor's methods in that order, so that a factor's row is whole before the next.
+        cells = [(method, f) for method in args.methods for f in args.factors]
+        if getattr(args, "row_order", None) == "factors":
+            cells = [(method, f) for f in args.factors for method in args.methods]
+        for method, f in cells:
             steps = self.steps + (args.profile_iterations if method in PROFILED_METHODS else 0)
             lms = method_lms_settings(args, method, None)
-            for f in args.factors:
-                if f not in plans:
-                    reason = next(p["error"] for p in self.plans if p["factor"] == f)
-                    self.rows.append(Measurement(args.model, method, f, None, 0, "skipped", reason))
-                    self.save(final=False)
-                    continue
-                plan = plans[f]
-                self.row(
-                    method,
-                    f,
-                    plan.batch,
-                    lms,
-                    estimate_s=nocap_row_estimate(
-                        method, plan, model.per_sample_bytes, compute[0], self.bw, steps, saved
-                    ),
-                    plan=plan,
-                    host_bytes=nocap_host_bytes(method, plan, model.per_sample_bytes, saved),
-                )
+            if f not in plans:
+                reason = next(p["error"] for p in self.plans if p["factor"] == f)
+                self.rows.append(Measurement(args.model, method, f, None, 0, "skipped", reason))
+                self.save(final=False)
+                continue
+            plan = plans[f]
+            budget = None
+            if method in COMPILE_BUDGET_METHODS:
+                budget = activation_budget(limit, plan.need_bytes, int(model.intercept_bytes))
+            self.row(
+                method,
+                f,
+                plan.batch,
+                lms,
+                estimate_s=nocap_row_estimate(
+                    method, plan, model.per_sample_bytes, compute[0], self.bw, steps, saved
+                ),
+                plan=plan,
+                host_bytes=nocap_host_bytes(method, plan, model.per_sample_bytes, saved),
+                budget=budget,
+            )
         return 0
 
 

@@ -13,6 +13,7 @@
                                                   tables (capped rows; rows beyond the device)
     summarize.py --capped DIR --readme FILE [--check]             the comparison under a cap
     summarize.py --stress DIR --readme FILE [--check]             the stress suite's verdict
+    summarize.py --speed DIR... --readme FILE [--check]           the speed table (speed.py)
 
 It reads every ``compare-MODEL.csv`` and ``compare-MODEL-goals.csv`` in ``--results``. Without
 any, the summary says that nothing has been measured yet; it never makes numbers up. With
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import speed
 from benchmarks.compare import (
     DEFAULT_CAPPED_RESULTS,
     ENV_COLUMNS,
@@ -1297,6 +1299,11 @@ README_TABLES: dict[str, tuple[str, ...]] = {
     "hybrid": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65",),
     "hybrid_stress": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65/stress-hybrid",),
 }
+# The speed table (benchmarks/speed.py, scripts/gpu/run-speed.sh) is written by --tables once
+# its runs are committed: README_TABLES["speed"] then names their folders (a later folder's
+# cell replacing an earlier one's), SECTION_FILES["speed-table"] names the file that carries
+# its markers (SPEED_BEGIN, SPEED_END), and both are added together.
+SPEED_TABLE = "speed"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1368,6 +1375,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--readme: the section between the hybrid-stress markers)",
     )
     parser.add_argument(
+        "--speed",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="DIR",
+        help="the speed table (benchmarks/speed.py) from the compare-MODEL.json and "
+        "nocap-MODEL.json files under the DIRs, merged, a later DIR's cell replacing an "
+        "earlier one's (with --readme: the section between the speed-table markers)",
+    )
+    parser.add_argument(
         "--tables",
         action="store_true",
         help="every generated section, each in the file SECTION_FILES names: README.md's "
@@ -1426,6 +1443,11 @@ def sections(args: argparse.Namespace) -> list[tuple[str, str, str]]:
                 stress_summary(hybrid_stress, _shown(hybrid_stress), sha),
             )
         )
+    speed_folders = getattr(args, "speed", None)
+    if speed_folders is not None:
+        found.append(
+            (speed.SPEED_BEGIN, speed.SPEED_END, speed.speed_summary(speed_folders, _shown, sha))
+        )
     if not found:
         found.append((BEGIN, END, summary(args.results, _shown(args.results))))
     return found
@@ -1464,7 +1486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--check"]
     redo = f"python -m benchmarks.summarize {' '.join(given)}"
     if args.tables:
-        others = (args.nocap, args.matrix, args.capped, args.stress, args.hybrid)
+        others = (args.nocap, args.matrix, args.capped, args.stress, args.hybrid, args.speed)
         if args.readme or args.hybrid_stress or any(o is not None for o in others):
             print("summarize.py: --tables takes no other table or --readme", file=sys.stderr)
             return 2
@@ -1475,6 +1497,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.stress = root / README_TABLES["stress"][0]
         args.hybrid = root / README_TABLES["hybrid"][0]
         args.hybrid_stress = root / README_TABLES["hybrid_stress"][0]
+        if README_TABLES.get(SPEED_TABLE):
+            args.speed = [root / d for d in README_TABLES[SPEED_TABLE]]
         tables = {key: [root / d for d in folders] for key, folders in README_TABLES.items()}
         try:
             generated = [

@@ -973,19 +973,31 @@ def test_train_measure_sets_recompute_up_for_lms_hybrid_and_puts_it_back(
     assert m.recompute_ms_per_iter == 15.0 and m.dropped_peak_bytes == 2 * GiB
     assert compare.capped_measurement_record(m)["recompute_ms_per_iter"] == "15.00"
 
-    # An lms row runs with recompute off, also where it was on before, and puts it back.
+    assert m.recompute_on is True
+    # An lms_paging row runs with recompute off, also where it was on before, and puts it back.
     torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True, state=True)
-    m = Measurement("resnet152", "lms", None, None, 4)
-    settings = compare.method_lms_settings(args, "lms", None)
+    m = Measurement("resnet152", "lms_paging", None, None, 4)
+    settings = compare.method_lms_settings(args, "lms_paging", None)
     compare.train_measure(
         args, TinyWorkload(torch, events, cuda), m, warmup=1, iterations=2, lms=settings
     )
-    assert m.status == "ok"
+    assert m.status == "ok" and m.recompute_on is False
     assert [e for e in events if e[0] != "apply_lms"] == [
         ("set_recompute_lms", False),
         ("build", False),
         ("set_recompute_lms", True),
     ]
+    # An lms row keeps LMS's own default, on or off, and says which it was.
+    for default in (True, False):
+        torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True, state=default)
+        m = Measurement("resnet152", "lms", None, None, 4)
+        settings = compare.method_lms_settings(args, "lms", None)
+        compare.train_measure(
+            args, TinyWorkload(torch, events, cuda), m, warmup=1, iterations=2, lms=settings
+        )
+        assert m.status == "ok" and m.recompute_on is default
+        assert [e for e in events if e[0] != "apply_lms"] == [("build", default)]
+        assert f"recompute {'on' if default else 'off'}" in compare.describe(m)
     # A row without LMS leaves recompute alone.
     torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True)
     m = Measurement("resnet152", "baseline", None, None, 4)
@@ -1030,3 +1042,131 @@ def test_operator_counts_between_keeps_what_grew() -> None:
         "aten::linear": {"drop_count": 1, "recompute_count": 1},
     }
     assert compare.operator_counts_between(after, after) == {}
+
+
+# ---------------------------------------------------------------------------------------
+# The speed table's rows: lms_paging, compile_budget, warm-up bookkeeping
+# ---------------------------------------------------------------------------------------
+
+
+def test_named_only_methods_are_in_no_default_and_lms_paging_turns_recompute_off() -> None:
+    parser = compare.build_parser()
+    for regime in ("capped", "nocap"):
+        args = parser.parse_args(["--model", "gpt", "--regime", regime])
+        compare.check_args(args)
+        for method in compare.NAMED_ONLY_METHODS:
+            assert method not in args.methods, (regime, method)
+    args = parser.parse_args(["--model", "gpt", "--methods", "lms_paging,compile_budget"])
+    assert args.methods == ("lms_paging", "compile_budget")
+    assert "lms_paging" in compare.LMS_METHODS and "lms_paging" in compare.PROFILED_METHODS
+    assert "lms_paging" not in compare.RECOMPUTE_METHODS + compare.DEFAULT_RECOMPUTE_METHODS
+    assert compare.method_lms_settings(args, "compile_budget", None) is None
+    text = " ".join(parser.format_help().split())
+    assert "activation_memory_budget" in text and "lms_paging" in text
+
+
+def test_activation_budget_keeps_what_fits_beside_the_static_memory() -> None:
+    # 0.85 x 100 - 25 = 60 of 75 activation bytes: 0.8.
+    assert compare.activation_budget(100, 100, 25) == pytest.approx(0.8)
+    assert compare.activation_budget(100, 50, 10) == 1.0  # fits whole: no recompute
+    assert compare.activation_budget(100, 400, 90) == 0.0  # static alone over the margin
+    assert compare.activation_budget(100, 10, 10) == 1.0  # no activation memory
+    # No cap: twice the device's need, a tenth of it static.
+    assert compare.activation_budget(1000, 2000, 100, margin=0.9) == pytest.approx(0.421)
+    for bad in ((0, 10, 1), (10, 10, -1)):
+        with pytest.raises(ValueError):
+            compare.activation_budget(*bad)
+    with pytest.raises(ValueError):
+        compare.activation_budget(10, 10, 1, margin=0)
+
+
+def test_compile_budget_unavailable_says_why() -> None:
+    assert "no torch.compile" in compare.compile_budget_unavailable(SimpleNamespace())
+    torch = pytest.importorskip("torch")
+    assert compare.compile_budget_unavailable(torch) == ""  # torch 2.4+: it has the budget
+
+
+def test_train_measure_keeps_each_warmup_time_and_the_median_of_the_rest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch, events, cuda = fake_cuda_training(monkeypatch, recompute=False)
+    ticks = iter(float(t) for t in range(1000))
+    clock = {"now": 0.0}
+
+    def perf_counter() -> float:
+        # Steps take 1, 2, 3, ... seconds: each start and end read the clock once.
+        clock["now"] += next(ticks)
+        return clock["now"]
+
+    monkeypatch.setattr(compare.time, "perf_counter", perf_counter)
+    args = compare.build_parser().parse_args(["--model", "resnet152"])
+    compare.check_args(args)
+    m = Measurement("resnet152", "baseline", None, None, 4)
+    compare.train_measure(
+        args, TinyWorkload(torch, events, cuda), m, warmup=3, iterations=10, lms=None
+    )
+    assert m.status == "ok", m.detail
+    # Step k's elapsed time is the clock's (2k+1)th increment: 1, 3, 5, ...
+    assert m.warmup_times == [1.0, 3.0, 5.0] and m.first_iteration_s == 1.0
+    assert m.iteration_times == [float(2 * k + 1) for k in range(3, 13)]
+    assert m.iteration_s == pytest.approx(16.0)  # median of 7, 9, ..., 25
+    assert m.samples_per_s == pytest.approx(4 / 16.0)
+
+
+def test_compile_budget_row_compiles_under_its_budget_or_says_it_does_not_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch, events, cuda = fake_cuda_training(monkeypatch, recompute=False)
+    args = compare.build_parser().parse_args(["--model", "resnet152"])
+    compare.check_args(args)
+    calls: list[tuple[str, Any]] = []
+
+    def compiles(model: Any, budget: float) -> tuple[Any, Any]:
+        calls.append(("compile", budget))
+        return model, lambda: calls.append(("restore", None))
+
+    monkeypatch.setattr(compare, "compile_with_budget", compiles)
+    m = Measurement("resnet152", "compile_budget", 2.0, None, 4, activation_budget=0.3)
+    compare.train_measure(
+        args, TinyWorkload(torch, events, cuda), m, warmup=1, iterations=2, lms=None
+    )
+    assert m.status == "ok" and calls == [("compile", 0.3), ("restore", None)]
+    assert "activation_memory_budget 0.3" in compare.describe(m)
+
+    def fails(model: Any, budget: float) -> tuple[Any, Any]:
+        def forward(inputs: Any) -> Any:
+            raise RuntimeError("backend compiler failed\nmore")
+
+        return forward, lambda: calls.append(("restore", None))
+
+    calls.clear()
+    monkeypatch.setattr(compare, "compile_with_budget", fails)
+    m = Measurement("resnet152", "compile_budget", 2.0, None, 4, activation_budget=0.3)
+    compare.train_measure(
+        args,
+        TinyWorkload(torch, events, cuda),
+        m,
+        warmup=1,
+        iterations=2,
+        lms=None,
+        log=lambda s: None,
+    )
+    assert m.status == "error" and calls == [("restore", None)]
+    assert m.detail == "not run: does not compile: RuntimeError: backend compiler failed"
+    # No budget chosen for the row: not run, nothing built.
+    events.clear()
+    m = Measurement("resnet152", "compile_budget", 2.0, None, 4)
+    compare.train_measure(
+        args, TinyWorkload(torch, events, cuda), m, warmup=1, iterations=2, lms=None
+    )
+    assert m.status == "skipped" and m.detail.startswith("not run: no activation budget")
+    assert events == []
+
+
+def test_nocap_row_estimate_of_compile_budget_adds_the_compile() -> None:
+    plan = compare.NocapPlan(1.5, 100, 150 * GiB, 100 * GiB)
+    bw = compare.Bandwidth(50e9, 50e9, 90e9)
+    ckpt = compare.nocap_row_estimate("checkpoint", plan, GiB, 0.01, bw, 13)
+    compiled = compare.nocap_row_estimate("compile_budget", plan, GiB, 0.01, bw, 13)
+    assert compiled == pytest.approx(ckpt + compare.COMPILE_ESTIMATE_S)
+    assert compare.nocap_host_bytes("compile_budget", plan, GiB) == 0

@@ -851,3 +851,21 @@ def test_environment_records_provenance() -> None:
     env = lms_setup.environment()
     for key in ("engine_commit", "engine_dirty", "driver", "torch", "cuda", "date"):
         assert key in env, key
+
+
+def test_nocap_row_order_and_prior_slowdown_are_options(tmp_path: Path) -> None:
+    args = ("--time-budget-s", "100000", "--methods", "checkpoint,lms", "--factors", "1.5,2")
+    run, gpu, _ = make_run(tmp_path, *args)
+    assert run.run() == 0
+    measured = [(m, f) for m, f, _, _ in gpu.trained if f is not None]
+    assert measured == [("checkpoint", 1.5), ("checkpoint", 2.0), ("lms", 1.5), ("lms", 2.0)]
+    run, gpu, _ = make_run(tmp_path, *args, "--row-order", "factors", "--prior-slowdown", "1.1")
+    assert run.slowdown("lms") == pytest.approx(1.1)
+    assert run.run() == 0
+    measured = [(m, f) for m, f, _, _ in gpu.trained if f is not None]
+    assert measured == [("checkpoint", 1.5), ("lms", 1.5), ("checkpoint", 2.0), ("lms", 2.0)]
+    parser = compare.build_parser()
+    for option in (["--row-order", "factors"], ["--prior-slowdown", "1.5"]):
+        capped = parser.parse_args(["--model", "gpt", *option])
+        with pytest.raises(ValueError, match="belongs to --regime nocap"):
+            compare.check_args(capped)
