@@ -146,9 +146,13 @@ void sampleDevice(DeviceEngine& e, bool force = false) {
     }
     need = e.need_peak;
   }
+  // Only a process with LMS on takes part in the shares (a process that
+  // reads a limit without enabling LMS is one of the holders outside them).
   DeviceClaim own;
-  std::vector<DeviceLedger::Peer> peers =
-      ledgerOf(e).update(reserved, need, &own);
+  std::vector<DeviceLedger::Peer> peers;
+  if (isEnabled()) {
+    peers = ledgerOf(e).update(reserved, need, &own);
+  }
   std::lock_guard<std::mutex> lock(e.mutex);
   e.device_total = total_bytes;
   e.device_others = used > reserved ? used - reserved : 0;
@@ -503,8 +507,10 @@ void* allocateDevice(
           ++outside_rounds;
           continue;
         }
-        // Then other LMS processes of the GPU that hold what it lacks.
-        if (waitForDevice(e, size, wait)) {
+        // Then other LMS processes of the GPU that hold what it lacks, unless
+        // the request has somewhere else to go (`or_null`: host placement, an
+        // input kept in its host copy), which keeps the process going.
+        if (!or_null && waitForDevice(e, size, wait)) {
           continue;
         }
         if (or_null) {
