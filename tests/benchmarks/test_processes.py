@@ -1,6 +1,6 @@
 """The processes benchmark's sizing and records (benchmarks/processes.py), on a CPU: the
 batch from a calibration, what becomes of a worker, the records and their summary, and the
-run folder's name. The GPU run itself is the regression row tests/regression/test_processes.py
+run folder's name. The GPU run itself is the regression row tests/regression/test_shared_gpu.py
 and ``python -m benchmarks.processes``."""
 
 from __future__ import annotations
