@@ -83,6 +83,8 @@ COUNTERS = (
     "host_refusals",
     "host_wait_count",
     "host_wait_ms",
+    "device_wait_count",
+    "device_wait_ms",
     "limit_bytes",
     # lms-tables:counter-keys:end
 )
@@ -94,6 +96,7 @@ FLOAT_COUNTERS = (
     "copy_in_ms",
     "recompute_ms",
     "host_wait_ms",
+    "device_wait_ms",
     # lms-tables:float-counter-keys:end
 )
 GAUGES = (

@@ -66,10 +66,13 @@ def run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(autouse=True)
 def private_host_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The ledger of pinned host memory that the programs a test runs share: a file of the
-    test's own, not the user's in /dev/shm, which every LMS process of the user shares."""
+    """The ledgers of pinned host memory and of device memory that the programs a test runs
+    share: files of the test's own, not the user's in /dev/shm, which every LMS process of the
+    user shares."""
     ledger = tmp_path / "host-ledger"
     monkeypatch.setenv("PYTORCH_LMS_HOST_LEDGER", str(ledger))
+    # Likewise the ledgers of device memory (a path prefix: one file per GPU).
+    monkeypatch.setenv("PYTORCH_LMS_DEVICE_LEDGER", str(tmp_path / "device-ledger"))
     return ledger
 
 

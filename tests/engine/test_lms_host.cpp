@@ -19,6 +19,12 @@
 //                     HostRefusal::Wait), then, when refused, frees
 //                     everything as a training script that ends with the
 //                     error would; "released"
+//
+// `test_lms_host --device-peer` is another LMS process of the GPU for the
+// device ledger tests: it takes a slot in the GPU's device ledger and follows
+// the lines of its input, and exits at their end:
+//   claim HELD NEED   publishes HELD and NEED MiB; "claimed TICKET"
+//   wait MIB          says it waits for MIB; "waiting"
 
 #include "lms_test.h"
 #include "lms_test_allocator.h"
@@ -151,7 +157,9 @@ class HostEnv {
 // end of the scope if it still runs.
 class Peer {
  public:
-  explicit Peer(size_t mib) {
+  explicit Peer(size_t mib)
+      : Peer(std::vector<std::string>{"--hold-pinned", std::to_string(mib)}) {}
+  explicit Peer(const std::vector<std::string>& args) {
     int to_child[2];
     int from_child[2];
     REQUIRE(::pipe(to_child) == 0 && ::pipe(from_child) == 0);
@@ -162,12 +170,11 @@ class Peer {
     posix_spawn_file_actions_addclose(&actions, to_child[1]);
     posix_spawn_file_actions_addclose(&actions, from_child[0]);
     const std::string self = "/proc/self/exe";
-    const std::string mib_text = std::to_string(mib);
-    std::vector<char*> argv = {
-        const_cast<char*>(self.c_str()),
-        const_cast<char*>("--hold-pinned"),
-        const_cast<char*>(mib_text.c_str()),
-        nullptr};
+    std::vector<char*> argv = {const_cast<char*>(self.c_str())};
+    for (const std::string& arg : args) {
+      argv.push_back(const_cast<char*>(arg.c_str()));
+    }
+    argv.push_back(nullptr);
     const int err = posix_spawn(
         &pid_, self.c_str(), &actions, nullptr, argv.data(), environ);
     posix_spawn_file_actions_destroy(&actions);
@@ -311,6 +318,50 @@ int holdPinned(size_t mib) {
     std::fflush(stdout);
     return 1;
   }
+}
+
+// The name the engine gives the device ledger of device 0's GPU.
+std::string deviceLedgerPath() {
+  cudaDeviceProp prop{};
+  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::string key = "GPU-";
+  char hex[3];
+  for (size_t i = 0; i < sizeof(prop.uuid.bytes); ++i) {
+    std::snprintf(
+        hex,
+        sizeof(hex),
+        "%02x",
+        static_cast<unsigned char>(prop.uuid.bytes[i]));
+    key += hex;
+  }
+  return lms::DeviceLedger::pathFor(key);
+}
+
+// The device peer's side (see the top of the file).
+int devicePeer() {
+  lms::DeviceLedger ledger(deviceLedgerPath());
+  size_t held = 0;
+  size_t need = 0;
+  char line[64];
+  while (std::fgets(line, sizeof(line), stdin) != nullptr) {
+    long a = 0;
+    long b = 0;
+    if (std::sscanf(line, "claim %ld %ld", &a, &b) == 2) {
+      held = static_cast<size_t>(a) * kMiB;
+      need = static_cast<size_t>(b) * kMiB;
+      lms::DeviceClaim own;
+      (void)ledger.update(held, need, &own);
+      std::printf("claimed %llu\n", (unsigned long long)own.ticket);
+    } else if (std::sscanf(line, "wait %ld", &a) == 1) {
+      (void)ledger.update(held, need, nullptr);
+      std::printf(
+          "%s\n",
+          ledger.setWaiting(static_cast<size_t>(a) * kMiB) ? "waiting"
+                                                           : "unshared");
+    }
+    std::fflush(stdout);
+  }
+  return 0;
 }
 
 // ---------------------------------------------------------------------------
@@ -1095,11 +1146,409 @@ TEST_CASE(ledger_that_cannot_be_used_counts_this_process_alone) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// The device ledger: shares of the GPU and waits for its other LMS processes
+// ---------------------------------------------------------------------------
+
+lms::DeviceClaim claim(
+    size_t need_mib,
+    uint64_t ticket,
+    size_t waiting_mib = 0,
+    size_t held_mib = 0) {
+  lms::DeviceClaim c;
+  c.need = need_mib * kMiB;
+  c.ticket = ticket;
+  c.waiting = waiting_mib * kMiB;
+  c.held = held_mib * kMiB;
+  return c;
+}
+
+// Equal parts, a need under its part capped at the need and what it leaves
+// split among the others; a process alone gets the whole pool.
+TEST_CASE(device_shares_are_equal_parts_capped_by_need) {
+  const size_t pool = 1000 * kMiB;
+  std::vector<size_t> s = lms::deviceShares(pool, {claim(0, 1)});
+  CHECK_EQ(s[0], pool);
+  s = lms::deviceShares(pool, {claim(5000, 1)});
+  CHECK_EQ(s[0], pool);
+  s = lms::deviceShares(
+      pool, {claim(0, 1), claim(0, 2), claim(0, 3), claim(0, 4)});
+  for (size_t part : s) {
+    CHECK_EQ(part, 250 * kMiB);
+  }
+  // One needs 100: the other three split the 900 it leaves.
+  s = lms::deviceShares(
+      pool, {claim(900, 1), claim(100, 2), claim(2000, 3), claim(0, 4)});
+  CHECK_EQ(s[1], 100 * kMiB);
+  CHECK_EQ(s[0], 300 * kMiB);
+  CHECK_EQ(s[2], 300 * kMiB);
+  CHECK_EQ(s[3], 300 * kMiB);
+  // Needs under their parts at every round: each gets its need.
+  s = lms::deviceShares(pool, {claim(100, 1), claim(200, 2), claim(900, 3)});
+  CHECK_EQ(s[0], 100 * kMiB);
+  CHECK_EQ(s[1], 200 * kMiB);
+  CHECK_EQ(s[2], 700 * kMiB);
+  size_t sum = 0;
+  for (size_t part : s) {
+    sum += part;
+  }
+  CHECK_LE(sum, pool);
+}
+
+// The oldest waiting process gets what it holds plus what it waits for; the
+// others share the rest, a younger waiter among them.
+TEST_CASE(device_shares_give_the_oldest_waiter_what_it_waits_for) {
+  const size_t pool = 1000 * kMiB;
+  std::vector<size_t> s = lms::deviceShares(
+      pool,
+      {claim(900, 3, /*waiting=*/400, /*held=*/250),
+       claim(900, 1, /*waiting=*/300, /*held=*/250),
+       claim(900, 2)});
+  CHECK_EQ(s[1], 550 * kMiB);
+  CHECK_EQ(s[0], 225 * kMiB);
+  CHECK_EQ(s[2], 225 * kMiB);
+  // Never more than the pool.
+  s = lms::deviceShares(pool, {claim(0, 1, 5000, 100), claim(0, 2)});
+  CHECK_EQ(s[0], pool);
+  CHECK_EQ(s[1], size_t(0));
+  // A waiter whose equal part already covers its wait keeps that part.
+  s = lms::deviceShares(pool, {claim(0, 1, 10, 100), claim(0, 2)});
+  CHECK_EQ(s[0], 500 * kMiB);
+  CHECK_EQ(s[1], 500 * kMiB);
+}
+
+lms::DeviceLedger::Peer peerOf(
+    size_t held_mib,
+    uint64_t ticket,
+    size_t waiting_mib = 0) {
+  lms::DeviceLedger::Peer p;
+  p.pid = 100 + static_cast<int64_t>(ticket);
+  p.claim = claim(0, ticket, waiting_mib, held_mib);
+  return p;
+}
+
+// Who waits, who goes on: a failed allocation waits while another process
+// holds what would make room and is not itself waiting; with every holder
+// waiting the last to join gives way; with nothing to wait for it fails.
+TEST_CASE(device_wait_decisions) {
+  using D = lms::DeviceWaitDecision;
+  const size_t need = 100 * kMiB;
+  CHECK(lms::DeviceLedger::decide(need, 0, 2, {}) == D::NothingToWaitFor);
+  CHECK(
+      lms::DeviceLedger::decide(need, 0, 2, {peerOf(0, 1)}) ==
+      D::NothingToWaitFor);
+  // What the others hold and what is free would not make room.
+  CHECK(
+      lms::DeviceLedger::decide(need, 20 * kMiB, 2, {peerOf(50, 1)}) ==
+      D::NothingToWaitFor);
+  CHECK(
+      lms::DeviceLedger::decide(need, 60 * kMiB, 2, {peerOf(50, 1)}) ==
+      D::Wait);
+  // A holder that does not wait goes on, and will release.
+  CHECK(
+      lms::DeviceLedger::decide(
+          need, 0, 3, {peerOf(200, 1, 10), peerOf(200, 2)}) == D::Wait);
+  // Every holder waits: the youngest gives way, the older ones wait.
+  CHECK(
+      lms::DeviceLedger::decide(
+          need, 0, 3, {peerOf(200, 1, 10), peerOf(200, 2, 10)}) == D::GiveWay);
+  CHECK(
+      lms::DeviceLedger::decide(
+          need, 0, 1, {peerOf(200, 2, 10), peerOf(200, 3, 10)}) == D::Wait);
+  // A waiting process that holds nothing is no holder.
+  CHECK(
+      lms::DeviceLedger::decide(
+          need, 0, 3, {peerOf(200, 1, 10), peerOf(0, 4, 10)}) == D::GiveWay);
+}
+
+// LMS on with no limit of its own and a wait of `wait_s` (the one setting
+// of host and device waits), on a GPU whose ledger this process has joined.
+class DeviceEnv : public HostEnv {
+ public:
+  explicit DeviceEnv(double wait_s) : HostEnv(0, wait_s) {
+    limit_alone_ = lms::getLimit(0);
+  }
+  size_t limitAlone() const {
+    return limit_alone_;
+  }
+
+ private:
+  size_t limit_alone_ = 0;
+};
+
+// The limit once the engine has read the ledger again (it reads it at most
+// every 10 ms).
+size_t limitAfterReading() {
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  return lms::getLimit(0);
+}
+
+// A process that joins the GPU's ledger halves this one's share; a need it
+// publishes under its part gives the rest back; when it dies, its slot is
+// freed and the share is the whole device again. This process needs more
+// than the device (a quarter of it paged out), so its part is never capped
+// by its own need.
+TEST_CASE(device_shares_follow_processes_that_join_and_end) {
+  if (simgpu_inject_fault == nullptr) {
+    SKIP("fills the whole device: sized for the simulated one");
+  }
+  DeviceEnv env(0);
+  const size_t alone = env.limitAlone();
+  REQUIRE(alone > 64 * kMiB);
+  {
+    std::vector<StoragePtr> mine;
+    for (size_t i = 0; i < (alone * 5 / 4) / (8 * kMiB); ++i) {
+      mine.push_back(newStorage(8 * kMiB));
+      write(*mine.back(), 40 + i);
+    }
+    REQUIRE(lms::getStats(0).pagedout_bytes.current > 0);
+    Peer peer(std::vector<std::string>{"--device-peer"});
+    peer.say("claim 0 0\n");
+    REQUIRE(peer.readLine().rfind("claimed ", 0) == 0);
+    const size_t half = limitAfterReading();
+    CHECK_LE(half, alone / 2 + kMiB);
+    CHECK_LE(alone / 2, half + kMiB);
+    peer.say("claim 16 16\n");
+    REQUIRE(peer.readLine().rfind("claimed ", 0) == 0);
+    const size_t rest = limitAfterReading();
+    CHECK_LE(rest + 16 * kMiB, alone + kMiB);
+    CHECK_LE(alone, rest + 16 * kMiB + kMiB);
+    peer.killHard();
+    CHECK_EQ(limitAfterReading(), alone);
+    int mismatches = 0;
+    for (size_t i = 0; i < mine.size(); ++i) {
+      mismatches += !matches(*mine[i], 40 + i);
+    }
+    CHECK_EQ(mismatches, 0);
+  }
+  env.checkBaseline();
+}
+
+// A process over its new share pages down to it at its next allocation.
+TEST_CASE(process_over_its_new_share_pages_down_at_its_next_allocation) {
+  if (simgpu_inject_fault == nullptr) {
+    SKIP("fills the whole device: sized for the simulated one");
+  }
+  DeviceEnv env(0);
+  const size_t alone = env.limitAlone();
+  {
+    std::vector<StoragePtr> s;
+    const size_t count = (alone * 3 / 4) / (8 * kMiB);
+    for (size_t i = 0; i < count; ++i) {
+      s.push_back(newStorage(8 * kMiB));
+      write(*s.back(), 20 + i);
+    }
+    CHECK_EQ(lms::getStats(0).pagedout_bytes.current, 0);
+    Peer peer(std::vector<std::string>{"--device-peer"});
+    peer.say("claim 0 0\n");
+    REQUIRE(peer.readLine().rfind("claimed ", 0) == 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    s.push_back(newStorage(8 * kMiB));
+    write(*s.back(), 20 + count);
+    const lms::LmsStats st = lms::getStats(0);
+    CHECK(st.pagedout_bytes.current > 0);
+    CHECK_LE(
+        lms_compat::aggregate(cca::getDeviceStats(0).allocated_bytes),
+        int64_t(alone / 2 + kMiB));
+    int mismatches = 0;
+    for (size_t i = 0; i < s.size(); ++i) {
+      mismatches += !matches(*s[i], 20 + i);
+    }
+    CHECK_EQ(mismatches, 0);
+    CHECK_EQ(peer.finish(), 0);
+  }
+  env.checkBaseline();
+}
+
+// Device memory that something else took (raw cudaMalloc: what another
+// process's allocations are to this one) leaves `room` bytes free.
+class DeviceFiller {
+ public:
+  explicit DeviceFiller(size_t room) {
+    size_t free_bytes = 0;
+    size_t total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
+    REQUIRE(free_bytes > room);
+    C10_CUDA_CHECK(cudaMalloc(&ptr_, free_bytes - room));
+  }
+  ~DeviceFiller() {
+    release();
+  }
+  DeviceFiller(const DeviceFiller&) = delete;
+  DeviceFiller& operator=(const DeviceFiller&) = delete;
+  void release() {
+    if (ptr_ != nullptr) {
+      C10_CUDA_CHECK(cudaFree(ptr_));
+      ptr_ = nullptr;
+    }
+  }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+// An allocation the device cannot hold while another LMS process holds
+// device memory: it waits, and goes on once the memory is released.
+TEST_CASE(failed_device_allocation_waits_for_another_process) {
+  if (simgpu_inject_fault == nullptr) {
+    SKIP("needs the simulated GPU: the other process's memory is simulated");
+  }
+  DeviceEnv env(5);
+  {
+    cca::emptyCache();
+    DeviceFiller filler(16 * kMiB);
+    Peer peer(std::vector<std::string>{"--device-peer"});
+    peer.say("claim 200 200\n");
+    REQUIRE(peer.readLine().rfind("claimed ", 0) == 0);
+    std::thread releaser([&filler] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      filler.release();
+    });
+    const auto start = std::chrono::steady_clock::now();
+    StoragePtr s = newStorage(64 * kMiB);
+    const double seconds = secondsSince(start);
+    releaser.join();
+    write(*s, 30);
+    CHECK(matches(*s, 30));
+    CHECK(seconds >= 0.15);
+    CHECK(seconds < 2.0);
+    const lms::LmsStats st = lms::getStats(0);
+    CHECK_EQ(st.device_wait_count, 1);
+    CHECK(st.device_wait_ms >= 150.0);
+    CHECK_EQ(st.oom_count, 0);
+    CHECK_EQ(peer.finish(), 0);
+  }
+  env.checkBaseline();
+}
+
+// The error of today, and how long it waited.
+std::string deviceError(size_t bytes, double& seconds) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    StoragePtr s = newStorage(bytes);
+  } catch (const c10::OutOfMemoryError& e) {
+    seconds = secondsSince(start);
+    return e.what();
+  }
+  seconds = secondsSince(start);
+  return std::string();
+}
+
+// A wait the other never ends ends at the setting with the error of today,
+// which says how long it waited and for whom.
+TEST_CASE(device_wait_ends_at_its_setting_with_the_error) {
+  if (simgpu_inject_fault == nullptr) {
+    SKIP("needs the simulated GPU: the other process's memory is simulated");
+  }
+  DeviceEnv env(0.3);
+  {
+    cca::emptyCache();
+    DeviceFiller filler(16 * kMiB);
+    Peer peer(std::vector<std::string>{"--device-peer"});
+    peer.say("claim 200 200\n");
+    REQUIRE(peer.readLine().rfind("claimed ", 0) == 0);
+    double seconds = 0;
+    const std::string text = deviceError(64 * kMiB, seconds);
+    CHECK(
+        contains(text, "It waited 0.3 s for other LMS processes of this GPU"));
+    CHECK(contains(text, "holds 200.00 MiB"));
+    CHECK(contains(text, "the wait ran out"));
+    CHECK(seconds >= 0.3);
+    CHECK(seconds < 1.5);
+    const lms::LmsStats st = lms::getStats(0);
+    CHECK_EQ(st.device_wait_count, 1);
+    CHECK(st.device_wait_ms >= 300.0);
+    CHECK_EQ(peer.finish(), 0);
+  }
+  env.checkBaseline();
+}
+
+// The other process dies while this one waits: its slot is freed and the
+// wait ends at once with the error, far before the setting.
+TEST_CASE(device_wait_ends_when_the_holder_dies) {
+  if (simgpu_inject_fault == nullptr) {
+    SKIP("needs the simulated GPU: the other process's memory is simulated");
+  }
+  DeviceEnv env(10);
+  {
+    cca::emptyCache();
+    DeviceFiller filler(16 * kMiB);
+    Peer peer(std::vector<std::string>{"--device-peer"});
+    peer.say("claim 200 200\n");
+    REQUIRE(peer.readLine().rfind("claimed ", 0) == 0);
+    std::thread killer([&peer] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      peer.killHard();
+    });
+    double seconds = 0;
+    const std::string text = deviceError(64 * kMiB, seconds);
+    killer.join();
+    CHECK(contains(text, "nothing they hold would make room"));
+    CHECK(seconds >= 0.15);
+    CHECK(seconds < 3.0);
+    CHECK_EQ(lms::getStats(0).device_wait_count, 1);
+  }
+  env.checkBaseline();
+}
+
+// A younger process that waits too does not make this one give up: an
+// older waiter keeps waiting (here until the setting), the rule that keeps
+// one of them going.
+TEST_CASE(older_process_keeps_waiting_when_a_younger_one_waits) {
+  if (simgpu_inject_fault == nullptr) {
+    SKIP("needs the simulated GPU: the other process's memory is simulated");
+  }
+  DeviceEnv env(1.0);
+  {
+    cca::emptyCache();
+    (void)lms::getLimit(0); // this process is in the ledger before the peer
+    DeviceFiller filler(16 * kMiB);
+    Peer peer(std::vector<std::string>{"--device-peer"});
+    peer.say("claim 200 200\n");
+    REQUIRE(peer.readLine().rfind("claimed ", 0) == 0);
+    peer.say("wait 100\n");
+    REQUIRE(peer.readLine() == "waiting");
+    double seconds = 0;
+    const std::string text = deviceError(64 * kMiB, seconds);
+    CHECK(contains(text, "the wait ran out"));
+    CHECK(contains(text, "holds 200.00 MiB, waiting"));
+    CHECK(seconds >= 1.0);
+    CHECK_EQ(peer.finish(), 0);
+  }
+  env.checkBaseline();
+}
+
+// A wait of 0 raises at once, as before the wait.
+TEST_CASE(device_wait_of_zero_raises_at_once) {
+  if (simgpu_inject_fault == nullptr) {
+    SKIP("needs the simulated GPU: the other process's memory is simulated");
+  }
+  DeviceEnv env(0);
+  {
+    cca::emptyCache();
+    DeviceFiller filler(16 * kMiB);
+    Peer peer(std::vector<std::string>{"--device-peer"});
+    peer.say("claim 200 200\n");
+    REQUIRE(peer.readLine().rfind("claimed ", 0) == 0);
+    double seconds = 0;
+    const std::string text = deviceError(64 * kMiB, seconds);
+    CHECK(!text.empty());
+    CHECK(text.find("It waited") == std::string::npos);
+    CHECK(seconds < 0.5);
+    CHECK_EQ(lms::getStats(0).device_wait_count, 0);
+    CHECK_EQ(peer.finish(), 0);
+  }
+  env.checkBaseline();
+}
+
 } // namespace
 
 int main(int argc, char** argv) {
   if (argc == 3 && std::strcmp(argv[1], "--hold-pinned") == 0) {
     return holdPinned(std::strtoull(argv[2], nullptr, 10));
+  }
+  if (argc == 2 && std::strcmp(argv[1], "--device-peer") == 0) {
+    return devicePeer();
   }
   // A ledger of the suite's own unless the caller names one: other LMS
   // processes of this user must not move the figures it checks.
@@ -1109,9 +1558,23 @@ int main(int argc, char** argv) {
         "/tmp/lms-host-test-ledger-" + std::to_string((long)::getpid());
     ::setenv("PYTORCH_LMS_HOST_LEDGER", own_ledger.c_str(), 1);
   }
+  // The same for the ledger of the GPU's device memory: the GPU tier runs
+  // this suite beside other LMS processes, whose shares must not move.
+  std::string own_device_ledger;
+  if (std::getenv("PYTORCH_LMS_DEVICE_LEDGER") == nullptr) {
+    ::setenv(
+        "PYTORCH_LMS_DEVICE_LEDGER",
+        ("/tmp/lms-device-test-ledger-" + std::to_string((long)::getpid()))
+            .c_str(),
+        1);
+    own_device_ledger = deviceLedgerPath();
+  }
   const int status = lms_test::run(argc, argv);
   if (!own_ledger.empty()) {
     ::unlink(own_ledger.c_str());
+  }
+  if (!own_device_ledger.empty()) {
+    ::unlink(own_device_ledger.c_str());
   }
   return status;
 }

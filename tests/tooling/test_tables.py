@@ -41,6 +41,7 @@ def test_the_tables_read_whole() -> None:
         "copy_in_ms",
         "recompute_ms",
         "host_wait_ms",
+        "device_wait_ms",
     ]
 
 

@@ -89,6 +89,8 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "host_refusals": 2,
         "host_wait_count": 1,
         "host_wait_ms": 250.0,
+        "device_wait_count": 1,
+        "device_wait_ms": 120.0,
     }
     for gauge in ("managed_bytes", "active_bytes", "inactive_bytes", "pagedout_bytes"):
         stats[gauge] = {"current": 4 * MiB, "peak": 12 * MiB}

@@ -1,6 +1,7 @@
-// The ledger of the pinned bytes of a host's LMS processes (HostLedger in
-// LargeModelSupportHostPool.h): a file in shared memory with a slot per
-// process, locked with fcntl.
+// The ledgers of the LMS processes of a host (HostLedger: their pinned
+// bytes) and of a GPU (DeviceLedger: their device memory, and the shares
+// deviceShares makes of it), declared in LargeModelSupportHostPool.h: each a
+// file in shared memory with a slot per process, locked with fcntl.
 
 #include <c10/cuda/LargeModelSupportHostPool.h>
 
@@ -73,13 +74,16 @@ HostLedgerSlot* HostLedger::slots() {
       static_cast<char*>(map_) + sizeof(HostLedgerHeader));
 }
 
-bool HostLedger::lockByte(size_t offset, bool wait) {
+namespace {
+
+// A write lock on one byte of the file `fd` (waiting for it, or not).
+bool lockFileByte(int fd, size_t offset, bool wait) {
   struct flock lock {};
   lock.l_type = F_WRLCK;
   lock.l_whence = SEEK_SET;
   lock.l_start = static_cast<off_t>(offset);
   lock.l_len = 1;
-  while (::fcntl(fd_, wait ? F_SETLKW : F_SETLK, &lock) != 0) {
+  while (::fcntl(fd, wait ? F_SETLKW : F_SETLK, &lock) != 0) {
     if (errno != EINTR) {
       return false;
     }
@@ -87,13 +91,34 @@ bool HostLedger::lockByte(size_t offset, bool wait) {
   return true;
 }
 
-void HostLedger::unlockByte(size_t offset) {
+void unlockFileByte(int fd, size_t offset) {
   struct flock lock {};
   lock.l_type = F_UNLCK;
   lock.l_whence = SEEK_SET;
   lock.l_start = static_cast<off_t>(offset);
   lock.l_len = 1;
-  (void)::fcntl(fd_, F_SETLK, &lock);
+  (void)::fcntl(fd, F_SETLK, &lock);
+}
+
+// Whether no process locks the byte at `offset` (or the rest of the file
+// from it, with `len` 0): a slot of a process that has ended.
+bool unlockedByAll(int fd, size_t offset, off_t len) {
+  struct flock probe {};
+  probe.l_type = F_WRLCK;
+  probe.l_whence = SEEK_SET;
+  probe.l_start = static_cast<off_t>(offset);
+  probe.l_len = len;
+  return ::fcntl(fd, F_GETLK, &probe) == 0 && probe.l_type == F_UNLCK;
+}
+
+} // namespace
+
+bool HostLedger::lockByte(size_t offset, bool wait) {
+  return lockFileByte(fd_, offset, wait);
+}
+
+void HostLedger::unlockByte(size_t offset) {
+  unlockFileByte(fd_, offset);
 }
 
 bool HostLedger::open() {
@@ -351,6 +376,355 @@ uint64_t HostLedger::Locked::ticket() const {
 bool HostLedger::othersWaiting() {
   // The process's lock only: fallBack() unmaps the file under it.
   std::lock_guard<std::mutex> lock(mutex_);
+  if (map_ == nullptr) {
+    return false;
+  }
+  const uint64_t waiting =
+      __atomic_load_n(&header()->waiting, __ATOMIC_ACQUIRE);
+  return waiting > (own_waiting_ ? 1u : 0u);
+}
+
+// ---------------------------------------------------------------------------
+// DeviceLedger
+// ---------------------------------------------------------------------------
+
+namespace {
+constexpr char kDeviceLedgerMagic[8] =
+    {'L', 'M', 'S', 'D', 'E', 'V', 'I', '\0'};
+constexpr size_t kDeviceLedgerBytes =
+    sizeof(DeviceLedgerHeader) + kDeviceLedgerSlots * sizeof(DeviceLedgerSlot);
+static_assert(
+    sizeof(DeviceLedgerHeader) == 32 && sizeof(DeviceLedgerSlot) == 48);
+
+size_t deviceSlotOffset(int slot) {
+  return sizeof(DeviceLedgerHeader) +
+      static_cast<size_t>(slot) * sizeof(DeviceLedgerSlot);
+}
+
+size_t nonNegative(int64_t value) {
+  return static_cast<size_t>(std::max<int64_t>(value, 0));
+}
+} // namespace
+
+namespace {
+
+// Max-min fair parts of `left` bytes for the claims `open` (indices into
+// `claims`), into `shares`: the claims that need less than an equal part get
+// their need, the rest is split again, until every claim left needs at least
+// its part (or has no need known yet).
+void splitFairly(
+    size_t left,
+    std::vector<size_t> open,
+    const std::vector<DeviceClaim>& claims,
+    std::vector<size_t>& shares) {
+  while (!open.empty()) {
+    const size_t part = left / open.size();
+    std::vector<size_t> still;
+    for (size_t i : open) {
+      const size_t need = claims[i].need;
+      if (need != 0 && need <= part) {
+        shares[i] = need;
+        left -= need;
+      } else {
+        still.push_back(i);
+      }
+    }
+    if (still.size() == open.size()) {
+      for (size_t i : still) {
+        shares[i] = part;
+      }
+      return;
+    }
+    open = std::move(still);
+  }
+}
+
+} // namespace
+
+std::vector<size_t> deviceShares(
+    size_t pool,
+    const std::vector<DeviceClaim>& claims) {
+  std::vector<size_t> shares(claims.size(), 0);
+  std::vector<size_t> all(claims.size());
+  for (size_t i = 0; i < claims.size(); ++i) {
+    all[i] = i;
+  }
+  splitFairly(pool, all, claims, shares);
+  // The oldest waiting claim goes first: with equal parts alone, a process
+  // whose operators need more than its part would wait until the others
+  // end; this way the others page down and it goes on.
+  int first = -1;
+  for (size_t i = 0; i < claims.size(); ++i) {
+    if (claims[i].waiting != 0 &&
+        (first < 0 || claims[i].ticket < claims[first].ticket)) {
+      first = static_cast<int>(i);
+    }
+  }
+  if (first < 0) {
+    return shares;
+  }
+  const DeviceClaim& waiter = claims[first];
+  const size_t want = std::min(waiter.held + waiter.waiting, pool);
+  if (shares[first] >= want) {
+    return shares;
+  }
+  shares[first] = want;
+  std::vector<size_t> rest;
+  for (size_t i = 0; i < claims.size(); ++i) {
+    if (static_cast<int>(i) != first) {
+      rest.push_back(i);
+    }
+  }
+  splitFairly(pool - want, rest, claims, shares);
+  return shares;
+}
+
+DeviceLedger::DeviceLedger(std::string path) : path_(std::move(path)) {
+  owner_pid_ = static_cast<int64_t>(::getpid());
+  (void)open();
+}
+
+DeviceLedger::~DeviceLedger() {
+  if (map_ != nullptr) {
+    ::munmap(map_, kDeviceLedgerBytes);
+  }
+  if (fd_ >= 0) {
+    ::close(fd_);
+  }
+}
+
+std::string DeviceLedger::pathFor(const std::string& key) {
+  const char* env = std::getenv("PYTORCH_LMS_DEVICE_LEDGER");
+  if (env != nullptr && *env != '\0') {
+    return std::string(env) + "-" + key;
+  }
+  // One file per user and GPU, for the reasons of the host's.
+  return "/dev/shm/pytorch-lms-device-ledger-" +
+      std::to_string(static_cast<unsigned long>(::geteuid())) + "-" + key;
+}
+
+DeviceLedgerHeader* DeviceLedger::header() {
+  return static_cast<DeviceLedgerHeader*>(map_);
+}
+
+DeviceLedgerSlot* DeviceLedger::slots() {
+  return reinterpret_cast<DeviceLedgerSlot*>(
+      static_cast<char*>(map_) + sizeof(DeviceLedgerHeader));
+}
+
+bool DeviceLedger::open() {
+  fd_ = ::open(
+      path_.c_str(),
+      O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC,
+      S_IRUSR | S_IWUSR);
+  if (fd_ < 0) {
+    fallBack(std::string("cannot open it: ") + std::strerror(errno));
+    return false;
+  }
+  struct stat st {};
+  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) ||
+      st.st_uid != ::geteuid()) {
+    fallBack("it is not a regular file of this user");
+    return false;
+  }
+  if (!lockFileByte(fd_, 0, /*wait=*/true) || ::fstat(fd_, &st) != 0) {
+    fallBack(std::string("cannot lock it: ") + std::strerror(errno));
+    return false;
+  }
+  bool fresh = st.st_size == 0;
+  if (!fresh) {
+    DeviceLedgerHeader h{};
+    const bool read =
+        ::pread(fd_, &h, sizeof(h), 0) == static_cast<ssize_t>(sizeof(h));
+    if (!read ||
+        std::memcmp(h.magic, kDeviceLedgerMagic, sizeof(h.magic)) != 0) {
+      fallBack("it is not a ledger of Large Model Support");
+      return false;
+    }
+    if (static_cast<size_t>(st.st_size) != kDeviceLedgerBytes ||
+        h.version != kDeviceLedgerVersion ||
+        h.slot_count != kDeviceLedgerSlots) {
+      // Another version's, laid out again once no live process uses it (as
+      // the host's ledger).
+      if (!unlockedByAll(fd_, 1, 0) || ::ftruncate(fd_, 0) != 0) {
+        fallBack(
+            "it has another layout (another version of Large Model "
+            "Support?) and a live process uses it");
+        return false;
+      }
+      fresh = true;
+    }
+  }
+  if (fresh && ::ftruncate(fd_, static_cast<off_t>(kDeviceLedgerBytes)) != 0) {
+    fallBack(std::string("cannot size it: ") + std::strerror(errno));
+    return false;
+  }
+  void* map = ::mmap(
+      nullptr, kDeviceLedgerBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (map == MAP_FAILED) {
+    fallBack(std::string("cannot map it: ") + std::strerror(errno));
+    return false;
+  }
+  map_ = map;
+  if (fresh) {
+    std::memcpy(
+        header()->magic, kDeviceLedgerMagic, sizeof(kDeviceLedgerMagic));
+    header()->version = kDeviceLedgerVersion;
+    header()->slot_count = kDeviceLedgerSlots;
+    header()->waiting = 0;
+    header()->next_ticket = 0;
+  }
+  unlockFileByte(fd_, 0);
+  return true;
+}
+
+void DeviceLedger::fallBack(const std::string& why) {
+  if (map_ != nullptr) {
+    ::munmap(map_, kDeviceLedgerBytes);
+    map_ = nullptr;
+  }
+  if (fd_ >= 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+  slot_ = -1;
+  own_waiting_ = false;
+  TORCH_WARN(
+      "Large Model Support: the device ledger ",
+      path_,
+      " cannot be used (",
+      why,
+      "), so this process does not see the other LMS processes of its GPU: "
+      "its share of the device is what they leave, and it does not wait for "
+      "them. Set PYTORCH_LMS_DEVICE_LEDGER to a path prefix on a writable "
+      "local file system (the same for every LMS process of the host).");
+}
+
+bool DeviceLedger::claimSlot() {
+  for (int i = 0; i < static_cast<int>(kDeviceLedgerSlots); ++i) {
+    if (!lockFileByte(fd_, deviceSlotOffset(i), /*wait=*/false)) {
+      continue; // a live process holds it
+    }
+    DeviceLedgerSlot& slot = slots()[i];
+    slot = DeviceLedgerSlot{};
+    slot.pid = owner_pid_;
+    slot.ticket = ++header()->next_ticket;
+    slot_ = i;
+    return true;
+  }
+  return false;
+}
+
+std::vector<DeviceLedger::Peer> DeviceLedger::update(
+    size_t held,
+    size_t need,
+    DeviceClaim* own) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  std::vector<Peer> peers;
+  const auto pid = static_cast<int64_t>(::getpid());
+  if (pid != owner_pid_) { // a child after fork: the slot is its parent's
+    owner_pid_ = pid;
+    slot_ = -1;
+    own_waiting_ = false;
+  }
+  if (map_ == nullptr) {
+    return peers;
+  }
+  if (!lockFileByte(fd_, 0, /*wait=*/true)) {
+    fallBack(std::string("cannot lock it: ") + std::strerror(errno));
+    return peers;
+  }
+  if (slot_ < 0 && !claimSlot()) {
+    unlockFileByte(fd_, 0);
+    fallBack(
+        "all " + std::to_string(kDeviceLedgerSlots) +
+        " process slots are taken");
+    return peers;
+  }
+  DeviceLedgerSlot* all = slots();
+  all[slot_].held = static_cast<int64_t>(held);
+  all[slot_].need = static_cast<int64_t>(need);
+  for (int i = 0; i < static_cast<int>(kDeviceLedgerSlots); ++i) {
+    DeviceLedgerSlot& slot = all[i];
+    if (slot.pid == 0 || i == slot_) {
+      continue;
+    }
+    if (unlockedByAll(fd_, deviceSlotOffset(i), 1)) {
+      // Its process ended, and its device memory with it.
+      if (slot.waiting != 0) { // it ended while it waited
+        const uint64_t count = header()->waiting;
+        __atomic_store_n(
+            &header()->waiting,
+            count - std::min<uint64_t>(count, 1),
+            __ATOMIC_RELEASE);
+      }
+      slot = DeviceLedgerSlot{};
+      continue;
+    }
+    Peer peer;
+    peer.pid = slot.pid;
+    peer.claim.held = nonNegative(slot.held);
+    peer.claim.need = nonNegative(slot.need);
+    peer.claim.waiting = nonNegative(slot.waiting);
+    peer.claim.ticket = slot.ticket;
+    peers.push_back(peer);
+  }
+  if (own != nullptr) {
+    own->held = held;
+    own->need = need;
+    own->waiting = nonNegative(all[slot_].waiting);
+    own->ticket = all[slot_].ticket;
+  }
+  unlockFileByte(fd_, 0);
+  return peers;
+}
+
+bool DeviceLedger::setWaiting(size_t bytes) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  if (map_ == nullptr || slot_ < 0 || !lockFileByte(fd_, 0, /*wait=*/true)) {
+    return false;
+  }
+  slots()[slot_].waiting = static_cast<int64_t>(bytes);
+  const bool waiting = bytes != 0;
+  if (waiting != own_waiting_) {
+    const uint64_t count = header()->waiting;
+    __atomic_store_n(
+        &header()->waiting,
+        waiting ? count + 1 : count - std::min<uint64_t>(count, 1),
+        __ATOMIC_RELEASE);
+    own_waiting_ = waiting;
+  }
+  unlockFileByte(fd_, 0);
+  return true;
+}
+
+DeviceWaitDecision DeviceLedger::decide(
+    size_t size,
+    size_t free_now,
+    uint64_t ticket,
+    const std::vector<Peer>& peers) {
+  size_t others_hold = 0;
+  bool all_wait = true;
+  uint64_t youngest = ticket;
+  for (const Peer& peer : peers) {
+    if (peer.claim.held == 0) {
+      continue; // nothing to release
+    }
+    others_hold += peer.claim.held;
+    all_wait = all_wait && peer.claim.waiting != 0;
+    youngest = std::max(youngest, peer.claim.ticket);
+  }
+  if (others_hold == 0 || size > free_now + others_hold) {
+    return DeviceWaitDecision::NothingToWaitFor;
+  }
+  // Every holder waits: none releases unless one gives way, and the last to
+  // join has done the least work (the host's rule).
+  return all_wait && youngest == ticket ? DeviceWaitDecision::GiveWay
+                                        : DeviceWaitDecision::Wait;
+}
+
+bool DeviceLedger::othersWaiting() {
+  std::lock_guard<std::mutex> guard(mutex_);
   if (map_ == nullptr) {
     return false;
   }

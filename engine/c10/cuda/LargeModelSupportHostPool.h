@@ -245,6 +245,143 @@ class C10_CUDA_API HostLedger {
 };
 
 // ---------------------------------------------------------------------------
+// The ledger of the device memory of a GPU's LMS processes
+// ---------------------------------------------------------------------------
+
+// The LMS processes of one GPU share a second ledger, of device memory, the
+// same kind of file as the host's (a slot per process, its first byte locked
+// while the process lives, so the slot of a process that ended is freed by
+// whoever reads the ledger next). Its name carries the GPU's UUID, not a
+// device index: processes with different CUDA_VISIBLE_DEVICES name one GPU
+// by different indices. Each process publishes what its allocator reserves
+// on the device (held), what it would take with no limit (need: allocated
+// plus paged-out bytes, the most of the last few seconds), and, while an
+// allocation of it waits for the others, how much it waits for.
+//
+// Shares (deviceShares): what the device leaves for LMS (less a headroom,
+// less what holders other than LMS processes take) is split max-min fair:
+// every live process gets an equal part, a process that needs less than its
+// part gets its need, and what it leaves is split again among the others.
+// Equal rather than need-proportional parts: need grows with the model, so a
+// process's part would grow the more memory it asks for, and the largest
+// would starve the smallest (what first come, first served did); equal parts
+// capped by need give each the same paging pressure, waste nothing on a
+// process that needs little, and a process alone gets the whole device as
+// before. The oldest waiting process (lowest ticket) goes first: it gets
+// what it holds plus what it waits for, the others share the rest, so the
+// others page down to their smaller parts at their next allocation and the
+// one that waits goes on. Shares follow the ledger: a process that joins or
+// ends changes every other's part at its next reading (every 10 ms at most),
+// and a process over its new part pages down to it at its next allocation.
+constexpr uint32_t kDeviceLedgerVersion = 1;
+constexpr uint32_t kDeviceLedgerSlots = 255; // a 12 KiB file
+
+struct DeviceLedgerHeader {
+  char magic[8]; // "LMSDEVI\0"
+  uint32_t version;
+  uint32_t slot_count;
+  uint64_t waiting; // slots whose process waits (read without the lock)
+  uint64_t next_ticket;
+};
+
+struct DeviceLedgerSlot {
+  int64_t pid; // in the writer's pid namespace; 0: free
+  int64_t held; // bytes its caching allocator reserves on the device
+  int64_t need; // bytes it would take with no limit (0: not known yet)
+  int64_t waiting; // bytes an allocation of it waits for (0: none)
+  uint64_t ticket; // when it joined: higher is later
+  uint64_t reserved;
+};
+
+// One process's claim on the device, for deviceShares.
+struct DeviceClaim {
+  size_t held = 0;
+  size_t need = 0; // 0: not known, counts as the whole pool
+  size_t waiting = 0; // 0: not waiting
+  uint64_t ticket = 0;
+};
+
+// The part of `pool` bytes of each claim, in the order of `claims` (see
+// above): the oldest waiting claim first (what it holds plus what it waits
+// for, at most the pool), then max-min fair parts of the rest, capped by
+// need. The parts add up to at most the pool.
+C10_CUDA_API std::vector<size_t> deviceShares(
+    size_t pool,
+    const std::vector<DeviceClaim>& claims);
+
+class DeviceLedger;
+
+// What a device allocation that failed with nothing of its own left to page
+// out does about the other LMS processes of the GPU (the Peer list of
+// DeviceLedger::update), needing `size` bytes with `free_now` free.
+enum class DeviceWaitDecision : uint8_t {
+  Wait, // others hold what would make room, and one of them goes on
+  NothingToWaitFor, // no other holds device memory, or all of it is too little
+  GiveWay, // every holder waits too, and this process joined last
+};
+
+class C10_CUDA_API DeviceLedger {
+ public:
+  // The other live processes of the GPU, as the ledger says.
+  struct Peer {
+    int64_t pid = 0;
+    DeviceClaim claim;
+  };
+
+  // Opens (and creates, mode 0600) the ledger file at `path`. When it cannot
+  // be used, the process sees no other LMS process of the GPU (shares are
+  // first come, first served, as without a ledger) and says so once.
+  explicit DeviceLedger(std::string path);
+  ~DeviceLedger();
+  DeviceLedger(const DeviceLedger&) = delete;
+  DeviceLedger& operator=(const DeviceLedger&) = delete;
+
+  // The ledger of the GPU whose UUID (or other stable name) is `key`:
+  // $PYTORCH_LMS_DEVICE_LEDGER followed by "-" and the key when that is set,
+  // else a file of this user's in /dev/shm.
+  static std::string pathFor(const std::string& key);
+
+  // Publishes this process's held and need (claiming its slot the first
+  // time), frees the slots of processes that have ended, and returns the
+  // other live processes; `own` gets this process's claim.
+  std::vector<Peer> update(size_t held, size_t need, DeviceClaim* own);
+  // Says that an allocation of this process waits for `bytes` (0: no
+  // longer). False when the ledger is not shared.
+  bool setWaiting(size_t bytes);
+  // Whether another process waits: one read of shared memory.
+  bool othersWaiting();
+
+  // The rule of a failed allocation's wait (see DeviceWaitDecision):
+  // `ticket` is this process's.
+  static DeviceWaitDecision decide(
+      size_t size,
+      size_t free_now,
+      uint64_t ticket,
+      const std::vector<Peer>& peers);
+  bool shared() const {
+    return map_ != nullptr;
+  }
+  const std::string& path() const {
+    return path_;
+  }
+
+ private:
+  bool open();
+  void fallBack(const std::string& why);
+  bool claimSlot();
+  DeviceLedgerHeader* header();
+  DeviceLedgerSlot* slots();
+
+  const std::string path_;
+  std::mutex mutex_;
+  int fd_ = -1;
+  void* map_ = nullptr;
+  int64_t owner_pid_ = 0;
+  int slot_ = -1;
+  bool own_waiting_ = false;
+};
+
+// ---------------------------------------------------------------------------
 // The budget
 // ---------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@
 #include <deque>
 #include <exception>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -327,6 +328,21 @@ struct DeviceEngine {
   size_t device_others_floor = SIZE_MAX;
   size_t device_reserved = 0; // by this process's allocator, at the sample
   std::chrono::steady_clock::time_point device_sampled;
+  // The ledger of the GPU's LMS processes (DeviceLedger; opened at the first
+  // sample) and what it said at the last one: this process's part of what
+  // the device leaves for LMS (deviceShares; SIZE_MAX while no other LMS
+  // process uses the GPU), the other live processes, and this process's
+  // ticket. `need_peak` is the most this process needed (allocated plus paged
+  // out) since `need_peak_at`, what it publishes as its need.
+  std::once_flag ledger_once;
+  std::unique_ptr<DeviceLedger> ledger;
+  size_t device_lms_share = SIZE_MAX;
+  std::vector<DeviceLedger::Peer> device_peers;
+  uint64_t device_ticket = 0;
+  size_t need_peak = 0;
+  std::chrono::steady_clock::time_point need_peak_at;
+  // When the last device wait was announced (at most one a minute).
+  std::chrono::steady_clock::time_point device_wait_warned;
   std::chrono::steady_clock::time_point cache_released;
   LmsStats stats;
   cudaStream_t copy_stream = nullptr; // device to host (and demand prefetch)

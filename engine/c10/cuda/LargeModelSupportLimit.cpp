@@ -5,12 +5,16 @@
 // trigger and reclaim-and-retry of every LMS allocation (allocateDevice, and
 // reclaimForFailedAllocation for allocators that retry in their own malloc
 // path), and the last resort of that path: memory outside LMS that its owner
-// gives back (setOutsideMemoryReleaser).
+// gives back (setOutsideMemoryReleaser); the device ledger of the GPU's LMS
+// processes, their shares of it (deviceShares) and the wait of a failed
+// allocation for the others (waitForDevice).
 
 #include <c10/cuda/LargeModelSupportInternal.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <thread>
 
 namespace c10::cuda::lms {
 
@@ -36,16 +40,87 @@ constexpr int kOutsideReleaseRounds = 4;
 
 std::atomic<OutsideMemoryReleaser> g_outside_releaser{nullptr};
 
+// How long what a process needed counts as its need (need_peak): a few
+// training steps, so that the memory it frees between two steps does not go
+// to the others only to be paged out of them again at its next step.
+constexpr std::chrono::seconds kNeedWindow{5};
+// How often a waiting allocation reads the ledger and tries again.
+constexpr std::chrono::milliseconds kDeviceWaitPoll{20};
+// How long every holder of the device must have waited before the last of
+// them to join gives up (waitForDevice): the others' page-downs to their
+// new parts take a few polls to free what the oldest waiter needs.
+constexpr std::chrono::seconds kDeviceYieldGrace{2};
+// Waits start often where processes take turns at every step: one line, then
+// at most one a minute.
+constexpr std::chrono::seconds kDeviceWaitWarnInterval{60};
+
+std::string mib(size_t bytes) {
+  char text[32];
+  std::snprintf(
+      text, sizeof(text), "%.2f MiB", static_cast<double>(bytes) / kMiB);
+  return text;
+}
+
+// The ledger of the GPU of engine `e`, named by the GPU's UUID.
+DeviceLedger& ledgerOf(DeviceEngine& e) {
+  std::call_once(e.ledger_once, [&e] {
+    cudaDeviceProp prop{};
+    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, e.device));
+    std::string key = "GPU-";
+    char hex[3];
+    for (size_t i = 0; i < sizeof(prop.uuid.bytes); ++i) {
+      std::snprintf(
+          hex,
+          sizeof(hex),
+          "%02x",
+          static_cast<unsigned char>(prop.uuid.bytes[i]));
+      key += hex;
+    }
+    e.ledger = std::make_unique<DeviceLedger>(DeviceLedger::pathFor(key));
+  });
+  return *e.ledger;
+}
+
+// This process's part of the device under deviceShares: the device, less the
+// headroom, less what holders other than the LMS processes of the ledger take
+// (this process's context and library handles among them), split among the
+// live LMS processes. SIZE_MAX when no other LMS process uses the GPU: the
+// share is then what the others leave, as without a ledger.
+size_t lmsShare(
+    size_t total,
+    size_t others,
+    const DeviceClaim& own,
+    const std::vector<DeviceLedger::Peer>& peers) {
+  if (peers.empty()) {
+    return SIZE_MAX;
+  }
+  std::vector<DeviceClaim> claims{own};
+  size_t lms_others = 0;
+  for (const DeviceLedger::Peer& peer : peers) {
+    claims.push_back(peer.claim);
+    lms_others += peer.claim.held;
+  }
+  const size_t outside = others > lms_others ? others - lms_others : 0;
+  const auto headroom =
+      static_cast<size_t>(kDeviceHeadroomFraction * static_cast<double>(total));
+  const size_t taken = headroom + outside;
+  const size_t pool = total > taken ? total - taken : 0;
+  return deviceShares(pool, claims)[0];
+}
+
 // Reads how much of the device anything but this process's caching allocator
 // holds, and what this process reserves, at most every kDeviceSampleInterval.
 // The first figure does not move when this process allocates or frees through
 // the allocator, so a reading stays good for a while; it moves when other
 // processes (or libraries, outside the allocator) take or return memory.
-void sampleDevice(DeviceEngine& e) {
+// The same reading publishes this process's claim in the device ledger and
+// reads the others' (`force`: now, whenever the last reading was).
+void sampleDevice(DeviceEngine& e, bool force = false) {
   const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(e.mutex);
-    if (e.device_total != 0 && now - e.device_sampled < kDeviceSampleInterval) {
+    if (!force && e.device_total != 0 &&
+        now - e.device_sampled < kDeviceSampleInterval) {
       return;
     }
   }
@@ -53,14 +128,40 @@ void sampleDevice(DeviceEngine& e) {
   size_t free_bytes = 0;
   size_t total_bytes = 0;
   C10_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  const size_t reserved = backend().reservedBytes(e.device);
+  DeviceMemoryBackend& b = backend();
+  const size_t reserved = b.reservedBytes(e.device);
+  const size_t allocated = b.allocatedBytes(e.device);
   const size_t used = total_bytes > free_bytes ? total_bytes - free_bytes : 0;
+  size_t need = 0;
+  {
+    // What it would take with no limit: what is allocated, plus what LMS
+    // moved off the device, at its most over the last kNeedWindow.
+    std::lock_guard<std::mutex> lock(e.mutex);
+    const size_t demand = allocated +
+        static_cast<size_t>(std::max<int64_t>(
+            e.stats.pagedout_bytes.current + e.stats.dropped_bytes.current, 0));
+    if (demand >= e.need_peak || now - e.need_peak_at > kNeedWindow) {
+      e.need_peak = demand;
+      e.need_peak_at = now;
+    }
+    need = e.need_peak;
+  }
+  // Only a process with LMS on takes part in the shares (a process that
+  // reads a limit without enabling LMS is one of the holders outside them).
+  DeviceClaim own;
+  std::vector<DeviceLedger::Peer> peers;
+  if (isEnabled()) {
+    peers = ledgerOf(e).update(reserved, need, &own);
+  }
   std::lock_guard<std::mutex> lock(e.mutex);
   e.device_total = total_bytes;
   e.device_others = used > reserved ? used - reserved : 0;
   e.device_others_floor = std::min(e.device_others_floor, e.device_others);
   e.device_reserved = reserved;
   e.device_sampled = now;
+  e.device_lms_share = lmsShare(total_bytes, e.device_others, own, peers);
+  e.device_peers = std::move(peers);
+  e.device_ticket = own.ticket;
 }
 
 } // namespace
@@ -76,11 +177,14 @@ size_t leftByOthers(const DeviceEngine& e) {
 // the headroom every LMS process leaves free. Processes sharing a device each
 // see the others' memory here, so their shares shrink as the others grow and
 // the device never fills up with tensors of any one of them. Engine lock held.
+// With other LMS processes on the GPU, never more than this process's part
+// under deviceShares (the device ledger): what the others hold over their
+// parts they page down at their next allocation, so they do not keep it.
 size_t shareOf(const DeviceEngine& e) {
   const auto headroom = static_cast<size_t>(
       kDeviceHeadroomFraction * static_cast<double>(e.device_total));
   const size_t left = leftByOthers(e);
-  return left > headroom ? left - headroom : 0;
+  return std::min(left > headroom ? left - headroom : 0, e.device_lms_share);
 }
 
 // The limit set by the user (API or PYTORCH_CUDA_ALLOC_CONF), capped at this
@@ -142,7 +246,13 @@ void releaseCacheOverShare(DeviceEngine& e) {
     }
     const auto growth = static_cast<size_t>(
         kOthersGrowthFraction * static_cast<double>(e.device_total));
-    if (e.device_others <= e.device_others_floor + growth) {
+    // Another LMS process of the GPU waiting for device memory needs them
+    // whether or not what the others hold has grown.
+    const bool peer_waits = std::any_of(
+        e.device_peers.begin(),
+        e.device_peers.end(),
+        [](const DeviceLedger::Peer& peer) { return peer.claim.waiting != 0; });
+    if (e.device_others <= e.device_others_floor + growth && !peer_waits) {
       return;
     }
     if (e.cache_released.time_since_epoch().count() != 0 &&
@@ -209,6 +319,152 @@ size_t enforceLimit(DeviceEngine& e, size_t size) {
   return 0;
 }
 
+// A failed allocation's wait for the other LMS processes of the GPU.
+struct DeviceWait {
+  bool begun = false; // the allocation has waited: the setting runs
+  std::chrono::steady_clock::time_point begin;
+  bool started = false; // waiting now (the ledger says so)
+  std::chrono::steady_clock::time_point since;
+  bool all_waiting = false; // every holder waited at the last poll
+  std::chrono::steady_clock::time_point all_waiting_since;
+  std::string whom; // the holders when the wait began
+};
+
+void endDeviceWait(DeviceEngine& e, DeviceWait& w) {
+  if (!w.started) {
+    return;
+  }
+  (void)ledgerOf(e).setWaiting(0);
+  w.started = false;
+  const double ms = std::chrono::duration<double, std::milli>(
+                        std::chrono::steady_clock::now() - w.since)
+                        .count();
+  std::lock_guard<std::mutex> lock(e.mutex);
+  e.stats.device_wait_ms += ms;
+}
+
+// Ends a wait unmet: the error of the allocation says how long it waited,
+// for whom, and why it stopped.
+bool giveUpDeviceWait(DeviceEngine& e, DeviceWait& w, const char* why) {
+  endDeviceWait(e, w);
+  if (w.begun) {
+    char waited[32];
+    std::snprintf(
+        waited,
+        sizeof(waited),
+        "%.1f s",
+        std::chrono::duration<double>(
+            std::chrono::steady_clock::now() - w.begin)
+            .count());
+    t_outside_note += (t_outside_note.empty() ? "" : " ") +
+        std::string("It waited ") + waited +
+        " for other LMS processes of this GPU to release device memory (" +
+        w.whom + ") and " + why +
+        " (torch.cuda.set_host_wait_lms(), lms_host_wait_s: the one wait "
+        "for host and device memory).";
+  }
+  return false;
+}
+
+// After an allocation failed with nothing of this process's left to page
+// out: while other LMS processes of the GPU hold device memory that would
+// make room, waits a poll for them (true: try again), up to the wait setting
+// (setHostWait, the one wait for host and device memory). Its ledger slot
+// says what it waits for; deviceShares then gives the oldest waiting process
+// what it waits for, and the others page down to their smaller parts. When
+// every holder waits and still nothing frees for kDeviceYieldGrace, the last
+// to join gives up (false: the error of today), as the host's wait does
+// (LargeModelSupportHostPool.h says why that one).
+bool waitForDevice(DeviceEngine& e, size_t size, DeviceWait& w) {
+  const double limit_s = hostPool().getWait();
+  DeviceLedger& ledger = ledgerOf(e);
+  if (limit_s <= 0 || !ledger.shared()) {
+    return false;
+  }
+  sampleDevice(e, /*force=*/true);
+  const auto now = std::chrono::steady_clock::now();
+  std::string whom;
+  size_t free_now = 0;
+  DeviceWaitDecision decision = DeviceWaitDecision::NothingToWaitFor;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    for (const DeviceLedger::Peer& peer : e.device_peers) {
+      if (peer.claim.held != 0) {
+        whom += (whom.empty() ? "pid " : ", pid ") + std::to_string(peer.pid) +
+            " holds " + mib(peer.claim.held) +
+            (peer.claim.waiting != 0 ? ", waiting" : "");
+      }
+    }
+    const size_t left = leftByOthers(e);
+    free_now = left > e.device_reserved ? left - e.device_reserved : 0;
+    decision =
+        DeviceLedger::decide(size, free_now, e.device_ticket, e.device_peers);
+  }
+  if (decision == DeviceWaitDecision::NothingToWaitFor) {
+    return giveUpDeviceWait(e, w, "nothing they hold would make room");
+  }
+  if (!w.started) {
+    if (!ledger.setWaiting(size)) {
+      return false;
+    }
+    w.started = true;
+    w.since = now;
+    if (!w.begun) {
+      w.begun = true;
+      w.begin = now;
+      w.whom = whom;
+      bool announce = false;
+      {
+        std::lock_guard<std::mutex> lock(e.mutex);
+        ++e.stats.device_wait_count;
+        if (e.stats.device_wait_count == 1 ||
+            now - e.device_wait_warned >= kDeviceWaitWarnInterval) {
+          e.device_wait_warned = now;
+          announce = true;
+        }
+      }
+      if (announce) {
+        char limit[32];
+        std::snprintf(limit, sizeof(limit), "%.1f s", limit_s);
+        TORCH_WARN(
+            "Large Model Support: device ",
+            int(e.device),
+            " has no room for an allocation of ",
+            mib(size),
+            "; waiting up to ",
+            limit,
+            " for other LMS processes of this GPU to release ",
+            mib(size > free_now ? size - free_now : 0),
+            " of device memory: ",
+            whom,
+            " (torch.cuda.set_host_wait_lms(), lms_host_wait_s).");
+      }
+    }
+  }
+  if (now - w.begin >= std::chrono::duration<double>(limit_s)) {
+    return giveUpDeviceWait(e, w, "the wait ran out");
+  }
+  if (decision == DeviceWaitDecision::GiveWay) {
+    if (!w.all_waiting) {
+      w.all_waiting = true;
+      w.all_waiting_since = now;
+    } else if (now - w.all_waiting_since >= kDeviceYieldGrace) {
+      return giveUpDeviceWait(
+          e,
+          w,
+          "every one of them waited too: this process, the last to start, "
+          "gave up so that the others go on");
+    }
+  } else {
+    w.all_waiting = false;
+  }
+  std::this_thread::sleep_for(kDeviceWaitPoll);
+  // An older waiting process may have been given part of this one's share:
+  // page down to it, so that it goes on.
+  (void)enforceLimit(e, 0);
+  return true;
+}
+
 } // namespace
 
 thread_local std::string t_outside_note;
@@ -231,6 +487,7 @@ void* allocateDevice(
     t_outside_note.clear(); // said about an earlier allocation
   }
   int outside_rounds = 0;
+  DeviceWait wait;
   while (ptr == nullptr) {
     try {
       ptr = b.malloc(e.device, size, stream);
@@ -250,6 +507,12 @@ void* allocateDevice(
           ++outside_rounds;
           continue;
         }
+        // Then other LMS processes of the GPU that hold what it lacks, unless
+        // the request has somewhere else to go (`or_null`: host placement, an
+        // input kept in its host copy), which keeps the process going.
+        if (!or_null && waitForDevice(e, size, wait)) {
+          continue;
+        }
         if (or_null) {
           return nullptr;
         }
@@ -258,6 +521,7 @@ void* allocateDevice(
       reclaimed = true;
     }
   }
+  endDeviceWait(e, wait);
   std::lock_guard<std::mutex> lock(e.mutex);
   if (reclaimed) {
     ++e.stats.alloc_after_reclaim;

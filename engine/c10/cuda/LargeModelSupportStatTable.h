@@ -116,6 +116,11 @@ C10_LMS_COUNTER(int64_t, host_refusals)
 // release pinned memory (setHostWait), and the milliseconds they took.
 C10_LMS_COUNTER(int64_t, host_wait_count)
 C10_LMS_COUNTER(double, host_wait_ms)
+// Waits of failed device allocations for other LMS processes of the GPU to
+// release device memory (the same setting, setHostWait), and their
+// milliseconds.
+C10_LMS_COUNTER(int64_t, device_wait_count)
+C10_LMS_COUNTER(double, device_wait_ms)
 // The limit in force (getLimit; 0 before the allocator installed its
 // backend).
 C10_LMS_COUNTER(size_t, limit_bytes)

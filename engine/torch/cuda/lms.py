@@ -185,6 +185,8 @@ _COUNTER_KEYS = (
     "host_refusals",
     "host_wait_count",
     "host_wait_ms",
+    "device_wait_count",
+    "device_wait_ms",
     "limit_bytes",
     # lms-tables:counter-keys:end
 )
@@ -892,6 +894,13 @@ def set_host_wait_lms(seconds: float) -> None:
     waited. ``PYTORCH_CUDA_ALLOC_CONF=lms_host_wait_s:<seconds>`` sets it too.
     ``lms_stats()`` reports ``host_wait_count`` and ``host_wait_ms``.
 
+    It is the one wait for both tiers: a device allocation that fails after LMS paged out
+    what it could, while other LMS processes of the same GPU hold the memory it lacks, waits
+    for them just as long, with a warning naming them and how much it lacks (the processes
+    of a GPU share a ledger of device memory, and the oldest waiting process goes first: the
+    others page down to give it room). ``lms_stats()`` reports those waits as
+    ``device_wait_count`` and ``device_wait_ms``.
+
     Args:
         seconds (float): the longest wait; ``0`` raises at once.
     """
@@ -996,7 +1005,7 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     r"""Return the Large Model Support statistics of a device.
 
     The counters are ints except ``stall_ms``, ``copy_out_ms``, ``copy_in_ms``,
-    ``recompute_ms`` and ``host_wait_ms`` (floats):
+    ``recompute_ms``, ``host_wait_ms`` and ``device_wait_ms`` (floats):
 
     - ``pageout_count``, ``pageout_bytes``, ``pagein_count``, ``pagein_bytes``:
       copies to and from host memory.
@@ -1081,6 +1090,9 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       ``host_wait_count`` (refused allocations that waited for other LMS
       processes of the host to release pinned memory, see
       :func:`set_host_wait_lms`) and ``host_wait_ms`` (the time they waited).
+    - ``device_wait_count`` (failed device allocations that waited for other
+      LMS processes of the GPU to release device memory, the same setting)
+      and ``device_wait_ms`` (the time they waited).
 
     The gauges ``managed_bytes``, ``active_bytes``, ``inactive_bytes``,
     ``pagedout_bytes``, ``dropped_bytes`` (dropped storages, whose contents
