@@ -83,6 +83,11 @@ COUNTERS = (
     "host_refusals",
     "host_wait_count",
     "host_wait_ms",
+    "spill_count",
+    "spill_out_bytes",
+    "spill_out_ms",
+    "spill_in_bytes",
+    "spill_in_ms",
     "limit_bytes",
     # lms-tables:counter-keys:end
 )
@@ -94,6 +99,8 @@ FLOAT_COUNTERS = (
     "copy_in_ms",
     "recompute_ms",
     "host_wait_ms",
+    "spill_out_ms",
+    "spill_in_ms",
     # lms-tables:float-counter-keys:end
 )
 GAUGES = (
@@ -102,6 +109,7 @@ GAUGES = (
     "active_bytes",
     "inactive_bytes",
     "pagedout_bytes",
+    "spilled_bytes",
     "dropped_bytes",
     "host_bytes",
     "over_limit_bytes",

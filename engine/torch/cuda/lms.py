@@ -23,6 +23,8 @@ has a ``PYTORCH_CUDA_ALLOC_CONF`` key beside its functions:
 - ``lms_graph_prefetch`` (True or False): :func:`set_graph_prefetch_lms`
 - ``lms_host_limit_mb`` (MiB): :func:`set_host_limit_lms`
 - ``lms_host_wait_s`` (seconds): :func:`set_host_wait_lms`
+- ``lms_spill_dir`` (a directory): :func:`set_spill_dir_lms`
+- ``lms_spill_limit_mb`` (MiB): :func:`set_spill_limit_lms`
 - ``lms_recompute`` (True or False): :func:`set_recompute_lms`
 - ``lms_pack`` (True or False): :func:`set_packing_lms`
 - ``lms_host_placement`` (True or False): :func:`set_host_placement_lms`
@@ -95,6 +97,8 @@ __all__ = [
     "get_schedule_lms",
     "get_size_lms",
     "get_speculative_lms",
+    "get_spill_dir_lms",
+    "get_spill_limit_lms",
     # lms-tables:setting-getters:end
     "lms_recompute_operators",
     "lms_stats",
@@ -118,6 +122,8 @@ __all__ = [
     "set_schedule_lms",
     "set_size_lms",
     "set_speculative_lms",
+    "set_spill_dir_lms",
+    "set_spill_limit_lms",
     # lms-tables:setting-setters:end
 ]
 
@@ -185,6 +191,11 @@ _COUNTER_KEYS = (
     "host_refusals",
     "host_wait_count",
     "host_wait_ms",
+    "spill_count",
+    "spill_out_bytes",
+    "spill_out_ms",
+    "spill_in_bytes",
+    "spill_in_ms",
     "limit_bytes",
     # lms-tables:counter-keys:end
 )
@@ -194,6 +205,7 @@ _GAUGE_KEYS = (
     "active_bytes",
     "inactive_bytes",
     "pagedout_bytes",
+    "spilled_bytes",
     "dropped_bytes",
     "host_bytes",
     "over_limit_bytes",
