@@ -228,8 +228,7 @@ void beginHostUse(c10::StorageImpl& storage) {
     // Nothing is copying into the buffer: an event that is reached at once.
     r->host_ready = e.events.get(/*timing=*/false);
     DeviceScope guard(e.device);
-    C10_CUDA_CHECK(
-        cudaEventRecord(r->host_ready, currentStream(e.device)));
+    C10_CUDA_CHECK(cudaEventRecord(r->host_ready, currentStream(e.device)));
   }
   if (r->state != State::PagedOut || r->host_ready == nullptr) {
     return;

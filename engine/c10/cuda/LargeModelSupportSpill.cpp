@@ -121,8 +121,8 @@ void removeTree(const std::string& dir) {
 // file yet (its owner is making it) counts as alive while its pid runs with
 // that start time.
 bool ownerEnded(const std::string& dir, long pid, unsigned long long start) {
-  const int fd = ::open(
-      (dir + "/" + kSpillLock).c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+  const int fd =
+      ::open((dir + "/" + kSpillLock).c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) {
     return startTime(pid) != start;
   }
@@ -216,9 +216,10 @@ class SpillStore {
       return false;
     }
     if (limit_ != 0 && held_ + size > limit_) {
-      failed("the spill limit of " + mibText(limit_) + " has " +
-             mibText(limit_ - std::min(limit_, held_)) +
-             " left (torch.cuda.set_spill_limit_lms(), lms_spill_limit_mb)");
+      failed(
+          "the spill limit of " + mibText(limit_) + " has " +
+          mibText(limit_ - std::min(limit_, held_)) +
+          " left (torch.cuda.set_spill_limit_lms(), lms_spill_limit_mb)");
       return false;
     }
     struct statvfs fs {};
@@ -228,9 +229,10 @@ class SpillStore {
       const size_t free = static_cast<size_t>(fs.f_bavail) * block;
       const size_t reserve = std::min(kSpillReserveMax, total / 20);
       if (free < size + reserve) {
-        failed("its file system has " + mibText(free) +
-               " free, and the disk tier leaves " + mibText(reserve) +
-               " of it to the rest of the system");
+        failed(
+            "its file system has " + mibText(free) +
+            " free, and the disk tier leaves " + mibText(reserve) +
+            " of it to the rest of the system");
         return false;
       }
     }
@@ -281,8 +283,9 @@ class SpillStore {
     }
     if (err != 0) {
       (void)::unlink(path.c_str());
-      failed("writing " + mibText(size) + " to " + path + " failed: " +
-             std::strerror(err));
+      failed(
+          "writing " + mibText(size) + " to " + path +
+          " failed: " + std::strerror(err));
       return false;
     }
     held_ += size;
@@ -313,8 +316,8 @@ class SpillStore {
         const size_t n = std::min(kSpillChunk, size - done);
         size_t got = 0;
         while (got < n) {
-          const ssize_t r = ::pread(
-              fd, stage + got, n - got, static_cast<off_t>(done + got));
+          const ssize_t r =
+              ::pread(fd, stage + got, n - got, static_cast<off_t>(done + got));
           if (r < 0 && errno == EINTR) {
             continue;
           }
@@ -323,8 +326,9 @@ class SpillStore {
               "Large Model Support: reading the spilled copy ",
               path,
               " failed: ",
-              r < 0 ? std::strerror(errno) : "the file is shorter than the "
-                                             "storage");
+              r < 0 ? std::strerror(errno)
+                    : "the file is shorter than the "
+                      "storage");
           got += static_cast<size_t>(r);
         }
         consume(stage, done, n);
@@ -447,8 +451,8 @@ class SpillStore {
     }
     std::vector<std::string> names;
     while (const dirent* entry = ::readdir(d)) {
-      if (std::strncmp(entry->d_name, kSpillPrefix, std::strlen(kSpillPrefix)) ==
-          0) {
+      if (std::strncmp(
+              entry->d_name, kSpillPrefix, std::strlen(kSpillPrefix)) == 0) {
         names.emplace_back(entry->d_name);
       }
     }
@@ -585,9 +589,8 @@ bool hostCopyDone(Record& r) {
 // learned schedule expects, furthest next use first. Engine lock held.
 Record* coldest(DeviceEngine& e) {
   const auto eligible = [](Record& r) {
-    return r.state == State::PagedOut && !r.busy && !r.draining &&
-        !r.on_host && r.host.ptr != nullptr && r.spill_path.empty() &&
-        hostCopyDone(r);
+    return r.state == State::PagedOut && !r.busy && !r.draining && !r.on_host &&
+        r.host.ptr != nullptr && r.spill_path.empty() && hostCopyDone(r);
   };
   for (Record* r = e.pagedout_list.head; r != nullptr; r = r->next) {
     if (!r->upcoming && eligible(*r)) {
@@ -660,10 +663,15 @@ size_t spillCold(DeviceEngine& first, size_t wanted) {
 
 } // namespace
 
+// Whether a spill directory is set (new page-outs may go to disk).
 bool spillEnabled() {
   return store().enabled();
 }
 
+// Pinned host memory for `size` bytes. With the disk tier on, a refusal
+// first spills the coldest host copies (of `e`'s engine first) until the
+// pool can give it; then, with `wait`, the host tier's wait for other
+// processes. Without the tier, hostPool().allocate() as it is.
 HostBuffer allocateHost(DeviceEngine& e, size_t size, bool wait) {
   if (!spillEnabled()) {
     return hostPool().allocate(size);
@@ -683,6 +691,9 @@ HostBuffer allocateHost(DeviceEngine& e, size_t size, bool wait) {
   return buffer;
 }
 
+// Writes the device contents of `r` (busy; `copy` ordered after its users)
+// to a file of the disk tier, the host waiting for each chunk's copy. False,
+// nothing changed, when the tier refuses it. The caller frees the memory.
 bool pageOutToDisk(DeviceEngine& e, Record& r, cudaStream_t copy) {
   const auto begin = std::chrono::steady_clock::now();
   const char* src = static_cast<const char*>(r.device_ptr);
@@ -703,21 +714,29 @@ bool pageOutToDisk(DeviceEngine& e, Record& r, cudaStream_t copy) {
   return true;
 }
 
+// Reads the spilled copy of `r` (busy) into device memory `ptr` on
+// `stream`, then removes the file. Throws, the file kept, when it cannot be
+// read.
 void readSpilled(DeviceEngine& e, Record& r, void* ptr, cudaStream_t stream) {
   const auto begin = std::chrono::steady_clock::now();
   char* dst = static_cast<char*>(ptr);
   // Pageable memory to the device: each copy returns once the staging
   // buffer has been read.
   store().read(
-      r.spill_path, r.size, [dst, stream](const char* stage, size_t o, size_t n) {
-        C10_CUDA_CHECK(cudaMemcpyAsync(
-            dst + o, stage, n, cudaMemcpyHostToDevice, stream));
+      r.spill_path,
+      r.size,
+      [dst, stream](const char* stage, size_t o, size_t n) {
+        C10_CUDA_CHECK(
+            cudaMemcpyAsync(dst + o, stage, n, cudaMemcpyHostToDevice, stream));
       });
   store().remove(r.spill_path, r.size);
   r.spill_path.clear();
   countSpillIn(e, r.size, msSince(begin));
 }
 
+// Brings the spilled copy of `r` (busy, engine lock not held) back into a
+// pinned host buffer, for an operator that uses it in host memory. Raises
+// the host-memory error when no pinned memory can be had.
 void restoreHostCopy(DeviceEngine& e, Record& r) {
   HostBuffer host = allocateHost(e, r.size, /*wait=*/true);
   if (host.ptr == nullptr) {
@@ -741,6 +760,7 @@ void restoreHostCopy(DeviceEngine& e, Record& r) {
   countSpillIn(e, r.size, msSince(begin));
 }
 
+// Removes the spilled copy of a record that dies (its deleter).
 void removeSpilled(DeviceEngine& e, Record& r) {
   if (r.spill_path.empty()) {
     return;
@@ -751,6 +771,8 @@ void removeSpilled(DeviceEngine& e, Record& r) {
   add(e.stats.spilled_bytes, -static_cast<int64_t>(r.size));
 }
 
+// What the host-memory error says of the disk tier: how to turn it on, or
+// what it holds and why it took no more.
 std::string spillNote() {
   const std::string dir = store().dir();
   if (dir.empty()) {
