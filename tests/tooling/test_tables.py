@@ -41,6 +41,8 @@ def test_the_tables_read_whole() -> None:
         "copy_in_ms",
         "recompute_ms",
         "host_wait_ms",
+        "spill_out_ms",
+        "spill_in_ms",
     ]
 
 
