@@ -131,19 +131,32 @@ bool ownerEnded(const std::string& dir, long pid, unsigned long long start) {
   return ended;
 }
 
+class SpillStore;
+SpillStore& store();
+
 class SpillStore {
  public:
   SpillStore() = default;
   SpillStore(const SpillStore&) = delete;
   SpillStore& operator=(const SpillStore&) = delete;
-  ~SpillStore() {
+
+  // At exit: removes this process's subdirectories and turns the tier off.
+  // Storages that die later (late deleters) find their files gone already.
+  void removeOwn() {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (const Owned& own : owned_) {
-      if (own.pid == static_cast<long>(::getpid())) {
-        removeTree(own.path);
-        ::close(own.lock_fd);
+    const long pid = static_cast<long>(::getpid());
+    for (auto it = owned_.begin(); it != owned_.end();) {
+      if (it->pid != pid) {
+        ++it;
+        continue;
       }
+      removeTree(it->path);
+      ::close(it->lock_fd);
+      it = owned_.erase(it);
     }
+    dir_.clear();
+    own_.clear();
+    own_pid_ = 0;
   }
 
   void setDir(const std::string& dir) {
@@ -439,6 +452,14 @@ class SpillStore {
         "torch.cuda.set_spill_dir_lms(path).");
     owned_.push_back({path, fd, pid});
     own_pid_ = pid;
+    static const bool removed_at_exit = [] {
+      // A function of its own rather than the store's destructor: storages
+      // may die after static destructors have run, and the store must still
+      // be there for them (store() is never destroyed).
+      std::atexit([] { store().removeOwn(); });
+      return true;
+    }();
+    (void)removed_at_exit;
     return path;
   }
 
@@ -501,9 +522,9 @@ class SpillStore {
 };
 
 SpillStore& store() {
-  // Destroyed at exit, which removes this process's files.
-  static SpillStore instance;
-  return instance;
+  // Never destroyed: late deleters of spilled storages may still use it.
+  static SpillStore* const instance = new SpillStore();
+  return *instance;
 }
 
 double msSince(std::chrono::steady_clock::time_point begin) {
