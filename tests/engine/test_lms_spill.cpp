@@ -248,7 +248,8 @@ TEST_CASE(spill_limit_bounds_the_disk_tier) {
     REQUIRE(!message.empty());
     CHECK(contains(message, "host memory ran out"));
     CHECK(contains(message, "spill directory '" + dir.path() + "'"));
-    CHECK(contains(message, "of a bound of 16.00 MiB"));
+    CHECK(contains(message, "of a bound of 16.00 MiB; written 16.00 MiB at "));
+    CHECK(contains(message, " GB/s, read back none timed"));
     CHECK(contains(message, "lms_spill_limit_mb"));
     const lms::LmsStats st = lms::getStats(0);
     CHECK_EQ(st.spilled_bytes.peak, int64_t(16 * kMiB));

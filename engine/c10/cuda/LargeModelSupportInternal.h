@@ -556,7 +556,7 @@ bool pageOutToDisk(DeviceEngine& e, Record& r, cudaStream_t copy);
 void readSpilled(DeviceEngine& e, Record& r, void* ptr, cudaStream_t stream);
 void restoreHostCopy(DeviceEngine& e, Record& r);
 void removeSpilled(DeviceEngine& e, Record& r);
-std::string spillNote();
+std::string spillNote(const LmsStats& stats);
 
 // LargeModelSupportOutOfMemory.cpp: the out-of-memory explanation
 void raisePendingError(size_t size);

@@ -794,7 +794,7 @@ void removeSpilled(DeviceEngine& e, Record& r) {
 
 // What the host-memory error says of the disk tier: how to turn it on, or
 // what it holds and why it took no more.
-std::string spillNote() {
+std::string spillNote(const LmsStats& stats) {
   const std::string dir = store().dir();
   if (dir.empty()) {
     return " Where device plus host memory cannot hold what the processes "
@@ -804,9 +804,25 @@ std::string spillNote() {
   const auto [bytes, files] = store().held();
   const size_t limit = store().limit();
   const std::string failure = store().lastFailure();
+  // The disk tier's bandwidth on this device so far, each way.
+  const auto rate = [](int64_t moved, double ms) {
+    if (moved <= 0 || ms <= 0) {
+      return std::string("none timed");
+    }
+    char text[64];
+    std::snprintf(
+        text,
+        sizeof(text),
+        "%s at %.2f GB/s",
+        mibText(static_cast<size_t>(moved)).c_str(),
+        static_cast<double>(moved) / ms / 1e6);
+    return std::string(text);
+  };
   return " The disk tier (spill directory '" + dir + "') holds " +
       mibText(bytes) + " in " + std::to_string(files) + " files" +
       (limit != 0 ? " of a bound of " + mibText(limit) : std::string()) +
+      "; written " + rate(stats.spill_out_bytes, stats.spill_out_ms) +
+      ", read back " + rate(stats.spill_in_bytes, stats.spill_in_ms) +
       (failure.empty() ? std::string(".")
                        : "; it took no more: " + failure + ".");
 }
