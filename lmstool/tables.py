@@ -27,6 +27,7 @@ KIND_VALUES = {
     "Mebibytes": "MiB",
     "Count": "a whole number",
     "Seconds": "seconds",
+    "Path": "a directory",
 }
 
 
@@ -37,7 +38,7 @@ class Setting:
     stem: str  # torch.cuda.set_<stem>_lms / get_<stem>_lms
     camel: str  # _cuda_lms_set<Camel> / _cuda_lms_get<Camel>
     key: str  # PYTORCH_CUDA_ALLOC_CONF key
-    kind: str  # Bool, Mebibytes, Count or Seconds
+    kind: str  # Bool, Mebibytes, Count, Seconds or Path
     type: str  # the engine's C++ type of the value
     setter: str
     getter: str

@@ -85,6 +85,11 @@ COUNTERS = (
     "host_wait_ms",
     "device_wait_count",
     "device_wait_ms",
+    "spill_count",
+    "spill_out_bytes",
+    "spill_out_ms",
+    "spill_in_bytes",
+    "spill_in_ms",
     "limit_bytes",
     # lms-tables:counter-keys:end
 )
@@ -97,6 +102,8 @@ FLOAT_COUNTERS = (
     "recompute_ms",
     "host_wait_ms",
     "device_wait_ms",
+    "spill_out_ms",
+    "spill_in_ms",
     # lms-tables:float-counter-keys:end
 )
 GAUGES = (
@@ -105,6 +112,7 @@ GAUGES = (
     "active_bytes",
     "inactive_bytes",
     "pagedout_bytes",
+    "spilled_bytes",
     "dropped_bytes",
     "host_bytes",
     "over_limit_bytes",

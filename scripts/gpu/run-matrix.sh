@@ -10,6 +10,8 @@
 #                               budget (too low for one process; one for 4 processes)
 #   PYTEST_ARGS='-k nocap' scripts/gpu/run-matrix.sh                  need > device only
 #   PYTEST_ARGS='-k host' scripts/gpu/run-matrix.sh                   the host-budget rows only
+#   PYTEST_ARGS='-k disk_tier' scripts/gpu/run-matrix.sh              4 processes beyond device and
+#                               host budget, with the disk tier (all finish) and without it
 #   PYTEST_ARGS='-k ddp' scripts/gpu/run-matrix.sh                    DDP (2 GPUs)
 #
 # The rows beyond the device skip where the host has less memory than their pinned page-outs

@@ -134,6 +134,19 @@ def test_host_tier_on_a_simulated_device(sim_build: Path) -> None:
     assert passed >= 14, out
 
 
+def test_disk_tier_on_a_simulated_device(sim_build: Path) -> None:
+    """The spill directory under the host budget: read-back identity, its bound, the errors
+    for directories that cannot serve, the removal of a killed process's files by the next
+    process (the suite runs itself twice more), and a failed write that keeps the host copy
+    (tests/engine/test_lms_spill.cpp)."""
+    out, passed, failed, skipped = run_suite(
+        executable(sim_build, "test_lms_spill"),
+        {"SIMGPU_DEVICE_COUNT": "1", "SIMGPU_CAPACITY_MB": "256"},
+    )
+    assert (failed, skipped) == (0, 0), out[-8000:]
+    assert passed == 5, out
+
+
 def test_simgpu_selftest_and_unpatched_allocator_smoke(sim_build: Path) -> None:
     for name in ("simgpu_selftest", "simgpu_c10_smoke"):
         out, _, failed, _ = run_suite(executable(sim_build, name), {})

@@ -224,10 +224,12 @@ def host_limit_env(
     host_limit_mb: int,
     env: Mapping[str, str],
     host_wait_s: float | None = None,
+    spill_dir: Path | None = None,
 ) -> dict[str, str]:
     """``env`` with ``lms_host_limit_mb:<MiB>`` (and ``lms_host_wait_s:<s>`` when
-    ``host_wait_s`` is given) added to the LMS settings variable of ``backend``
-    (``"patched"`` or ``"extension"``), after any settings already there."""
+    ``host_wait_s`` is given, ``lms_spill_dir:<path>`` when ``spill_dir`` is) added to the
+    LMS settings variable of ``backend`` (``"patched"`` or ``"extension"``), after any
+    settings already there."""
     try:
         name = LMS_CONF_VARIABLE[backend]
     except KeyError:
@@ -236,6 +238,10 @@ def host_limit_env(
     setting = f"lms_host_limit_mb:{int(host_limit_mb)}"
     if host_wait_s is not None:
         setting += f",lms_host_wait_s:{host_wait_s:g}"
+    if spill_dir is not None:
+        if "," in str(spill_dir):
+            raise ValueError(f"a spill directory in {name} cannot hold a comma: {spill_dir}")
+        setting += f",lms_spill_dir:{spill_dir}"
     out[name] = f"{out[name]},{setting}" if out.get(name) else setting
     return out
 

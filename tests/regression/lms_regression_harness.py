@@ -151,6 +151,8 @@ def lms_summary(stats: dict[str, Any]) -> dict[str, Any]:
     out = {k: stats[k] for k in keys}
     for gauge in ("managed_bytes", "pagedout_bytes", "host_bytes"):
         out[f"{gauge}_peak"] = stats[gauge]["peak"]
+    if "spilled_bytes" in stats:
+        out["spilled_bytes_peak"] = stats["spilled_bytes"]["peak"]
     # Counters that newer engines add (fragment_reclaims), where this LMS build has them.
     for key in OPTIONAL_STATS:
         if key in stats:
@@ -184,6 +186,13 @@ OPTIONAL_STATS = (
     "copy_out_ms",
     "copy_in_bytes",
     "copy_in_ms",
+    # The disk tier (torch.cuda.set_spill_dir_lms): page-outs written to the spill directory,
+    # the bytes and time of the writes and of the reads back.
+    "spill_count",
+    "spill_out_bytes",
+    "spill_out_ms",
+    "spill_in_bytes",
+    "spill_in_ms",
 )
 
 # lms_stats() keys of the host-memory budget (torch.cuda.set_host_limit_lms): the budget in

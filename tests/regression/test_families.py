@@ -676,6 +676,127 @@ def test_share_host_budget(record: Record, tmp_path: Path) -> None:
         assert r["finite"], f"process {r['rank']}: losses {r['losses']}"
 
 
+# The disk tier: the shared host budget's four processes and waves, each process needing 8%
+# of the device under a cap of 4% of it, so that what goes beyond device and budget (about
+# 16 GiB on an H200) crosses the disk quickly.
+SPILL_FRACTION = 0.08
+SPILL_CAP_SHARE = 0.04
+SPILL_STEPS = 2
+
+
+def require_disk_tier() -> None:
+    """Skips a row of the disk tier on an LMS build without one."""
+    require_host_budget()
+    if not hasattr(torch.cuda, "set_spill_dir_lms"):
+        pytest.skip("this LMS build has no disk tier (torch.cuda.set_spill_dir_lms)")
+
+
+def test_share_disk_tier(record: Record, tmp_path: Path) -> None:
+    """Four processes on one GPU whose needs exceed their devices plus the host budget
+    together, run as in ``test_share_host_budget`` (caps of 4% of the device each, one host
+    budget that holds the first wave's page-outs only, no host wait, the first process holding
+    its page-outs at the end of its forward pass while the other three run theirs): with the
+    disk tier (``lms_spill_dir`` in the LMS settings variable, a directory of the test's) all
+    four must finish, at least one having paged to disk, and the spill directory must be empty
+    once they have exited (each removes its files at exit); without it, the same run must stop
+    the processes that cannot wait with the torch.OutOfMemoryError naming host memory. No
+    process may be ended by a signal in either run.
+
+    Sizes on an H200 (``plan.share_host_budget``): a process needs 11.1 GiB under a cap of
+    5.6 GiB; the budget is 8.3 GiB; the four need 44 GiB, their caps and the budget hold 31.
+
+    Host memory: the budget, 3 GiB a process, 6 GiB for the system (26 GiB), and up to about
+    16 GiB in the spill directory's file system (page cache or disk). Time on an H200
+    (estimate): about 2 minutes (2 steps with the disk tier, then the run without it, whose
+    refused processes stop in their first forward pass).
+    """
+    require_disk_tier()
+    device_bytes = torch.cuda.get_device_properties(0).total_memory
+    tokens = mlp_tokens_for(int(SPILL_FRACTION * device_bytes), MLP_WIDTH, MLP_LAYERS)
+    need_bytes = mlp_need_bytes(tokens, MLP_WIDTH, MLP_LAYERS)
+    cap_bytes = int(SPILL_CAP_SHARE * device_bytes)
+    budget = plan.share_host_budget(
+        need_bytes, tokens * MLP_WIDTH * 4, cap_bytes, BUDGET_FIRST_WAVE
+    )
+    need = plan.share_budget_host_need(budget, BUDGET_PROCESSES)
+    skip_without_host_memory(need, "four processes under one host budget and a disk tier")
+    beyond = BUDGET_PROCESSES * (need_bytes - cap_bytes) - budget.budget_bytes
+    assert beyond > 0, f"the needs fit the caps and the host budget ({budget.describe()})"
+    record("family", "deep_mlp")
+    record(
+        "cap",
+        f"{SPILL_CAP_SHARE:.0%} of the device each ({BUDGET_PROCESSES} processes x "
+        f"{SPILL_FRACTION:.0%}), host budget {budget.budget_mib} MiB, disk tier",
+    )
+    record("host_budget", budget.describe())
+    record("beyond_device_and_host_bytes", beyond)
+    record("host_need_bytes", need.total_bytes)
+    spill_dir = tmp_path / "spill"
+    spill_dir.mkdir()
+
+    def wave_args(rank: int) -> list[str]:
+        wave = 0 if rank < BUDGET_FIRST_WAVE else 1
+        return ["--cap-share", str(SPILL_CAP_SHARE), "--waves", "2", "--wave", str(wave)]
+
+    runs = {}
+    for name, spill in (("disk", spill_dir), ("host", None)):
+        env = plan.host_limit_env(
+            ensure_lms_api(), budget.budget_mib, worker_env(), host_wait_s=0, spill_dir=spill
+        )
+        results = launch_share(
+            BUDGET_PROCESSES,
+            SPILL_FRACTION,
+            steps=SPILL_STEPS,
+            lms=True,
+            folder=tmp_path / name,
+            extra_args=wave_args,
+            env=env,
+        )
+        runs[name] = (results, [plan.classify(r["returncode"], r) for r in results])
+    disk, disk_outcomes = runs["disk"]
+    host, host_outcomes = runs["host"]
+    record_share(record, disk, disk_outcomes)
+    spill = [r.get("lms") or r.get("lms_at_error") or {} for r in disk]
+    for key in ("spill_count", "spill_out_bytes", "spill_out_ms", "spill_in_bytes", "spill_in_ms"):
+        record(key, [s.get(key) for s in spill])
+    record("spill_files_left", sorted(p.name for p in spill_dir.iterdir()))
+    record("without_disk_tier_outcomes", [o.label for o in host_outcomes])
+    record("without_disk_tier_host_refusals", [plan.host_refusals(r) for r in host])
+
+    check_no_signals(disk_outcomes, disk)
+    check_no_signals(host_outcomes, host)
+    failed = [(r, o) for r, o in zip(disk, disk_outcomes) if o.kind != plan.FINISHED]
+    assert not failed, "\n\n".join(
+        f"process {r.get('rank')} did not finish with the disk tier: {o.detail}\n"
+        f"{r.get('error', r['_tail'])}"
+        for r, o in failed
+    )
+    for r in disk:
+        assert r["finite"], f"process {r['rank']}: losses {r['losses']}"
+        assert r.get("need_bytes") == need_bytes, f"process {r.get('rank')}: {r.get('need_bytes')}"
+    spilled = [s for s in spill if (s.get("spill_count") or 0) > 0]
+    assert spilled, "no process paged to disk: the row proves nothing"
+    for s in spilled:
+        assert s["spill_out_bytes"] > 0 and s["spill_out_ms"] > 0, s
+        assert s["spill_in_bytes"] > 0 and s["spill_in_ms"] > 0, s
+    assert not list(spill_dir.iterdir()), (
+        f"files left in the spill directory: {sorted(p.name for p in spill_dir.iterdir())}"
+    )
+
+    unexpected = [
+        (r, o) for r, o in zip(host, host_outcomes) if o.kind not in (plan.FINISHED, plan.HOST_OOM)
+    ]
+    assert not unexpected, "\n\n".join(
+        f"process {r.get('rank')} without the disk tier neither finished nor hit the host "
+        f"budget: {o.detail}\n{r.get('error', r['_tail'])}"
+        for r, o in unexpected
+    )
+    refused = [r for r, o in zip(host, host_outcomes) if o.kind == plan.HOST_OOM]
+    assert refused, "without the disk tier every process finished: the budget held them all"
+    for r in refused:
+        assert "host memory" in r["error_message"].lower(), r["error_message"]
+
+
 def launch_share(
     processes: int,
     fraction: float,

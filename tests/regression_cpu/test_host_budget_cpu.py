@@ -151,6 +151,12 @@ def test_host_limit_env_uses_the_backends_variable() -> None:
     assert out["PYTORCH_CUDA_ALLOC_CONF"] == "lms:True,lms_host_limit_mb:512"
     out = plan.host_limit_env("extension", 512, {}, host_wait_s=0)
     assert out["PYTORCH_LMS_CONF"] == "lms_host_limit_mb:512,lms_host_wait_s:0"
+    out = plan.host_limit_env("extension", 512, {}, host_wait_s=0, spill_dir=Path("/var/tmp"))
+    assert out["PYTORCH_LMS_CONF"] == (
+        "lms_host_limit_mb:512,lms_host_wait_s:0,lms_spill_dir:/var/tmp"
+    )
+    with pytest.raises(ValueError, match="cannot hold a comma"):
+        plan.host_limit_env("extension", 512, {}, spill_dir=Path("/tmp/a,b"))
     with pytest.raises(ValueError, match="unknown LMS backend"):
         plan.host_limit_env("none", 1, {})
 

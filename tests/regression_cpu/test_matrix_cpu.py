@@ -770,6 +770,8 @@ if command == "nocap":
 else:
     lms = "--no-lms" not in flags
     what = spec[("lms/" if lms else "nolms/") + opts["--rank"]]
+    if "lms_spill_dir" in settings:  # the run with the disk tier
+        what = spec.get("spill/" + opts["--rank"], what)
     data = {
         "rank": int(opts["--rank"]), "need_bytes": spec["need"], "host_limit_bytes": env_limit,
         "finite": True, "losses": [1.0], "pageout_bytes": 1 if lms else None,
@@ -782,8 +784,13 @@ data["stage"] = "training"
 out.write_text(json.dumps(data))
 if what == "sigkill":
     os.kill(os.getpid(), signal.SIGKILL)
-if what == "finished":
+if what in ("finished", "finished_on_disk"):
     data.update(stage="done", lms={"pageout_bytes": 1, "host_refusals": 0})
+    if what == "finished_on_disk":
+        data["lms"].update(
+            spill_count=2, spill_out_bytes=8 * MiB, spill_out_ms=4.0,
+            spill_in_bytes=8 * MiB, spill_in_ms=2.0,
+        )
     code = 0
 else:
     host = what == "host_oom"
@@ -934,6 +941,40 @@ def test_share_host_budget_row_logic(families_test: Any, fake_rows: Any) -> None
         fake_rows(test, share_spec(0.5, ["finished", "device_oom", "host_oom", "host_oom"], []))
     with pytest.raises(AssertionError, match="process 2 was killed by SIGKILL"):
         fake_rows(test, share_spec(0.5, ["finished", "host_oom", "sigkill", "host_oom"], []))
+
+
+def test_share_disk_tier_row_logic(
+    families_test: Any, fake_rows: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    test = families_test.test_share_disk_tier
+    monkeypatch.setattr(torch.cuda, "set_spill_dir_lms", lambda path: None, raising=False)
+
+    def spec(disk: list[str], host: list[str]) -> dict[str, Any]:
+        out = share_spec(0.08, host, [])
+        out.update({f"spill/{r}": what for r, what in enumerate(disk)})
+        return out
+
+    on_disk = ["finished", "finished_on_disk", "finished_on_disk", "finished_on_disk"]
+    without = ["finished", "host_oom", "host_oom", "host_oom"]
+    recorded = fake_rows(test, spec(on_disk, without))
+    assert recorded["worker_outcomes"] == ["finished"] * 4
+    assert recorded["spill_count"] == [None, 2, 2, 2]
+    assert recorded["without_disk_tier_outcomes"] == ["finished"] + ["host OOM"] * 3
+    assert recorded["without_disk_tier_host_refusals"] == [0, 2, 2, 2]
+    assert recorded["spill_files_left"] == []
+    assert recorded["cap_bytes"] == [int(0.04 * H100_BYTES)] * 4
+    assert recorded["beyond_device_and_host_bytes"] > 0
+    with pytest.raises(AssertionError, match="process 2 did not finish with the disk tier"):
+        fake_rows(test, spec(["finished", "finished_on_disk", "host_oom", "finished"], without))
+    with pytest.raises(AssertionError, match="no process paged to disk"):
+        fake_rows(test, spec(["finished"] * 4, without))
+    with pytest.raises(AssertionError, match="without the disk tier every process finished"):
+        fake_rows(test, spec(on_disk, ["finished"] * 4))
+    with pytest.raises(AssertionError, match="process 3 was killed by SIGKILL"):
+        fake_rows(test, spec(on_disk, ["finished", "host_oom", "host_oom", "sigkill"]))
+    monkeypatch.delattr(torch.cuda, "set_spill_dir_lms")
+    with pytest.raises(pytest.skip.Exception, match="no disk tier"):
+        fake_rows(test, spec(on_disk, without))
 
 
 SLOW_WORKER = """

@@ -91,10 +91,16 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "host_wait_ms": 250.0,
         "device_wait_count": 1,
         "device_wait_ms": 120.0,
+        "spill_count": 3,
+        "spill_out_bytes": 3 * 1024 * MiB,
+        "spill_out_ms": 1500.0,
+        "spill_in_bytes": 1024 * MiB,
+        "spill_in_ms": 400.0,
     }
     for gauge in ("managed_bytes", "active_bytes", "inactive_bytes", "pagedout_bytes"):
         stats[gauge] = {"current": 4 * MiB, "peak": 12 * MiB}
     stats["dropped_bytes"] = {"current": 4 * MiB, "peak": 8 * MiB}
+    stats["spilled_bytes"] = {"current": 2048 * MiB, "peak": 3072 * MiB}
     stats["host_bytes"] = {"current": 16 * MiB, "peak": 16 * MiB}
     stats["over_limit_bytes"] = {"current": 0, "peak": 2 * MiB}
     stats["operator_output_bytes"] = {"current": 0, "peak": 4 * MiB}
@@ -124,6 +130,8 @@ class FakeBindings:
         }
         self.limits: dict[int, int] = {}
         self.host_wait = 60.0
+        self.spill_dir = ""
+        self.spill_limit = 0
 
     def _record(self, name: str, *args: Any) -> None:
         self.calls.append((name, args))
@@ -185,6 +193,20 @@ class FakeBindings:
 
     def _cuda_lms_getHostWait(self) -> float:
         return self.host_wait
+
+    def _cuda_lms_setSpillDir(self, path: str) -> None:
+        self._record("setSpillDir", path)
+        self.spill_dir = path
+
+    def _cuda_lms_getSpillDir(self) -> str:
+        return self.spill_dir
+
+    def _cuda_lms_setSpillLimit(self, limit: int) -> None:
+        self._record("setSpillLimit", limit)
+        self.spill_limit = limit
+
+    def _cuda_lms_getSpillLimit(self) -> int:
+        return self.spill_limit
 
     def _cuda_lms_setLookahead(self, operators: int) -> None:
         self.values["lookahead"] = operators
@@ -320,6 +342,16 @@ def test_settings_reach_the_bindings(lms: ModuleType) -> None:
     assert lms.get_host_wait_lms() == 0.5
     lms.set_host_wait_lms(0)
     assert lms.get_host_wait_lms() == 0.0
+    assert lms.get_spill_dir_lms() == ""  # the disk tier is off by default
+    lms.set_spill_dir_lms(Path("/var/tmp"))
+    assert lms.fake.calls[-1] == ("setSpillDir", ("/var/tmp",))
+    assert lms.get_spill_dir_lms() == "/var/tmp"
+    lms.set_spill_dir_lms("")
+    assert lms.get_spill_dir_lms() == ""
+    assert lms.get_spill_limit_lms() == 0
+    lms.set_spill_limit_lms(8 * 1024 * MiB)
+    assert lms.fake.calls[-1] == ("setSpillLimit", (8 * 1024 * MiB,))
+    assert lms.get_spill_limit_lms() == 8 * 1024 * MiB
     assert lms.get_recompute_lms() is False  # off by default
     lms.set_recompute_lms(True)
     assert lms.fake.calls[-1] == ("setRecompute", (True,))
@@ -380,6 +412,8 @@ def test_numpy_integers_are_sizes(lms: ModuleType) -> None:
         (lambda m: m.set_limit_lms(True), TypeError, "limit_bytes must be an int, got bool"),
         (lambda m: m.set_size_lms(-MiB), ValueError, "size_bytes must be >= 0"),
         (lambda m: m.set_size_lms("1M"), TypeError, "size_bytes must be an int, got str"),
+        (lambda m: m.set_spill_dir_lms(3), TypeError, "path must be a str or os.PathLike"),
+        (lambda m: m.set_spill_limit_lms(-1), ValueError, "limit_bytes must be >= 0, got -1"),
         (lambda m: m.set_prefetch_lms(-2), ValueError, "depth must be >= 0"),
         (lambda m: m.set_prefetch_lms(2**31), ValueError, "depth must be <= 2147483647"),
         (lambda m: m.set_speculative_lms(None), TypeError, "margin_bytes must be an int"),
@@ -468,6 +502,8 @@ def test_summary_lines_format(lms: ModuleType) -> None:
     assert "Operators packed: 1 (8192 KiB paged out); workspaces freed: 1" in text
     assert "Prefetched: 4 (3 hits)" in text
     assert "Host budget: 98304 MiB, LMS processes hold 40960 KiB, refused 2" in text
+    # 3 GiB written in 1.5 s, 1 GiB read in 0.4 s.
+    assert "Disk tier: 3 spilled, out 2.1 GB/s, in 2.7 GB/s" in text
     # memory_summary() runs str.format over its lines: the section must survive it.
     assert "|".join(lines).format() == "|".join(lines)
 

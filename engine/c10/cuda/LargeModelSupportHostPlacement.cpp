@@ -88,7 +88,7 @@ void warnPlacedOnHost(DeviceEngine& e, size_t size, bool input) {
 // memory, when the host budget refuses it too. The first time an operator
 // needs it, a warning names the operator: it runs slower, over the bus.
 HostBuffer placeOnHost(DeviceEngine& e, size_t size) {
-  HostBuffer placed = hostPool().allocate(size);
+  HostBuffer placed = allocateHost(e, size, /*wait=*/true);
   if (placed.ptr == nullptr) {
     t_host_refused = true;
     throwOutOfMemory(e, size, /*placement_refused=*/true);
@@ -202,6 +202,33 @@ void beginHostUse(c10::StorageImpl& storage) {
     C10_CUDA_CHECK(
         cudaStreamWaitEvent(currentStream(e.device), r->device_ready, 0));
     return;
+  }
+  if (r->state == State::PagedOut && !r->spill_path.empty()) {
+    // On disk: the operator's kernels need its host copy back in pinned
+    // memory (its page-in would need room the device did not have).
+    e.pagedout_list.remove(r);
+    removeUpcoming(e, *r);
+    r->busy = true;
+    lock.unlock();
+    try {
+      restoreHostCopy(e, *r);
+    } catch (...) {
+      lock.lock();
+      r->busy = false;
+      e.pagedout_list.push_back(r);
+      addUpcoming(e, *r);
+      e.settled.notify_all();
+      throw;
+    }
+    lock.lock();
+    r->busy = false;
+    e.pagedout_list.push_back(r);
+    addUpcoming(e, *r);
+    e.settled.notify_all();
+    // Nothing is copying into the buffer: an event that is reached at once.
+    r->host_ready = e.events.get(/*timing=*/false);
+    DeviceScope guard(e.device);
+    C10_CUDA_CHECK(cudaEventRecord(r->host_ready, currentStream(e.device)));
   }
   if (r->state != State::PagedOut || r->host_ready == nullptr) {
     return;

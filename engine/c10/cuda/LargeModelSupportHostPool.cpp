@@ -581,7 +581,7 @@ HostBuffer HostPool::takeCached(size_t rounded) {
   return {};
 }
 
-HostBuffer HostPool::allocate(size_t size) {
+HostBuffer HostPool::allocate(size_t size, bool wait) {
   const size_t rounded = roundSize(size);
   t_refusal = HostRefusal{};
   {
@@ -594,14 +594,14 @@ HostBuffer HostPool::allocate(size_t size) {
   // A new buffer is pinned: idle ones of other sizes go back first if
   // another process waits for room.
   yieldCacheIfWanted();
-  WaitState wait;
+  WaitState state;
   do {
     HostBuffer buffer = allocateNew(rounded);
     if (buffer.ptr != nullptr) {
       return buffer;
     }
-  } while (t_refusal.cause == HostRefusal::Cause::Budget &&
-           waitForRoom(rounded, wait));
+  } while (wait && t_refusal.cause == HostRefusal::Cause::Budget &&
+           waitForRoom(rounded, state));
   if (t_refusal.cause == HostRefusal::Cause::Budget) {
     std::lock_guard<std::mutex> lock(mutex_);
     ++usage_.budget_refusals;

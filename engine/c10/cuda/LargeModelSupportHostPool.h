@@ -485,8 +485,10 @@ class C10_CUDA_API HostPool {
 
   // A buffer of at least `size` bytes, or {nullptr, 0} when pinned memory is
   // exhausted (the host budget, or pinning itself) even after freeing every
-  // idle cached buffer; lastRefusal() then says why.
-  HostBuffer allocate(size_t size);
+  // idle cached buffer; lastRefusal() then says why. Without `wait`, a
+  // refusal by the budget does not wait for other processes (setWait): the
+  // disk tier makes room instead (LargeModelSupportSpill.cpp).
+  HostBuffer allocate(size_t size, bool wait = true);
   // Returns a buffer. `ready` (may be null) is an event after which no copy
   // touches the buffer any more; the pool takes ownership of it.
   void release(HostBuffer buffer, cudaEvent_t ready, c10::DeviceIndex device);

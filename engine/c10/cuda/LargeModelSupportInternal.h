@@ -25,6 +25,7 @@
 //   LargeModelSupportStats.cpp          statistics
 //   LargeModelSupportOutOfMemory.cpp    the out-of-memory explanation
 //   LargeModelSupportHostPool.cpp       pinned host memory and its budget
+//   LargeModelSupportSpill.cpp          the disk tier below the host pool
 //   LargeModelSupportSettingTable.h     the settings, a row each (public)
 //   LargeModelSupportStatTable.h        the statistics, a row each (public)
 //
@@ -185,6 +186,10 @@ struct Record {
   // to take the stale address out of the DataPtr.
   c10::weak_intrusive_ptr<c10::StorageImpl> owner{
       c10::intrusive_ptr<c10::StorageImpl>()};
+  // Paged out to the disk tier (LargeModelSupportSpill.cpp): the file that
+  // holds the contents (empty: none). `host` is empty and the storage's
+  // DataPtr null meanwhile.
+  std::string spill_path;
   // Intrusive list links (reclaim list or paged-out list).
   Record* prev = nullptr;
   Record* next = nullptr;
@@ -574,6 +579,15 @@ extern std::atomic<bool> g_graph_prefetch;
 extern std::atomic<bool> g_recompute;
 extern std::atomic<bool> g_packing;
 extern std::atomic<bool> g_host_placement;
+
+// LargeModelSupportSpill.cpp: the disk tier
+bool spillEnabled();
+HostBuffer allocateHost(DeviceEngine& e, size_t size, bool wait);
+bool pageOutToDisk(DeviceEngine& e, Record& r, cudaStream_t copy);
+void readSpilled(DeviceEngine& e, Record& r, void* ptr, cudaStream_t stream);
+void restoreHostCopy(DeviceEngine& e, Record& r);
+void removeSpilled(DeviceEngine& e, Record& r);
+std::string spillNote(const LmsStats& stats);
 
 // LargeModelSupportOutOfMemory.cpp: the out-of-memory explanation
 void raisePendingError(size_t size);

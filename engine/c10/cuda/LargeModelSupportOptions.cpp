@@ -62,6 +62,11 @@ double parseSeconds(std::string_view key, std::string_view value) {
   return parseNonNegative(key, value);
 }
 
+// A path is taken as written; its setter says what is wrong with it.
+std::string parsePath(std::string_view /*key*/, std::string_view value) {
+  return std::string(value);
+}
+
 // The value of a device setting given as a PYTORCH_CUDA_ALLOC_CONF key: the
 // limit of every device (one set for a device wins).
 void setLimitOfEveryDevice(size_t bytes) {
@@ -222,8 +227,8 @@ bool isHostPlacementEnabled() {
 
 bool parseConfigOption(std::string_view key, std::string_view value) {
   // A branch for each setting: its key's value, read as the setting's kind
-  // says (parseBool, parseMebibytes, parseCount, parseSeconds), goes to its
-  // setter.
+  // says (parseBool, parseMebibytes, parseCount, parseSeconds, parsePath),
+  // goes to its setter.
 #define C10_LMS_APPLY(conf_key, Kind, type, apply)                         \
   if (key == #conf_key) {                                                  \
     static_assert(                                                         \

@@ -130,7 +130,7 @@ OutOfMemoryText explainOutOfMemory(
             mib(static_cast<int64_t>(allocated)) + " allocated to tensors (" +
             mib(s.inactive_bytes.current) + " inactive), " +
             mib(s.pagedout_bytes.current) + " paged out to host, LMS limit " +
-            mib(static_cast<int64_t>(limit)) + "."};
+            mib(static_cast<int64_t>(limit)) + "." + spillNote(s)};
   }
   const size_t pools = backend().privatePoolBytes(device);
   // What holds the memory outside LMS that was not given back for this

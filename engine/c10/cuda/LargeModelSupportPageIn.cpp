@@ -52,13 +52,17 @@ void finishPageIn(
     void* ptr,
     cudaStream_t alloc_stream,
     cudaStream_t copied_on) {
-  cudaEvent_t read = e.events.get(/*timing=*/false);
-  C10_CUDA_CHECK(cudaEventRecord(read, copied_on));
-  hostPool().release(r.host, read, e.device);
+  if (r.host.ptr != nullptr) { // none when it came from the disk tier
+    cudaEvent_t read = e.events.get(/*timing=*/false);
+    C10_CUDA_CHECK(cudaEventRecord(read, copied_on));
+    hostPool().release(r.host, read, e.device);
+  }
   cudaEvent_t ready = e.events.get(/*timing=*/false);
   C10_CUDA_CHECK(cudaEventRecord(ready, copied_on));
-  e.events.put(r.host_ready);
-  r.host_ready = nullptr;
+  if (r.host_ready != nullptr) {
+    e.events.put(r.host_ready);
+    r.host_ready = nullptr;
+  }
   r.host = HostBuffer{};
   r.device_ptr = ptr;
   r.device_ready = ready;
@@ -93,22 +97,34 @@ bool beyondTheDevice(DeviceEngine& e, size_t size) {
 // caller keeps it in its host copy); otherwise that raises the out-of-memory
 // error.
 bool pageIn(DeviceEngine& e, Record& r, cudaStream_t stream, bool or_host) {
-  if (or_host && beyondTheDevice(e, r.size)) {
+  // Kept in its host copy (the caller's keepInputOnHost): a copy spilled to
+  // disk comes back to pinned memory first.
+  const auto on_host = [&] {
+    if (!r.spill_path.empty()) {
+      restoreHostCopy(e, r);
+    }
     return false;
+  };
+  if (or_host && beyondTheDevice(e, r.size)) {
+    return on_host();
   }
   DeviceScope guard(e.device);
   void* ptr = allocateDevice(e, r.size, stream, /*or_null=*/or_host);
   if (ptr == nullptr) {
-    return false;
+    return on_host();
   }
   try {
     cudaEvent_t start = e.events.get(/*timing=*/true);
     C10_CUDA_CHECK(cudaEventRecord(start, stream));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(stream, r.host_ready, 0));
-    CopyTimer timer(e, stream);
-    C10_CUDA_CHECK(cudaMemcpyAsync(
-        ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, stream));
-    timer.done(Timed::CopyIn, r.size);
+    if (!r.spill_path.empty()) {
+      readSpilled(e, r, ptr, stream);
+    } else {
+      C10_CUDA_CHECK(cudaStreamWaitEvent(stream, r.host_ready, 0));
+      CopyTimer timer(e, stream);
+      C10_CUDA_CHECK(cudaMemcpyAsync(
+          ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, stream));
+      timer.done(Timed::CopyIn, r.size);
+    }
     cudaEvent_t end = e.events.get(/*timing=*/true);
     C10_CUDA_CHECK(cudaEventRecord(end, stream));
     addStall(e, start, end);
@@ -164,12 +180,17 @@ bool prefetchOne(DeviceEngine& e, Record& r, cudaStream_t stream) {
     cudaEvent_t ev = e.events.get(/*timing=*/false);
     C10_CUDA_CHECK(cudaEventRecord(ev, stream));
     C10_CUDA_CHECK(cudaStreamWaitEvent(copy, ev, 0));
-    C10_CUDA_CHECK(cudaStreamWaitEvent(copy, r.host_ready, 0));
     e.events.put(ev);
-    CopyTimer timer(e, copy);
-    C10_CUDA_CHECK(
-        cudaMemcpyAsync(ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, copy));
-    timer.done(Timed::CopyIn, r.size);
+    if (!r.spill_path.empty()) {
+      // From the disk tier: the host reads the file as the copies go.
+      readSpilled(e, r, ptr, copy);
+    } else {
+      C10_CUDA_CHECK(cudaStreamWaitEvent(copy, r.host_ready, 0));
+      CopyTimer timer(e, copy);
+      C10_CUDA_CHECK(cudaMemcpyAsync(
+          ptr, r.host.ptr, r.size, cudaMemcpyHostToDevice, copy));
+      timer.done(Timed::CopyIn, r.size);
+    }
     finishPageIn(e, r, ptr, stream, copy);
   } catch (...) {
     // Reuse in `stream`'s order must also wait for the copy stream, which

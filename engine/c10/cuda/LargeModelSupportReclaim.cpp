@@ -26,6 +26,7 @@ void enqueuePageOut(
     const HostBuffer& host,
     StorageRef& keep_alive,
     bool hand_back);
+bool pageOutToDiskNow(DeviceEngine& e, Record& r, StorageRef& keep_alive);
 
 // A paged-out storage must not keep pointing at memory the allocator may
 // already have handed to someone else. It points at its pinned host copy
@@ -66,7 +67,19 @@ bool pageOut(
     return true;
   }
   DeviceScope guard(e.device);
-  HostBuffer host = hostPool().allocate(r.size);
+  // With the disk tier on, the coldest host copies go to disk to make room
+  // (allocateHost); an early page-out, which only gets ahead, may then wait
+  // for other processes as before, while a page-out that an allocation needs
+  // goes to disk itself rather than wait.
+  const bool spill = spillEnabled();
+  HostBuffer host = spill ? allocateHost(e, r.size, /*wait=*/!hand_back)
+                          : hostPool().allocate(r.size);
+  if (host.ptr == nullptr && spill && hand_back) {
+    if (pageOutToDiskNow(e, r, keep_alive)) {
+      return true;
+    }
+    host = hostPool().allocate(r.size); // the host tier's wait and error
+  }
   if (host.ptr == nullptr) {
     return false;
   }
@@ -83,16 +96,10 @@ bool pageOut(
   return true;
 }
 
-void enqueuePageOut(
-    DeviceEngine& e,
-    Record& r,
-    const HostBuffer& host,
-    StorageRef& keep_alive,
-    bool hand_back) {
-  const cudaStream_t copy = e.copyStream();
-  // Order the copy after all work already queued on every stream that used
-  // the memory. One event serves all waits: cudaStreamWaitEvent captures the
-  // event's state at the time of the call.
+// Orders the copy stream `copy` after all work already queued on every
+// stream that used the memory of `r`. One event serves all waits:
+// cudaStreamWaitEvent captures the event's state at the time of the call.
+void orderAfterUsers(DeviceEngine& e, Record& r, cudaStream_t copy) {
   cudaEvent_t used = e.events.get(/*timing=*/false);
   C10_CUDA_CHECK(cudaEventRecord(used, r.stream));
   C10_CUDA_CHECK(cudaStreamWaitEvent(copy, used, 0));
@@ -104,6 +111,45 @@ void enqueuePageOut(
   if (r.device_ready != nullptr) { // a prefetch copy may still be writing
     C10_CUDA_CHECK(cudaStreamWaitEvent(copy, r.device_ready, 0));
   }
+}
+
+// Pages a victim out straight to the disk tier when no pinned host memory
+// could be had even after the coldest host copies went there: its contents
+// go through the staging buffer, the host waiting for each copy, and its
+// device memory is free at once. False, nothing changed, when the disk tier
+// refuses it too.
+bool pageOutToDiskNow(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
+  const cudaStream_t copy = e.copyStream();
+  orderAfterUsers(e, r, copy);
+  if (!pageOutToDisk(e, r, copy)) {
+    return false;
+  }
+  // The copies are done: the memory may be reused in any stream's order.
+  if (r.stream_known) {
+    backend().free(r.device_ptr);
+  } else {
+    backend().freeAfter(r.device_ptr, e.device, copy);
+  }
+  if (r.device_ready != nullptr) {
+    e.events.put(r.device_ready);
+    r.device_ready = nullptr;
+  }
+  pointAtHostCopy(r, nullptr, keep_alive);
+  r.device_ptr = nullptr;
+  r.host = HostBuffer{};
+  r.host_ready = nullptr;
+  r.users.clear();
+  return true;
+}
+
+void enqueuePageOut(
+    DeviceEngine& e,
+    Record& r,
+    const HostBuffer& host,
+    StorageRef& keep_alive,
+    bool hand_back) {
+  const cudaStream_t copy = e.copyStream();
+  orderAfterUsers(e, r, copy);
   CopyTimer timer(e, copy);
   C10_CUDA_CHECK(cudaMemcpyAsync(
       host.ptr, r.device_ptr, r.size, cudaMemcpyDeviceToHost, copy));

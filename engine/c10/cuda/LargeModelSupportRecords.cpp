@@ -180,6 +180,7 @@ void deleteRecord(void* ctx) {
     // Freed while operators may still be using it (a workspace).
     r->host_ready = hostUseDone(e, *r, /*in_deleter=*/true);
   }
+  removeSpilled(e, *r);
   if (r->host.ptr != nullptr) {
     // The page-out copy may still be writing into the buffer.
     hostPool().release(r->host, r->host_ready, e.device);

@@ -9,7 +9,8 @@
 //     Kind    how the key's value is written: Bool (True or False), Mebibytes
 //             (a non-negative number of MiB, fractions allowed; bytes in the
 //             API), Count (a whole number), Seconds (a non-negative number
-//             of seconds, fractions allowed)
+//             of seconds, fractions allowed), Path (a directory; a
+//             PYTORCH_CUDA_ALLOC_CONF value cannot hold a comma)
 //     type    the value in the engine's API
 //     setter, getter  the engine's functions (c10::cuda::lms), declared from
 //             this table in LargeModelSupport.h
@@ -116,6 +117,24 @@ C10_LMS_SETTING(host_limit, HostLimit, lms_host_limit_mb, Mebibytes, size_t, set
 // once, so the others go on (LargeModelSupportHostPool.h). 0 raises at once,
 // as before the wait.
 C10_LMS_SETTING(host_wait, HostWait, lms_host_wait_s, Seconds, double, setHostWait, getHostWait, "the host wait")
+
+// The disk tier (off by default): a directory on a local disk below the
+// pinned host memory (LargeModelSupportSpill.cpp). When the host budget (or
+// pinning) has no room for a page-out, the coldest paged-out host copies are
+// written to files there, giving their pinned memory back, and when none is
+// left the page-out itself goes there instead of waiting or failing; a
+// page-in reads the file back through a small staging buffer. Files are
+// private (a subdirectory per process, mode 0700, files 0600), removed at
+// exit, and removed by the next process that sets the directory when their
+// owner crashed. Setting it checks that the directory exists and is
+// writable; '' (the default) turns the tier off.
+C10_LMS_SETTING(spill_dir, SpillDir, lms_spill_dir, Path, std::string, setSpillDir, getSpillDir, "the spill directory")
+
+// Bound, in bytes, of what this process writes to the spill directory; a
+// page-out past it stays in host memory (the host tier's wait and error). 0
+// (the default) sets no bound of its own; a reserve of the file system's free
+// space (5% of it, at most 1 GiB) is always left.
+C10_LMS_SETTING(spill_limit, SpillLimit, lms_spill_limit_mb, Mebibytes, size_t, setSpillLimit, getSpillLimit, "the spill limit")
 
 // Recompute instead of paging (the hybrid): a victim whose contents an
 // operator can reproduce (a recipe: operator-boundary pinning records, for

@@ -121,6 +121,15 @@ C10_LMS_COUNTER(double, host_wait_ms)
 // milliseconds.
 C10_LMS_COUNTER(int64_t, device_wait_count)
 C10_LMS_COUNTER(double, device_wait_ms)
+// The disk tier (setSpillDir): page-outs written to the spill directory
+// (host copies moved there, and victims paged out straight to it), and the
+// bytes and milliseconds of the writes and of the reads back (bytes / ms:
+// the bandwidth of the disk tier, copies to and from the device included).
+C10_LMS_COUNTER(int64_t, spill_count)
+C10_LMS_COUNTER(int64_t, spill_out_bytes)
+C10_LMS_COUNTER(double, spill_out_ms)
+C10_LMS_COUNTER(int64_t, spill_in_bytes)
+C10_LMS_COUNTER(double, spill_in_ms)
 // The limit in force (getLimit; 0 before the allocator installed its
 // backend).
 C10_LMS_COUNTER(size_t, limit_bytes)
@@ -128,7 +137,8 @@ C10_LMS_COUNTER(size_t, limit_bytes)
 C10_LMS_GAUGE(managed_bytes) // every LMS storage, resident or not
 C10_LMS_GAUGE(active_bytes) // pinned by running operators
 C10_LMS_GAUGE(inactive_bytes) // resident and reclaimable
-C10_LMS_GAUGE(pagedout_bytes) // contents held in host memory
+C10_LMS_GAUGE(pagedout_bytes) // contents held in host memory or on disk
+C10_LMS_GAUGE(spilled_bytes) // of them, in the spill directory
 C10_LMS_GAUGE(dropped_bytes) // contents to be recomputed
 C10_LMS_GAUGE(host_bytes) // pinned host memory held by LMS (process-wide)
 // Bytes allocated on the device beyond the limit after an allocation's

@@ -74,6 +74,7 @@ void resetPeakStats(c10::DeviceIndex device) {
         &e.stats.active_bytes,
         &e.stats.inactive_bytes,
         &e.stats.pagedout_bytes,
+        &e.stats.spilled_bytes,
         &e.stats.dropped_bytes,
         &e.stats.over_limit_bytes,
         &e.stats.operator_output_bytes}) {
@@ -95,6 +96,7 @@ void resetAccumulatedStats(c10::DeviceIndex device) {
     fresh.active_bytes = e.stats.active_bytes;
     fresh.inactive_bytes = e.stats.inactive_bytes;
     fresh.pagedout_bytes = e.stats.pagedout_bytes;
+    fresh.spilled_bytes = e.stats.spilled_bytes;
     fresh.dropped_bytes = e.stats.dropped_bytes;
     fresh.over_limit_bytes = e.stats.over_limit_bytes;
     fresh.operator_output_bytes = e.stats.operator_output_bytes;

@@ -23,6 +23,8 @@ has a ``PYTORCH_CUDA_ALLOC_CONF`` key beside its functions:
 - ``lms_graph_prefetch`` (True or False): :func:`set_graph_prefetch_lms`
 - ``lms_host_limit_mb`` (MiB): :func:`set_host_limit_lms`
 - ``lms_host_wait_s`` (seconds): :func:`set_host_wait_lms`
+- ``lms_spill_dir`` (a directory): :func:`set_spill_dir_lms`
+- ``lms_spill_limit_mb`` (MiB): :func:`set_spill_limit_lms`
 - ``lms_recompute`` (True or False): :func:`set_recompute_lms`
 - ``lms_pack`` (True or False): :func:`set_packing_lms`
 - ``lms_host_placement`` (True or False): :func:`set_host_placement_lms`
@@ -95,6 +97,8 @@ __all__ = [
     "get_schedule_lms",
     "get_size_lms",
     "get_speculative_lms",
+    "get_spill_dir_lms",
+    "get_spill_limit_lms",
     # lms-tables:setting-getters:end
     "lms_recompute_operators",
     "lms_stats",
@@ -118,6 +122,8 @@ __all__ = [
     "set_schedule_lms",
     "set_size_lms",
     "set_speculative_lms",
+    "set_spill_dir_lms",
+    "set_spill_limit_lms",
     # lms-tables:setting-setters:end
 ]
 
@@ -187,6 +193,11 @@ _COUNTER_KEYS = (
     "host_wait_ms",
     "device_wait_count",
     "device_wait_ms",
+    "spill_count",
+    "spill_out_bytes",
+    "spill_out_ms",
+    "spill_in_bytes",
+    "spill_in_ms",
     "limit_bytes",
     # lms-tables:counter-keys:end
 )
@@ -196,6 +207,7 @@ _GAUGE_KEYS = (
     "active_bytes",
     "inactive_bytes",
     "pagedout_bytes",
+    "spilled_bytes",
     "dropped_bytes",
     "host_bytes",
     "over_limit_bytes",
@@ -916,6 +928,61 @@ def get_host_wait_lms() -> float:
     return float(_lms_bindings()._cuda_lms_getHostWait())
 
 
+def set_spill_dir_lms(path: str | os.PathLike[str]) -> None:
+    r"""Set the spill directory of the disk tier (off by default; ``""`` turns it off).
+
+    Below the pinned host memory, a directory on a local disk: when the host budget (see
+    :func:`set_host_limit_lms`) or pinning has no room for a page-out, the coldest paged-out
+    host copies are written to files there and their pinned memory goes back to the pool; when
+    none is left, the page-out itself goes there instead of waiting for other processes
+    (:func:`set_host_wait_lms`) or raising. A page-in reads the file back through a small
+    staging buffer, byte for byte. Processes whose tensors exceed device plus host memory then
+    finish, at the speed of the disk.
+
+    Each process writes to a subdirectory of its own (``lms-spill.<pid>.<start time>``, mode
+    0700, files 0600), removed when it exits; one left by a process that crashed is removed by
+    the next process that sets the same directory. Setting it checks the directory at once: a
+    missing one, a file, or one this process cannot write raises :class:`ValueError` naming the
+    setting and what to give instead. A write that fails later (a full disk, the bound of
+    :func:`set_spill_limit_lms`) keeps the host copy where it was: nothing paged is lost, the
+    page-out falls back to the host budget, and a warning says why.
+    ``PYTORCH_CUDA_ALLOC_CONF=lms_spill_dir:<path>`` sets it too (a path without commas).
+    ``lms_stats()`` reports ``spill_count``, ``spill_out_bytes``, ``spill_out_ms``,
+    ``spill_in_bytes``, ``spill_in_ms`` and ``spilled_bytes``.
+
+    Args:
+        path (str or os.PathLike): an existing directory on a local disk, or ``""``.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    _lms_bindings()._cuda_lms_setSpillDir(os.fspath(path))
+
+
+def get_spill_dir_lms() -> str:
+    r"""Return the spill directory set with :func:`set_spill_dir_lms` (``""``: off)."""
+    return str(_lms_bindings()._cuda_lms_getSpillDir())
+
+
+def set_spill_limit_lms(limit_bytes: int) -> None:
+    r"""Bound what this process writes to the spill directory, in bytes.
+
+    A page-out past the bound stays in host memory (the host budget's wait and error apply).
+    ``0`` (the default) sets no bound of its own; the disk tier always leaves 5% of the file
+    system's space free, at most 1 GiB. ``PYTORCH_CUDA_ALLOC_CONF=lms_spill_limit_mb:<MiB>``
+    sets it too.
+
+    Args:
+        limit_bytes (int): the bound in bytes; ``0`` (default) sets none.
+    """
+    limit_bytes = _check_int("limit_bytes", limit_bytes)
+    _lms_bindings()._cuda_lms_setSpillLimit(limit_bytes)
+
+
+def get_spill_limit_lms() -> int:
+    r"""Return the bound set with :func:`set_spill_limit_lms`, in bytes (``0``: none)."""
+    return int(_lms_bindings()._cuda_lms_getSpillLimit())
+
+
 def set_recompute_lms(enable: bool) -> None:
     r"""Enable or disable recomputing instead of paging (disabled by default).
 
@@ -1005,7 +1072,8 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     r"""Return the Large Model Support statistics of a device.
 
     The counters are ints except ``stall_ms``, ``copy_out_ms``, ``copy_in_ms``,
-    ``recompute_ms``, ``host_wait_ms`` and ``device_wait_ms`` (floats):
+    ``recompute_ms``, ``host_wait_ms``, ``device_wait_ms``, ``spill_out_ms`` and
+    ``spill_in_ms`` (floats):
 
     - ``pageout_count``, ``pageout_bytes``, ``pagein_count``, ``pagein_bytes``:
       copies to and from host memory.
@@ -1093,9 +1161,16 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     - ``device_wait_count`` (failed device allocations that waited for other
       LMS processes of the GPU to release device memory, the same setting)
       and ``device_wait_ms`` (the time they waited).
+    - The disk tier (see :func:`set_spill_dir_lms`): ``spill_count`` (page-outs
+      written to the spill directory: host copies moved there, and page-outs
+      made straight to it), ``spill_out_bytes`` and ``spill_out_ms`` (their
+      bytes and the time the writes took), ``spill_in_bytes`` and
+      ``spill_in_ms`` (the reads back); bytes over milliseconds is the disk
+      tier's bandwidth, the copies to and from the device included.
 
     The gauges ``managed_bytes``, ``active_bytes``, ``inactive_bytes``,
-    ``pagedout_bytes``, ``dropped_bytes`` (dropped storages, whose contents
+    ``pagedout_bytes``, ``spilled_bytes`` (of the paged-out bytes, those in
+    the spill directory), ``dropped_bytes`` (dropped storages, whose contents
     are to be recomputed), ``host_bytes`` (pinned host memory LMS holds,
     process-wide), ``over_limit_bytes`` (bytes allocated beyond the limit
     after an allocation's reclaim: pinned by running operators or not
@@ -1314,8 +1389,9 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
         f"{counters['reclaim_explicit']} explicit".ljust(_WIDTH)
     )
     lines.append(
-        f" Failed allocations placed by paging out a range: "
-        f"{counters['fragment_reclaims']}".ljust(_WIDTH)
+        f" Failed allocations placed by paging out a range: {counters['fragment_reclaims']}".ljust(
+            _WIDTH
+        )
     )
     lines.append(
         f" Operators packed: {counters['pack_count']} "
@@ -1336,6 +1412,12 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
         f"in {_bandwidth(counters['copy_in_bytes'], counters['copy_in_ms'])} | "
         f"Recomputing: {float(counters['recompute_ms']):.1f} ms".ljust(_WIDTH)
     )
+    if counters.get("spill_count", 0):
+        lines.append(
+            f" Disk tier: {counters['spill_count']} spilled, "
+            f"out {_bandwidth(counters['spill_out_bytes'], counters['spill_out_ms'])}, "
+            f"in {_bandwidth(counters['spill_in_bytes'], counters['spill_in_ms'])}".ljust(_WIDTH)
+        )
     period = int(counters["schedule_period"])
     schedule = f"period {period} ops" if counters["schedule_active"] else "inactive"
     lines.append(

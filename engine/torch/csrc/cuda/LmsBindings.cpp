@@ -82,7 +82,7 @@ std::unique_ptr<LaunchPinsHandle> pinForLaunch(
 }
 
 // How the bindings pass a setting of each kind (Bool, Mebibytes, Count,
-// Seconds: see
+// Seconds, Path: see
 // LargeModelSupportSettingTable.h) between Python and the engine, checking
 // the value before it reaches the engine.
 struct BoolSetting {
@@ -140,6 +140,19 @@ struct SecondsSetting {
   }
   static double toPython(double seconds) {
     return seconds;
+  }
+};
+
+// A path goes to the engine as given: its setter says what is wrong with
+// it (a missing or unwritable directory), naming the setting.
+struct PathSetting {
+  using Python = std::string;
+  using Engine = std::string;
+  static std::string toEngine(const std::string& path, const char* /*what*/) {
+    return path;
+  }
+  static std::string toPython(const std::string& path) {
+    return path;
   }
 };
 
