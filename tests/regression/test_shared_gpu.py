@@ -10,14 +10,15 @@ run short. LMS runs with its default settings but for one host budget for all of
 when all four run at once: the page-outs of the four cannot all be in pinned memory at once,
 so some processes wait for the others' (host and device waits, 60 s by default).
 
-The starts are 3 s apart. Four equal processes started in the same instant reach the budget
-in the same instant, every one of them waiting for room in the middle of its forward pass,
-and the rule that keeps that from a deadlock makes the last one to join give up with the
-host error (docs/using-lms.md, "The host-memory budget"): that case needs the disk tier below
-the host, which is not built.
-
+The starts are 1.5 s apart and each process trains 16 steps, so that the four train at the
+same time (with 4 steps 3 s apart, each one's training was over before the next began, and
+none paged: engine ac633fc, H200). Four equal processes started in the same
+instant reach the budget in the same instant, every one of them waiting for room in the
+middle of its forward pass, and the rule that keeps that from a deadlock makes the last one to
+join give up with the host error (docs/using-lms.md, "The host-memory budget"); the disk tier
+(``test_share_disk_tier``) is what carries that case.
 Time on an H200 (estimate): about 1.5 minutes (a calibration of 20 s, then the four
-processes: about 10 s to start each and 4 steps).
+processes: about 10 s to start each, and 16 steps with the device shared four ways).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ PROCESSES = 4
 CAP_SHARE = 0.4
 FRACTION = 0.8  # of each process's view of the device (its cap)
 BUDGET_SHARE = 0.6  # of the page-outs of all four at once
-STAGGER_S = 3.0
+STAGGER_S = 1.5
+STEPS = 16
 TIMEOUT_S = 200.0
 GB = 10**9
 
@@ -76,6 +78,8 @@ def test_four_processes_over_the_device_and_the_host_budget_all_finish(
             str(budget / GB),
             "--stagger-s",
             str(STAGGER_S),
+            "--steps",
+            str(STEPS),
             "--no-serial",
             "--timeout-s",
             str(TIMEOUT_S),
