@@ -475,7 +475,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="cap every process at this share of the device (set_per_process_memory_fraction)"
         "; its view of the device is then the cap (default: no cap)",
     )
-    parser.add_argument("--steps", type=positive_int, default=4, help="training steps (4)")
+    parser.add_argument(
+        "--steps",
+        type=positive_int,
+        default=16,
+        help="training steps (16: enough for processes started together to train together)",
+    )
     parser.add_argument(
         "--host-limit-gb",
         type=positive_float,
