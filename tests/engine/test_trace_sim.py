@@ -95,6 +95,11 @@ def run_replay(
     # SIMGPU_VERBOSE: each failing CUDA call and why, in the output shown for a failure.
     env = {**os.environ, "SIMGPU_SCRIBBLE": "1", "SIMGPU_DEVICE_COUNT": "1", "SIMGPU_VERBOSE": "1"}
     env.pop("SIMGPU_CAPACITY_MB", None)  # the trace sets the capacity
+    # Each replay is a simulated GPU of its own, but every simulated GPU has the same UUID:
+    # replays run side by side would share the device ledger (and the host's) and wait for
+    # one another's memory as LMS processes of one GPU do.
+    env["PYTORCH_LMS_DEVICE_LEDGER"] = f"{trace_file}.{plan}.device-ledger"
+    env["PYTORCH_LMS_HOST_LEDGER"] = f"{trace_file}.{plan}.host-ledger"
     try:
         proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as err:
