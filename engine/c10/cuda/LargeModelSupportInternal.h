@@ -135,6 +135,9 @@ struct Record {
   int pins = 0;
   bool busy = false; // a copy is being set up outside the engine lock
   bool prefetched = false;
+  // Recomputed ahead of use (recomputeAhead) and not used since: counted in
+  // the engine's prefetched_bytes, as a page-in ahead of use is.
+  bool replayed_ahead = false;
   bool graph_owned = false; // used during CUDA graph capture: never paged
   // In pinned host memory (`host`) for the operator(s) using it, because the
   // device could not hold it (setHostPlacementEnabled): allocated there by an
@@ -538,6 +541,20 @@ Record* settledResident(
     c10::StorageImpl& storage,
     Record* r,
     std::unique_lock<std::mutex>& lock);
+// Recompute ahead of use (recomputeAhead): at most this many replays at one
+// operator boundary (a chain's replays each count), and dropped inputs at
+// most this deep below the storage recomputed ahead. A longer chain is left
+// to the recompute on demand.
+constexpr int kAheadReplaysPerBoundary = 4;
+constexpr int kAheadDepth = 2;
+enum class Ahead { Replayed, NotYet, Never };
+Ahead recomputeAhead(
+    DeviceEngine& e,
+    c10::StorageImpl& storage,
+    uint64_t next,
+    uint64_t horizon,
+    size_t budget,
+    int& replays_left);
 
 // LargeModelSupportHostPlacement.cpp: placement in host memory, host use
 void warnPlacedOnHost(DeviceEngine& e, size_t size, bool input);
