@@ -1239,6 +1239,106 @@ TEST_CASE(recompute_ahead_of_use_is_bounded_per_operator_boundary) {
   checkBaseline();
 }
 
+// Early page-outs with recompute on: recompute first, as a reclaim does. An
+// iteration makes A (no recipe, next used last) and B (a cheap recipe of a
+// resident weight, next used just before A), then a temporary that leaves
+// less room under the limit than the prefetch budget keeps free. The early
+// page-out that restores the room takes a storage used after the window:
+// by next use alone A (the furthest), copied out and back in; with
+// recompute first B, dropped and recomputed ahead of its use, and A never
+// leaves the device: no copy crosses the bus.
+TEST_CASE(early_page_outs_drop_storages_cheap_to_replay) {
+  lms_test::FakeRecipes& fake = lms_test::recipes();
+  {
+    const lms_test::FakeRecipesInstalled installed;
+    Runner run(36 * kMiB);
+    lms::setPrefetchBudget(4 * kMiB);
+    lms::setLookahead(2);
+    Tensor w = run.make(kWeight, 1);
+    Tensor a;
+    Tensor b;
+    bool watching = false;
+    int a_paged_out = 0; // operators after which A was paged out
+    int b_dropped = 0; // and B dropped
+    run.after_op = [&] {
+      if (!watching || !a.storage || !b.storage) {
+        return;
+      }
+      a_paged_out +=
+          lms::getState(*a.storage) == lms::StorageState::PagedOut ? 1 : 0;
+      b_dropped +=
+          lms::getState(*b.storage) == lms::StorageState::Dropped ? 1 : 0;
+    };
+    const auto iteration = [&](int i) {
+      const uint64_t base = static_cast<uint64_t>(i) * 1000;
+      run.op("make", {&w}, [&] {
+        a = run.output(8 * kMiB, base + 1);
+        b = run.output(4 * kMiB, base + 2);
+      });
+      {
+        std::lock_guard<std::mutex> lock(fake.mutex);
+        fake.seed[b.storage->_mutable_data_ptr_no_checks().get_context()] =
+            b.seed;
+        fake.input_of[b.storage.get()] = w.storage.get();
+      }
+      lms::setRecomputable(*b.storage, true);
+      run.endOutputs();
+      // 33 MiB allocated: 1 MiB more than the limit less the budget.
+      Tensor t;
+      run.op("grow", {&w}, [&] { t = run.output(19 * kMiB, base + 3); });
+      run.endOutputs();
+      run.op("shrink", {&t});
+      t = Tensor{};
+      for (int k = 0; k < 4; ++k) {
+        run.op("idle", {&w});
+      }
+      run.op("use_b", {&b});
+      run.op("use_a", {&a});
+      {
+        std::lock_guard<std::mutex> lock(fake.mutex);
+        fake.input_of.erase(b.storage.get());
+      }
+      a = Tensor{};
+      b = Tensor{};
+    };
+    int i = 0;
+    for (; i < 6; ++i) {
+      iteration(i);
+    }
+    REQUIRE(lms::getStats(0).schedule_active == 1);
+    lms::resetAccumulatedStats(0);
+    watching = true;
+    for (; i < 10; ++i) {
+      iteration(i);
+    }
+    watching = false;
+    run.after_op = nullptr;
+    const auto st = lms::getStats(0);
+    std::printf(
+        "  steady state, 4 iterations: %lld dropped, %lld page-outs (%lld "
+        "early, %lld ahead of the peak), %lld recomputed (%lld ahead of "
+        "use), %lld reclaims at the limit; operators after which A was paged "
+        "out: %d, B dropped: %d\n",
+        static_cast<long long>(st.drop_count),
+        static_cast<long long>(st.pageout_count),
+        static_cast<long long>(st.early_pageout_count),
+        static_cast<long long>(st.peak_pageout_count),
+        static_cast<long long>(st.recompute_count),
+        static_cast<long long>(st.recompute_ahead_count),
+        static_cast<long long>(st.reclaim_limit),
+        a_paged_out,
+        b_dropped);
+    CHECK_EQ(st.drop_count, int64_t(4));
+    CHECK(b_dropped > 0);
+    CHECK_EQ(st.pageout_count, int64_t(0));
+    CHECK_EQ(a_paged_out, 0);
+    CHECK_EQ(st.recompute_count, int64_t(4));
+    CHECK_EQ(st.recompute_ahead_count, int64_t(4));
+    CHECK_EQ(run.mismatches, 0);
+  }
+  checkBaseline();
+}
+
 TEST_CASE(early_page_outs_leave_storages_that_die_first_alone) {
   {
     // The loop of the test above plus a 4 MiB temporary per forward layer

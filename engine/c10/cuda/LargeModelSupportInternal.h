@@ -491,6 +491,11 @@ int64_t pageOutEarlyFor(
     size_t limit,
     size_t room,
     c10::function_ref<Record*()> pick);
+size_t earlyPageOutNeed(
+    DeviceEngine& e,
+    size_t allocated,
+    size_t limit,
+    size_t room);
 
 // LargeModelSupportPageIn.cpp: page-in on demand and ahead of use
 extern thread_local bool t_no_reclaim;
@@ -517,7 +522,11 @@ void noteUse(Record& r);
 size_t prefetchBudget(size_t limit, size_t paged_in_per_iteration);
 void removeUpcoming(DeviceEngine& e, Record& r);
 void addUpcoming(DeviceEngine& e, Record& r);
-Record* pickVictim(DeviceEngine& e, size_t threshold, uint64_t protect_until);
+Record* pickVictim(
+    DeviceEngine& e,
+    size_t threshold,
+    uint64_t protect_until,
+    double cheap_ms_per_byte = -1.0);
 
 // LargeModelSupportPacking.cpp: operator working sets
 extern thread_local WorkingSet t_working_set;
@@ -536,7 +545,10 @@ struct DropCandidate {
   StorageRef storage;
   double score = 0.0;
 };
-std::vector<DropCandidate> cheapDrops(DeviceEngine& e, size_t threshold);
+std::vector<DropCandidate> cheapDrops(
+    DeviceEngine& e,
+    size_t threshold,
+    uint64_t protect_until = 0);
 Record* settledResident(
     c10::StorageImpl& storage,
     Record* r,

@@ -540,8 +540,10 @@ bool makeResident(
         ++e.stats.prefetch_late;
       }
       clearPrefetched(e, r);
-    } else {
-      clearPrefetched(e, r); // recomputed ahead of use
+    } else if (t_recompute_pins == 0) {
+      // Recomputed ahead of use, and used now (a replay that reads it is not
+      // the use it was recomputed for).
+      clearPrefetched(e, r);
     }
   } else if (r.state == State::PagedOut) {
     TORCH_CHECK(

@@ -136,10 +136,15 @@ double dropScore(size_t bytes, double ms, uint64_t distance) {
 // since the last use (least recently used first, as DTR's staleness).
 // Storages kept for a recompute (needed_by) are left out: dropping an input
 // of a dropped storage's recipe would make the chain of replays longer.
-// Empty when recompute is off, when no hooks are installed, and before any
-// copy was timed (victims are then paged out: that measures the bus). The
-// engine lock is not held.
-std::vector<DropCandidate> cheapDrops(DeviceEngine& e, size_t threshold) {
+// With `protect_until` set (an early page-out, which makes room ahead of
+// need), only storages the active schedule next uses after that clock, and
+// none without an active schedule. Empty when recompute is off, when no
+// hooks are installed, and before any copy was timed (victims are then paged
+// out: that measures the bus). The engine lock is not held.
+std::vector<DropCandidate> cheapDrops(
+    DeviceEngine& e,
+    size_t threshold,
+    uint64_t protect_until) {
   std::vector<DropCandidate> out;
   const RecomputeHooks* hooks = g_recompute_hooks.load();
   if (hooks == nullptr || !g_recompute.load()) {
@@ -169,6 +174,9 @@ std::vector<DropCandidate> cheapDrops(DeviceEngine& e, size_t threshold) {
         schedule_lock.unlock();
       }
     }
+    if (protect_until != 0 && schedule == nullptr) {
+      return out;
+    }
     for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
       if (!r->recomputable || r->busy || r->size < threshold ||
           r->graph_owned || r->draining || !r->stream_known ||
@@ -180,6 +188,9 @@ std::vector<DropCandidate> cheapDrops(DeviceEngine& e, size_t threshold) {
       uint64_t distance = 1;
       if (schedule != nullptr) {
         const uint64_t next = schedule->nextUse(touch, r->size, r->gap.load());
+        if (protect_until != 0 && next <= protect_until) {
+          continue; // used within the window: no early drop
+        }
         distance = next == AccessSchedule::kNever ? 2 * schedule->period()
             : next > now                          ? next - now
                                                   : 1;
