@@ -556,8 +556,9 @@ Ahead recomputeAhead(
     leave(e, *r);
     enter(e, *r, State::Inactive);
     e.reclaim_list.push_back(r);
+    // Under the lock, as unpin() arms it: a pin on another thread disarms.
+    arm(storage, true);
   }
-  arm(storage, true);
   return Ahead::Replayed;
 }
 
