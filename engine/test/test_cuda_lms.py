@@ -75,6 +75,8 @@ COUNTERS = (
     "recompute_ms",
     "recompute_input_prefetch_count",
     "recompute_input_prefetch_bytes",
+    "recompute_ahead_count",
+    "recompute_ahead_bytes",
     "oom_count",
     "pin_failures",
     "cache_releases",

@@ -38,6 +38,10 @@ struct FakeRecipes {
   int replays = 0;
   // Replays whose input was paged out when they began (paged in on demand).
   int inputs_paged_out = 0;
+  // The storage of each replay, in order (for tests to take and clear):
+  // those asked for, and those of inputs that a replay recomputed first.
+  std::vector<c10::StorageImpl*> replayed;
+  std::vector<c10::StorageImpl*> replayed_inputs;
   bool fail_next = false;
   // Pinned (and so recomputed first) before a storage is replayed.
   std::map<c10::StorageImpl*, c10::StorageImpl*> input_of;
@@ -63,6 +67,9 @@ inline bool fakeRetain(c10::StorageImpl& storage) {
   return fakeCost(storage) >= 0.0;
 }
 
+// Replays of inputs under way on this thread (a recipe pinning its input).
+inline thread_local int t_replay_depth = 0;
+
 inline void fakeRecompute(c10::StorageImpl& storage) {
   FakeRecipes& r = recipes();
   uint64_t seed = 0;
@@ -77,6 +84,7 @@ inline void fakeRecompute(c10::StorageImpl& storage) {
     const auto it = r.input_of.find(&storage);
     input = it != r.input_of.end() ? it->second : nullptr;
     ++r.replays;
+    (t_replay_depth > 0 ? r.replayed_inputs : r.replayed).push_back(&storage);
   }
   if (input != nullptr) {
     if (c10::cuda::lms::getState(*input) ==
@@ -85,7 +93,14 @@ inline void fakeRecompute(c10::StorageImpl& storage) {
       ++r.inputs_paged_out;
     }
     // Recomputes it first if it was dropped too.
-    c10::cuda::lms::pinForRecompute(*input);
+    ++t_replay_depth;
+    try {
+      c10::cuda::lms::pinForRecompute(*input);
+    } catch (...) {
+      --t_replay_depth;
+      throw;
+    }
+    --t_replay_depth;
   }
   auto fresh = newStorage(storage.nbytes());
   const auto words = pattern(storage.nbytes(), seed);
@@ -158,6 +173,8 @@ class FakeRecipesInstalled {
       r.forgotten = 0;
       r.replays = 0;
       r.inputs_paged_out = 0;
+      r.replayed.clear();
+      r.replayed_inputs.clear();
       r.fail_next = false;
     }
     c10::cuda::lms::setRecomputeHooks(&kFakeHooks);

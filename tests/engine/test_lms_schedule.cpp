@@ -35,6 +35,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -387,7 +388,13 @@ class Runner {
     lms::beginOperator(
         name,
         c10::ArrayRef<c10::StorageImpl*>(storages.data(), storages.size()));
+    if (after_begin) {
+      after_begin();
+    }
     for (c10::StorageImpl* s : storages) {
+      if (before_pin) {
+        before_pin(*s);
+      }
       lms::pin(*s);
     }
     for (Tensor* t : inputs) {
@@ -476,6 +483,10 @@ class Runner {
   int mismatches = 0;
   // Called after each operator of op(), to watch the engine between them.
   std::function<void()> after_op;
+  // Called after the schedule acted at an operator boundary, before the
+  // operator pins its inputs; and before each of those pins.
+  std::function<void()> after_begin;
+  std::function<void(c10::StorageImpl&)> before_pin;
 
  private:
   static StoragePtr newStorage(size_t bytes) {
@@ -929,6 +940,400 @@ TEST_CASE(
     CHECK_EQ(
         st.recompute_input_prefetch_bytes,
         st.recompute_input_prefetch_count * int64_t(kActivation));
+    CHECK_EQ(run.mismatches, 0);
+  }
+  checkBaseline();
+}
+
+// Recompute ahead of use: the loop of the test above, where the schedule
+// also replays a dropped storage itself, at an operator boundary before its
+// use, once its recipe's input is resident. Each replay is watched: one made
+// at a boundary (after the schedule acted, before the operator pins) is
+// ahead of use, one made by a pin is on demand.
+struct AheadSeen {
+  lms::LmsStats stats; // the steady state's
+  int ahead = 0; // replays made at boundaries, asked for
+  int ahead_inputs = 0; // and of dropped inputs those replays read
+  int most_at_a_boundary = 0;
+  int boundaries_at_most = 0; // boundaries with most_at_a_boundary replays
+  int replayed_twice = 0; // replayed ahead, dropped again before its use
+  int dropped_at_pin = 0; // recomputed on demand
+  int used_after_replay = 0;
+  int freed_unused = 0; // replayed ahead, freed before any use
+  int ahead_miscounted = 0; // boundaries where the statistic disagreed
+  int mismatches = 0;
+};
+
+AheadSeen recomputeAheadLoop(size_t limit, int layers, int lookahead) {
+  lms_test::FakeRecipes& fake = lms_test::recipes();
+  AheadSeen seen;
+  const lms_test::FakeRecipesInstalled installed;
+  Runner run(limit);
+  lms::setPrefetchBudget(12 * kMiB);
+  lms::setLookahead(lookahead);
+  Model m = makeModel(run, layers);
+  LayerHooks recipes;
+  recipes.made = [&](Tensor& a, Tensor& input) {
+    {
+      std::lock_guard<std::mutex> lock(fake.mutex);
+      fake.seed[a.storage->_mutable_data_ptr_no_checks().get_context()] =
+          a.seed;
+      fake.input_of[a.storage.get()] = input.storage.get();
+    }
+    lms::setRecomputable(*a.storage, true);
+  };
+  std::set<c10::StorageImpl*> unused; // replayed ahead, not pinned since
+  bool watching = false;
+  int64_t ahead_counted = 0; // recompute_ahead_count, boundary by boundary
+  int inputs_made = 0; // replays of dropped inputs, since the last take()
+  const auto take = [&] {
+    std::lock_guard<std::mutex> lock(fake.mutex);
+    std::vector<c10::StorageImpl*> made;
+    made.swap(fake.replayed);
+    inputs_made = static_cast<int>(fake.replayed_inputs.size());
+    fake.replayed_inputs.clear();
+    return made;
+  };
+  recipes.freed = [&](Tensor& a) {
+    std::lock_guard<std::mutex> lock(fake.mutex);
+    fake.input_of.erase(a.storage.get());
+    seen.freed_unused += static_cast<int>(unused.erase(a.storage.get()));
+  };
+  run.after_begin = [&] {
+    const std::vector<c10::StorageImpl*> made = take();
+    if (!watching) {
+      return;
+    }
+    const int n = static_cast<int>(made.size()) + inputs_made;
+    seen.ahead += static_cast<int>(made.size());
+    seen.ahead_inputs += inputs_made;
+    if (n > 0 && n == seen.most_at_a_boundary) {
+      ++seen.boundaries_at_most;
+    } else if (n > seen.most_at_a_boundary) {
+      seen.most_at_a_boundary = n;
+      seen.boundaries_at_most = 1;
+    }
+    for (c10::StorageImpl* s : made) {
+      if (!unused.insert(s).second) {
+        ++seen.replayed_twice;
+      }
+    }
+    const int64_t count = lms::getStats(0).recompute_ahead_count;
+    seen.ahead_miscounted += count - ahead_counted != n ? 1 : 0;
+    ahead_counted = count;
+  };
+  run.before_pin = [&](c10::StorageImpl& s) {
+    if (!watching) {
+      return;
+    }
+    const bool dropped = lms::getState(s) == lms::StorageState::Dropped;
+    seen.dropped_at_pin += dropped ? 1 : 0;
+    if (unused.erase(&s) > 0) {
+      ++seen.used_after_replay;
+      seen.replayed_twice += dropped ? 1 : 0;
+    }
+  };
+  run.after_op = [&] {
+    take(); // replays on demand, by this operator's pins
+  };
+  const auto train = [&](int iteration) {
+    iterate(run, m, iteration, /*train=*/true, /*temporaries=*/false, recipes);
+  };
+  int iteration = 0;
+  for (; iteration < 4; ++iteration) {
+    train(iteration);
+  }
+  REQUIRE(lms::getStats(0).schedule_active == 1);
+  lms::resetAccumulatedStats(0);
+  watching = true;
+  for (; iteration < 8; ++iteration) {
+    train(iteration);
+  }
+  watching = false;
+  seen.stats = lms::getStats(0);
+  seen.mismatches = run.mismatches;
+  run.after_begin = nullptr;
+  run.before_pin = nullptr;
+  run.after_op = nullptr;
+  const auto& st = seen.stats;
+  std::printf(
+      "  steady state, 4 iterations: %lld dropped, %lld recomputed (%lld "
+      "ahead of use, %d of them inputs of others, at most %d at a boundary, "
+      "%d times; %d still dropped when pinned), %d replayed ahead and used, "
+      "%lld recipe inputs paged in ahead, %lld page-ins on demand\n",
+      static_cast<long long>(st.drop_count),
+      static_cast<long long>(st.recompute_count),
+      static_cast<long long>(st.recompute_ahead_count),
+      seen.ahead_inputs,
+      seen.most_at_a_boundary,
+      seen.boundaries_at_most,
+      seen.dropped_at_pin,
+      seen.used_after_replay,
+      static_cast<long long>(st.recompute_input_prefetch_count),
+      static_cast<long long>(st.pagein_demand_count));
+  return seen;
+}
+
+// What holds of every run of recomputeAheadLoop().
+void checkAhead(const AheadSeen& seen) {
+  const auto& st = seen.stats;
+  CHECK_EQ(st.schedule_active, int64_t(1));
+  CHECK(st.drop_count > 0);
+  CHECK(st.recompute_ahead_count > 0);
+  CHECK_EQ(st.recompute_ahead_count, int64_t(seen.ahead + seen.ahead_inputs));
+  CHECK_EQ(seen.ahead_miscounted, 0);
+  CHECK_EQ(
+      st.recompute_ahead_bytes,
+      st.recompute_ahead_count * int64_t(kActivation));
+  // Every replay ahead of use is in recompute_count, and every storage
+  // replayed ahead for its own use is used before it is dropped again: none
+  // is replayed twice for one use, none dies unused.
+  CHECK(st.recompute_count >= st.recompute_ahead_count);
+  CHECK_EQ(seen.replayed_twice, 0);
+  CHECK_EQ(seen.freed_unused, 0);
+  CHECK_EQ(seen.used_after_replay, seen.ahead);
+  // The bound on replays at one operator boundary.
+  CHECK(seen.most_at_a_boundary <= 4); // kAheadReplaysPerBoundary
+  CHECK_EQ(seen.mismatches, 0);
+}
+
+TEST_CASE(dropped_storages_are_recomputed_ahead_of_their_use) {
+  {
+    const AheadSeen seen = recomputeAheadLoop(42 * kMiB, kLayers, 6);
+    checkAhead(seen);
+    // Every dropped storage is recomputed before the operator that uses it
+    // pins it: none on demand.
+    CHECK_EQ(seen.dropped_at_pin, 0);
+    CHECK_EQ(seen.stats.recompute_ahead_count, seen.stats.recompute_count);
+  }
+  checkBaseline();
+}
+
+// A deeper model under more pressure: a dropped activation's recipe reads
+// the activation before it, often dropped too; the replay ahead of use
+// recomputes that one first (a chain, at most kAheadDepth deep).
+TEST_CASE(recompute_ahead_of_use_recomputes_dropped_inputs_first) {
+  {
+    const AheadSeen seen = recomputeAheadLoop(60 * kMiB, 16, 12);
+    checkAhead(seen);
+    CHECK(seen.ahead_inputs > 0);
+  }
+  checkBaseline();
+}
+
+// The bound per operator boundary: an iteration makes eight activations
+// from one weight (each recipe reads only the weight), a large temporary
+// then makes a reclaim drop seven of them, and three operators later one
+// operator reads all eight. Once the schedule has learned the loop, the
+// boundary at which that use comes into view finds seven dropped storages
+// whose input is resident, replays four (kAheadReplaysPerBoundary), and the
+// next boundary the other three: none is left to the pins.
+TEST_CASE(recompute_ahead_of_use_is_bounded_per_operator_boundary) {
+  lms_test::FakeRecipes& fake = lms_test::recipes();
+  {
+    const lms_test::FakeRecipesInstalled installed;
+    constexpr int kMade = 8;
+    Runner run(48 * kMiB);
+    lms::setPrefetchBudget(40 * kMiB);
+    lms::setLookahead(4);
+    Tensor w = run.make(kWeight, 1);
+    std::vector<int> at_boundary; // replays at each boundary, by operator
+    std::vector<int> still_dropped; // inputs dropped when pinned, by operator
+    bool watching = false;
+    const auto take = [&] {
+      std::lock_guard<std::mutex> lock(fake.mutex);
+      const int n = static_cast<int>(fake.replayed.size());
+      fake.replayed.clear();
+      fake.replayed_inputs.clear();
+      return n;
+    };
+    run.after_begin = [&] {
+      const int n = take();
+      if (watching) {
+        at_boundary.push_back(n);
+        still_dropped.push_back(0);
+      }
+    };
+    run.before_pin = [&](c10::StorageImpl& s) {
+      if (watching && lms::getState(s) == lms::StorageState::Dropped) {
+        ++still_dropped.back();
+      }
+    };
+    run.after_op = [&] { take(); };
+    const auto iteration = [&](int i) {
+      const uint64_t base = static_cast<uint64_t>(i) * 1000;
+      std::vector<Tensor> made(kMade);
+      run.op("make", {&w}, [&] {
+        for (int k = 0; k < kMade; ++k) {
+          made[k] = run.output(kActivation, base + k);
+        }
+      });
+      {
+        std::lock_guard<std::mutex> lock(fake.mutex);
+        for (const Tensor& a : made) {
+          fake.seed[a.storage->_mutable_data_ptr_no_checks().get_context()] =
+              a.seed;
+          fake.input_of[a.storage.get()] = w.storage.get();
+        }
+      }
+      for (const Tensor& a : made) {
+        lms::setRecomputable(*a.storage, true);
+      }
+      run.endOutputs();
+      run.op("temporary", {&w}, [&] {
+        const Tensor t = run.output(40 * kMiB, base + 100);
+      });
+      run.endOutputs();
+      for (int k = 0; k < 3; ++k) {
+        run.op("idle", {&w});
+      }
+      std::vector<Tensor*> inputs;
+      for (Tensor& a : made) {
+        inputs.push_back(&a);
+      }
+      run.op("use", inputs);
+      std::lock_guard<std::mutex> lock(fake.mutex);
+      for (const Tensor& a : made) {
+        fake.input_of.erase(a.storage.get());
+      }
+    };
+    int i = 0;
+    for (; i < 6; ++i) {
+      iteration(i);
+    }
+    REQUIRE(lms::getStats(0).schedule_active == 1);
+    lms::resetAccumulatedStats(0);
+    watching = true;
+    iteration(i);
+    watching = false;
+    const auto st = lms::getStats(0);
+    std::string seen;
+    for (size_t k = 0; k < at_boundary.size(); ++k) {
+      seen += " " + std::to_string(at_boundary[k]) + "/" +
+          std::to_string(still_dropped[k]);
+    }
+    std::printf(
+        "  one iteration: %lld dropped, %lld recomputed, %lld ahead of use; "
+        "replays ahead/inputs dropped at pin, by operator:%s\n",
+        static_cast<long long>(st.drop_count),
+        static_cast<long long>(st.recompute_count),
+        static_cast<long long>(st.recompute_ahead_count),
+        seen.c_str());
+    REQUIRE(at_boundary.size() == size_t(6));
+    CHECK_EQ(st.drop_count, int64_t(kMade - 1));
+    // Seven were ready at the first boundary that saw the use: four, then
+    // three, then none.
+    CHECK_EQ(at_boundary[2], 4);
+    CHECK_EQ(at_boundary[3], 3);
+    for (int n : at_boundary) {
+      CHECK(n <= 4);
+    }
+    CHECK_EQ(st.recompute_ahead_count, int64_t(kMade - 1));
+    CHECK_EQ(st.recompute_count, st.recompute_ahead_count);
+    CHECK_EQ(still_dropped[5], 0);
+    CHECK_EQ(run.mismatches, 0);
+    run.after_begin = nullptr;
+    run.before_pin = nullptr;
+    run.after_op = nullptr;
+  }
+  checkBaseline();
+}
+
+// Early page-outs with recompute on: recompute first, as a reclaim does. An
+// iteration makes A (no recipe, next used last) and B (a cheap recipe of a
+// resident weight, next used just before A), then a temporary that leaves
+// less room under the limit than the prefetch budget keeps free. The early
+// page-out that restores the room takes a storage used after the window:
+// by next use alone A (the furthest), copied out and back in; with
+// recompute first B, dropped and recomputed ahead of its use, and A never
+// leaves the device: no copy crosses the bus.
+TEST_CASE(early_page_outs_drop_storages_cheap_to_replay) {
+  lms_test::FakeRecipes& fake = lms_test::recipes();
+  {
+    const lms_test::FakeRecipesInstalled installed;
+    Runner run(36 * kMiB);
+    lms::setPrefetchBudget(4 * kMiB);
+    lms::setLookahead(2);
+    Tensor w = run.make(kWeight, 1);
+    Tensor a;
+    Tensor b;
+    bool watching = false;
+    int a_paged_out = 0; // operators after which A was paged out
+    int b_dropped = 0; // and B dropped
+    run.after_op = [&] {
+      if (!watching || !a.storage || !b.storage) {
+        return;
+      }
+      a_paged_out +=
+          lms::getState(*a.storage) == lms::StorageState::PagedOut ? 1 : 0;
+      b_dropped +=
+          lms::getState(*b.storage) == lms::StorageState::Dropped ? 1 : 0;
+    };
+    const auto iteration = [&](int i) {
+      const uint64_t base = static_cast<uint64_t>(i) * 1000;
+      run.op("make", {&w}, [&] {
+        a = run.output(8 * kMiB, base + 1);
+        b = run.output(4 * kMiB, base + 2);
+      });
+      {
+        std::lock_guard<std::mutex> lock(fake.mutex);
+        fake.seed[b.storage->_mutable_data_ptr_no_checks().get_context()] =
+            b.seed;
+        fake.input_of[b.storage.get()] = w.storage.get();
+      }
+      lms::setRecomputable(*b.storage, true);
+      run.endOutputs();
+      // 33 MiB allocated: 1 MiB more than the limit less the budget.
+      Tensor t;
+      run.op("grow", {&w}, [&] { t = run.output(19 * kMiB, base + 3); });
+      run.endOutputs();
+      run.op("shrink", {&t});
+      t = Tensor{};
+      for (int k = 0; k < 4; ++k) {
+        run.op("idle", {&w});
+      }
+      run.op("use_b", {&b});
+      run.op("use_a", {&a});
+      {
+        std::lock_guard<std::mutex> lock(fake.mutex);
+        fake.input_of.erase(b.storage.get());
+      }
+      a = Tensor{};
+      b = Tensor{};
+    };
+    int i = 0;
+    for (; i < 6; ++i) {
+      iteration(i);
+    }
+    REQUIRE(lms::getStats(0).schedule_active == 1);
+    lms::resetAccumulatedStats(0);
+    watching = true;
+    for (; i < 10; ++i) {
+      iteration(i);
+    }
+    watching = false;
+    run.after_op = nullptr;
+    const auto st = lms::getStats(0);
+    std::printf(
+        "  steady state, 4 iterations: %lld dropped, %lld page-outs (%lld "
+        "early, %lld ahead of the peak), %lld recomputed (%lld ahead of "
+        "use), %lld reclaims at the limit; operators after which A was paged "
+        "out: %d, B dropped: %d\n",
+        static_cast<long long>(st.drop_count),
+        static_cast<long long>(st.pageout_count),
+        static_cast<long long>(st.early_pageout_count),
+        static_cast<long long>(st.peak_pageout_count),
+        static_cast<long long>(st.recompute_count),
+        static_cast<long long>(st.recompute_ahead_count),
+        static_cast<long long>(st.reclaim_limit),
+        a_paged_out,
+        b_dropped);
+    CHECK_EQ(st.drop_count, int64_t(4));
+    CHECK(b_dropped > 0);
+    CHECK_EQ(st.pageout_count, int64_t(0));
+    CHECK_EQ(a_paged_out, 0);
+    CHECK_EQ(st.recompute_count, int64_t(4));
+    CHECK_EQ(st.recompute_ahead_count, int64_t(4));
     CHECK_EQ(run.mismatches, 0);
   }
   checkBaseline();

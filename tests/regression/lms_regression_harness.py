@@ -182,6 +182,8 @@ OPTIONAL_STATS = (
     "recompute_ms",
     "recompute_input_prefetch_count",
     "recompute_input_prefetch_bytes",
+    "recompute_ahead_count",
+    "recompute_ahead_bytes",
     "copy_out_bytes",
     "copy_out_ms",
     "copy_in_bytes",

@@ -243,6 +243,43 @@ def test_training_batch_norm_replays_without_updating_running_statistics(
     assert torch.equal(z.cpu(), want_z)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_an_in_place_relu_extends_the_batch_norm_recipe(autocast: bool) -> None:
+    """relu(inplace=True) on a training-mode batch norm's output (torchvision's ResNets)
+    writes the output, which used to invalidate its recipe: the output was paged out. The
+    in-place relu is now a step of the recipe, replayed after the batch norm: the output is
+    dropped and comes back with the same bits, negatives clamped. A second write that is no
+    step (a mul_) still invalidates it."""
+    _on()
+    bn = torch.nn.BatchNorm2d(64).cuda().train()
+    g = torch.Generator(device="cuda").manual_seed(23)
+    x = torch.randn(16, 64, 64, 64, device="cuda", generator=g) * 3 + 1
+
+    def make() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return F.relu(bn(x), inplace=True)
+
+    _warm(make)
+    y = make()  # 16 MiB
+    want = y.cpu()
+    assert (want >= 0).all() and (want == 0).any()
+    torch.cuda.synchronize()
+    torch.cuda.reset_accumulated_lms_stats()
+    assert torch.cuda.reclaim_inactive() > 0
+    assert storage_state(y) == "dropped"
+    assert torch.equal(y.cpu(), want)  # the batch norm, then the relu: the same bits
+    ops = torch.cuda.lms_recompute_operators()
+    replayed = [n for n in BATCH_NORMS if ops.get(n, {}).get("recompute_count", 0) > 0]
+    assert len(replayed) == 1, ops
+    assert torch.cuda.lms_stats()["recompute_count"] == 1
+    y.mul_(2)
+    want = y.cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(y) == "paged out"
+    assert torch.equal(y.cpu(), want)
+
+
 def test_recompute_off_pages_out() -> None:
     _on()
     torch.cuda.set_recompute_lms(False)

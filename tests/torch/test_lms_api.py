@@ -80,6 +80,8 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "recompute_ms": 2.5,
         "recompute_input_prefetch_count": 1,
         "recompute_input_prefetch_bytes": 4 * MiB,
+        "recompute_ahead_count": 2,
+        "recompute_ahead_bytes": 2 * 4 * MiB,
         "oom_count": 0,
         "pin_failures": 0,
         "cache_releases": 0,

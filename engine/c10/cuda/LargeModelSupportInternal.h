@@ -137,6 +137,9 @@ struct Record {
   int pins = 0;
   bool busy = false; // a copy is being set up outside the engine lock
   bool prefetched = false;
+  // Recomputed ahead of use (recomputeAhead) and not used since: counted in
+  // the engine's prefetched_bytes, as a page-in ahead of use is.
+  bool replayed_ahead = false;
   bool graph_owned = false; // used during CUDA graph capture: never paged
   // In pinned host memory (`host`) for the operator(s) using it, because the
   // device could not hold it (setHostPlacementEnabled): allocated there by an
@@ -509,6 +512,11 @@ int64_t pageOutEarlyFor(
     size_t limit,
     size_t room,
     c10::function_ref<Record*()> pick);
+size_t earlyPageOutNeed(
+    DeviceEngine& e,
+    size_t allocated,
+    size_t limit,
+    size_t room);
 
 // LargeModelSupportPageIn.cpp: page-in on demand and ahead of use
 extern thread_local bool t_no_reclaim;
@@ -535,7 +543,11 @@ void noteUse(Record& r);
 size_t prefetchBudget(size_t limit, size_t paged_in_per_iteration);
 void removeUpcoming(DeviceEngine& e, Record& r);
 void addUpcoming(DeviceEngine& e, Record& r);
-Record* pickVictim(DeviceEngine& e, size_t threshold, uint64_t protect_until);
+Record* pickVictim(
+    DeviceEngine& e,
+    size_t threshold,
+    uint64_t protect_until,
+    double cheap_ms_per_byte = -1.0);
 
 // LargeModelSupportPacking.cpp: operator working sets
 extern thread_local WorkingSet t_working_set;
@@ -554,11 +566,28 @@ struct DropCandidate {
   StorageRef storage;
   double score = 0.0;
 };
-std::vector<DropCandidate> cheapDrops(DeviceEngine& e, size_t threshold);
+std::vector<DropCandidate> cheapDrops(
+    DeviceEngine& e,
+    size_t threshold,
+    uint64_t protect_until = 0);
 Record* settledResident(
     c10::StorageImpl& storage,
     Record* r,
     std::unique_lock<std::mutex>& lock);
+// Recompute ahead of use (recomputeAhead): at most this many replays at one
+// operator boundary (a chain's replays each count), and dropped inputs at
+// most this deep below the storage recomputed ahead. A longer chain is left
+// to the recompute on demand.
+constexpr int kAheadReplaysPerBoundary = 4;
+constexpr int kAheadDepth = 2;
+enum class Ahead { Replayed, NotYet, Never };
+Ahead recomputeAhead(
+    DeviceEngine& e,
+    c10::StorageImpl& storage,
+    uint64_t next,
+    uint64_t horizon,
+    size_t budget,
+    int& replays_left);
 
 // LargeModelSupportHostPlacement.cpp: placement in host memory, host use
 void warnPlacedOnHost(DeviceEngine& e, size_t size, bool input);

@@ -501,8 +501,9 @@ void waitUntilResident(DeviceEngine& e, Record& r, cudaStream_t stream) {
 }
 
 void clearPrefetched(DeviceEngine& e, Record& r) {
-  if (r.prefetched) {
+  if (r.prefetched || r.replayed_ahead) {
     r.prefetched = false;
+    r.replayed_ahead = false;
     e.prefetched_bytes -= std::min(e.prefetched_bytes, r.size);
   }
 }
@@ -559,6 +560,10 @@ bool makeResident(
         (void)cudaGetLastError(); // not an error: clear the sticky state
         ++e.stats.prefetch_late;
       }
+      clearPrefetched(e, r);
+    } else if (t_recompute_pins == 0) {
+      // Recomputed ahead of use, and used now (a replay that reads it is not
+      // the use it was recomputed for).
       clearPrefetched(e, r);
     }
   } else if (r.state == State::PagedOut) {
@@ -654,16 +659,57 @@ bool makeResident(
   return kept_on_host;
 }
 
+namespace {
+
+// Dropped storages whose recompute ahead of use waits for its inputs: filed
+// again under their next use when prefetchUpcoming() returns, so that a
+// later operator boundary tries again (this one would pick them again).
+class RefileLater {
+ public:
+  explicit RefileLater(DeviceEngine& e) : e_(e) {}
+  ~RefileLater() {
+    if (storages_.empty()) {
+      return;
+    }
+    std::lock_guard<std::mutex> lock(e_.mutex);
+    for (const StorageRef& storage : storages_) {
+      Record* r = recordOf(*storage);
+      if (r != nullptr && r->engine == &e_ && r->state == State::Dropped &&
+          !r->busy) {
+        addUpcoming(e_, *r);
+      }
+    }
+    // The storages are released after the engine lock, in the members'
+    // destructor: a last reference runs the deleter.
+  }
+  RefileLater(const RefileLater&) = delete;
+  RefileLater& operator=(const RefileLater&) = delete;
+
+  void add(StorageRef storage) {
+    storages_.push_back(std::move(storage));
+  }
+
+ private:
+  DeviceEngine& e_;
+  std::vector<StorageRef> storages_;
+};
+
+} // namespace
+
 // Pages in, on the H2D stream, the paged-out storages used within the next
 // `window` operators, soonest first, while the prefetched bytes not yet used
 // stay within `budget` and the limit has room; for a dropped one, the inputs
-// its recompute reads (prefetchRecipeInputs).
+// its recompute reads (prefetchRecipeInputs), and, once they are resident,
+// the storage itself, recomputed ahead of its use (recomputeAhead: at most
+// kAheadReplaysPerBoundary replays here).
 void prefetchUpcoming(
     DeviceEngine& e,
     uint64_t now,
     uint64_t window,
     size_t budget) {
   const cudaStream_t stream = currentStream(e.device);
+  int replays_left = kAheadReplaysPerBoundary;
+  RefileLater later(e);
   while (true) {
     Record* r = nullptr;
     bool was_dropped = false;
@@ -697,8 +743,19 @@ void prefetchUpcoming(
       }
     }
     if (was_dropped) {
-      if (dropped && !prefetchRecipeInputs(e, *dropped, next, stream, budget)) {
+      if (!dropped) {
+        continue;
+      }
+      if (!prefetchRecipeInputs(e, *dropped, next, stream, budget)) {
+        later.add(std::move(dropped));
         return;
+      }
+      // Used by the operator starting now: its pin recomputes it.
+      if (next > now &&
+          recomputeAhead(
+              e, *dropped, next, now + window, budget, replays_left) ==
+              Ahead::NotYet) {
+        later.add(std::move(dropped));
       }
       continue;
     }

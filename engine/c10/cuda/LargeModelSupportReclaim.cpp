@@ -679,6 +679,21 @@ int64_t pageOutEarlyFor(
     size_t limit,
     size_t room,
     c10::function_ref<Record*()> pick) {
+  const size_t wanted = earlyPageOutNeed(e, allocated, limit, room);
+  if (wanted == 0) {
+    return 0;
+  }
+  size_t bytes = 0;
+  return pageOutVictims(e, wanted, pick, bytes);
+}
+
+// The bytes pageOutEarlyFor() would page out to keep `room` bytes free under
+// `limit` (0: none). The engine lock is not held.
+size_t earlyPageOutNeed(
+    DeviceEngine& e,
+    size_t allocated,
+    size_t limit,
+    size_t room) {
   if (limit <= room) {
     return 0;
   }
@@ -688,11 +703,7 @@ int64_t pageOutEarlyFor(
     pending = e.draining_bytes;
   }
   const size_t expected = allocated > pending ? allocated - pending : 0;
-  if (expected <= limit - room) {
-    return 0;
-  }
-  size_t bytes = 0;
-  return pageOutVictims(e, expected - (limit - room), pick, bytes);
+  return expected > limit - room ? expected - (limit - room) : 0;
 }
 
 } // namespace detail

@@ -4,7 +4,8 @@
 // any other victim with a recipe is dropped when replaying it costs less
 // than paging it out and back in (dropInstead). A dropped storage is
 // recomputed when it is used, through the hooks of the layer that records
-// recipes (RecomputeHooks).
+// recipes (RecomputeHooks), or, with the learned schedule, ahead of that use
+// (recomputeAhead).
 
 #include <c10/cuda/LargeModelSupportInternal.h>
 
@@ -30,6 +31,15 @@ thread_local int t_recompute_pins = 0;
 // they allocate is no allocation of the running operator, whose ordinals
 // identify its outputs in the learned schedule.
 thread_local int t_replays = 0;
+
+namespace {
+
+// Set while this thread recomputes a storage ahead of its use
+// (recomputeAhead), the dropped inputs of its recipe included: fillDropped
+// counts those replays as ahead of use.
+thread_local int t_ahead = 0;
+
+} // namespace
 
 // Drops a victim instead of copying it out, when it has a recipe and
 // recomputing it costs less than paging it out and back in (pagingCost():
@@ -126,10 +136,15 @@ double dropScore(size_t bytes, double ms, uint64_t distance) {
 // since the last use (least recently used first, as DTR's staleness).
 // Storages kept for a recompute (needed_by) are left out: dropping an input
 // of a dropped storage's recipe would make the chain of replays longer.
-// Empty when recompute is off, when no hooks are installed, and before any
-// copy was timed (victims are then paged out: that measures the bus). The
-// engine lock is not held.
-std::vector<DropCandidate> cheapDrops(DeviceEngine& e, size_t threshold) {
+// With `protect_until` set (an early page-out, which makes room ahead of
+// need), only storages the active schedule next uses after that clock, and
+// none without an active schedule. Empty when recompute is off, when no
+// hooks are installed, and before any copy was timed (victims are then paged
+// out: that measures the bus). The engine lock is not held.
+std::vector<DropCandidate> cheapDrops(
+    DeviceEngine& e,
+    size_t threshold,
+    uint64_t protect_until) {
   std::vector<DropCandidate> out;
   const RecomputeHooks* hooks = g_recompute_hooks.load();
   if (hooks == nullptr || !g_recompute.load()) {
@@ -159,6 +174,9 @@ std::vector<DropCandidate> cheapDrops(DeviceEngine& e, size_t threshold) {
         schedule_lock.unlock();
       }
     }
+    if (protect_until != 0 && schedule == nullptr) {
+      return out;
+    }
     for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
       if (!r->recomputable || r->busy || r->size < threshold ||
           r->graph_owned || r->draining || !r->stream_known ||
@@ -170,6 +188,9 @@ std::vector<DropCandidate> cheapDrops(DeviceEngine& e, size_t threshold) {
       uint64_t distance = 1;
       if (schedule != nullptr) {
         const uint64_t next = schedule->nextUse(touch, r->size, r->gap.load());
+        if (protect_until != 0 && next <= protect_until) {
+          continue; // used within the window: no early drop
+        }
         distance = next == AccessSchedule::kNever ? 2 * schedule->period()
             : next > now                          ? next - now
                                                   : 1;
@@ -322,7 +343,224 @@ Record* rematerialize(c10::StorageImpl& storage, Record* r) {
   return now;
 }
 
+// A dropped storage's chain for a replay ahead of use: the dropped storages
+// its replay recomputes (itself, and dropped inputs of recipes, recursively)
+// and their bytes, and whether every other input is resident now.
+struct AheadChain {
+  bool ready = true; // no input paged out, busy, or with its copy running
+  bool too_deep = false; // dropped inputs deeper than kAheadDepth
+  int replays = 0;
+  size_t bytes = 0;
+  std::vector<StorageRef> dropped_inputs; // recomputed with it
+};
+
+// Walks the recipe of dropped `storage` (at `depth` below the storage to be
+// recomputed ahead) into `chain`. Stops at the first input that is not
+// ready. The engine lock is not held: the hooks read the recipes.
+void walkChain(
+    DeviceEngine& e,
+    const RecomputeHooks& hooks,
+    c10::StorageImpl& storage,
+    int depth,
+    AheadChain& chain) {
+  ++chain.replays;
+  chain.bytes += storage.nbytes();
+  std::vector<StorageRef> inputs; // destroyed after every lock is released
+  hooks.inputs(storage, inputs);
+  for (const StorageRef& input : inputs) {
+    Record* r = recordOf(*input);
+    if (r == nullptr || r->engine != &e) {
+      continue;
+    }
+    bool dropped = false;
+    {
+      std::lock_guard<std::mutex> lock(e.mutex);
+      if (r->busy || r->on_host ||
+          (r->state == State::PagedOut && !r->draining)) {
+        // Its replay would page it in on the compute stream: that is the
+        // wait a replay ahead of use is to avoid. A page-in ahead of use
+        // (prefetchRecipeInputs) is under way or comes next.
+        chain.ready = false;
+        return;
+      }
+      dropped = r->state == State::Dropped;
+      if (!dropped && r->device_ready != nullptr) {
+        const cudaError_t err = cudaEventQuery(r->device_ready);
+        if (err == cudaErrorNotReady) {
+          (void)cudaGetLastError(); // not an error: clear the sticky state
+          chain.ready = false; // paged in ahead, the copy still running
+          return;
+        }
+        C10_CUDA_CHECK(err);
+      }
+    }
+    if (dropped) {
+      if (depth >= kAheadDepth) {
+        chain.too_deep = true;
+        return;
+      }
+      chain.dropped_inputs.push_back(input);
+      walkChain(e, hooks, *input, depth + 1, chain);
+      if (!chain.ready || chain.too_deep) {
+        return;
+      }
+    }
+  }
+}
+
+// Keeps the allocator's failure path from reclaiming for a replay ahead of
+// use (see t_no_reclaim): it takes only memory that is free.
+// Keeps `storage`, just recomputed ahead of use for a recipe that reads it,
+// for its own next use when that comes by operator clock `horizon`.
+void keepUntilUse(
+    DeviceEngine& e,
+    c10::StorageImpl& storage,
+    uint64_t horizon) {
+  Record* r = recordOf(storage);
+  if (r == nullptr || r->engine != &e) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(e.mutex);
+  if (r->state != State::Inactive || r->needed_by.load() != 0) {
+    return;
+  }
+  uint64_t next = AccessSchedule::kNever;
+  {
+    std::lock_guard<std::mutex> schedule_lock(g_schedule_mutex);
+    if (theSchedule().active()) {
+      next = theSchedule().nextUse(r->touch.load(), r->size, r->gap.load());
+    }
+  }
+  if (next != AccessSchedule::kNever && next <= horizon) {
+    r->needed_by.store(next, std::memory_order_relaxed);
+  }
+}
+
+class NoReclaimForReplay {
+ public:
+  NoReclaimForReplay() : previous_(t_no_reclaim) {
+    t_no_reclaim = true;
+    ++t_ahead;
+  }
+  ~NoReclaimForReplay() {
+    --t_ahead;
+    t_no_reclaim = previous_;
+  }
+  NoReclaimForReplay(const NoReclaimForReplay&) = delete;
+  NoReclaimForReplay& operator=(const NoReclaimForReplay&) = delete;
+
+ private:
+  const bool previous_;
+};
+
 } // namespace
+
+// Recomputes dropped `storage`, next used at operator clock `next`, now,
+// ahead of that use, when every input of its recipe is resident with its
+// copy done, its dropped inputs (no deeper than kAheadDepth) are recomputed
+// with it, the chain is at most `replays_left` replays (which it then takes
+// from), its bytes fit under the limit without reclaiming anything, and the
+// bytes brought back ahead of use and not used yet (page-ins and replays)
+// stay within `budget`, the room early page-outs keep free for them. The
+// result is inactive and reclaimable, but kept for its use (needed_by): no
+// early page-out or cheap drop takes it before then, so it is not replayed
+// twice for one use. So is a dropped input recomputed with it whose own next
+// use comes by operator clock `horizon` (the schedule's window): a backward
+// pass uses the input of a layer's recipe right after the layer's output.
+//
+// The replay runs on the current stream, at the operator boundary the
+// schedule acts at, which is where operator-boundary pinning may run
+// operators (as a recompute on demand from pin() does). Not a side stream:
+// the replay's operators would each have to be ordered after the compute
+// stream's use of their inputs and before the consumer's use of their
+// outputs, and the caching allocator told of every stream that used the
+// memory they allocate and free (their temporaries too), all from inside an
+// operator's pinning callback. What the replay ahead of use gains on the
+// compute stream: its inputs were paged in on the H2D stream while the
+// operators before ran, and it never waits for them, nor makes the
+// consumer's pins page them in on demand.
+// The engine lock is not held.
+Ahead recomputeAhead(
+    DeviceEngine& e,
+    c10::StorageImpl& storage,
+    uint64_t next,
+    uint64_t horizon,
+    size_t budget,
+    int& replays_left) {
+  const RecomputeHooks* hooks = g_recompute_hooks.load();
+  if (hooks == nullptr || hooks->inputs == nullptr || !g_recompute.load()) {
+    return Ahead::Never;
+  }
+  const cudaStream_t stream = currentStream(e.device);
+  if (isCapturing(stream)) {
+    return Ahead::Never; // a replay cannot be captured
+  }
+  {
+    Record* r = recordOf(storage);
+    if (r == nullptr || r->engine != &e) {
+      return Ahead::Never;
+    }
+    std::lock_guard<std::mutex> lock(e.mutex);
+    if (r->busy || r->state != State::Dropped) {
+      return Ahead::Never;
+    }
+  }
+  AheadChain chain;
+  walkChain(e, *hooks, storage, 0, chain);
+  if (chain.too_deep) {
+    return Ahead::Never; // left to the recompute on demand
+  }
+  if (!chain.ready || chain.replays > replays_left) {
+    return Ahead::NotYet;
+  }
+  if (backend().allocatedBytes(e.device) + chain.bytes > effectiveLimit(e)) {
+    return Ahead::NotYet;
+  }
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    if (e.prefetched_bytes + storage.nbytes() > budget) {
+      return Ahead::NotYet;
+    }
+  }
+  Record* r = recordOf(storage);
+  if (r == nullptr) {
+    return Ahead::Never;
+  }
+  replays_left -= chain.replays;
+  try {
+    const NoReclaimForReplay scope;
+    r = rematerialize(storage, r);
+  } catch (const std::exception& error) {
+    // Speculative: the storage stays dropped, recomputed when used.
+    TORCH_WARN_ONCE(
+        "Large Model Support: a recompute ahead of use failed; dropped "
+        "storages are recomputed when used. ",
+        error.what());
+    return Ahead::Never;
+  }
+  if (r == nullptr) {
+    return Ahead::Never;
+  }
+  for (const StorageRef& input : chain.dropped_inputs) {
+    keepUntilUse(e, *input, horizon);
+  }
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    if (r->state != State::Allocated || r->pins != 0 || r->busy ||
+        r->list != nullptr) {
+      return Ahead::Replayed; // already used or freed meanwhile
+    }
+    r->needed_by.store(next, std::memory_order_relaxed);
+    r->replayed_ahead = true;
+    e.prefetched_bytes += r->size;
+    leave(e, *r);
+    enter(e, *r, State::Inactive);
+    e.reclaim_list.push_back(r);
+    // Under the lock, as unpin() arms it: a pin on another thread disarms.
+    arm(storage, true);
+  }
+  return Ahead::Replayed;
+}
 
 // Recomputes the storage if it was dropped and returns its record, not busy
 // and not dropped, with its engine's lock taken in `lock`; null when the
@@ -417,6 +655,10 @@ void* fillDropped(c10::StorageImpl& dropped, c10::StorageImpl& fresh) {
     r->recomputable = false;
     ++e.stats.recompute_count;
     e.stats.recompute_bytes += sz(*r);
+    if (t_ahead > 0) {
+      ++e.stats.recompute_ahead_count;
+      e.stats.recompute_ahead_bytes += sz(*r);
+    }
   }
   std::swap(
       dropped._mutable_data_ptr_no_checks(),

@@ -355,12 +355,16 @@ std::atomic<uint64_t> g_births_in_op{0};
 // A use of `r` by the running operator, resident or over the bus: the
 // learned schedule measures distances from the last one (see
 // AccessSchedule::Use). A use for a recompute only ends what the recompute
-// needed it for.
+// needed it for; a storage recomputed ahead of its own use stays kept for
+// that use.
 void noteUse(Record& r) {
-  r.needed_by.store(0, std::memory_order_relaxed);
   if (t_recompute_pins > 0) {
+    if (!r.replayed_ahead) {
+      r.needed_by.store(0, std::memory_order_relaxed);
+    }
     return;
   }
+  r.needed_by.store(0, std::memory_order_relaxed);
   const uint64_t now = g_op_clock.load(std::memory_order_relaxed);
   const uint64_t last = r.touch.load(std::memory_order_relaxed);
   if (now > last) {
@@ -420,16 +424,30 @@ void addUpcoming(DeviceEngine& e, Record& r) {
 // unused by then: its memory comes back without a copy. (When memory is
 // needed now, such a storage is the cheapest victim: one copy out, none
 // back.) Without a schedule: the least recently used, and none when
-// `protect_until` is set. Engine lock held.
-Record* pickVictim(DeviceEngine& e, size_t threshold, uint64_t protect_until) {
+// `protect_until` is set. With `cheap_ms_per_byte` (an early page-out with
+// recompute on), none whose replay, as last priced, costs less than that
+// per byte: paging it out early would copy what a drop frees for nothing
+// (EarlyVictims drops those first). A storage recomputed ahead of use and
+// not used yet is taken only when no other is left. Engine lock held.
+Record* pickVictim(
+    DeviceEngine& e,
+    size_t threshold,
+    uint64_t protect_until,
+    double cheap_ms_per_byte) {
   if (g_schedule_enabled.load()) {
     std::lock_guard<std::mutex> lock(g_schedule_mutex);
     const AccessSchedule& schedule = theSchedule();
     if (schedule.active()) {
       Record* best = nullptr;
       uint64_t best_next = 0;
+      bool best_ahead = false;
       for (Record* r = e.reclaim_list.head; r != nullptr; r = r->next) {
         if (r->size < threshold) {
+          continue;
+        }
+        if (cheap_ms_per_byte >= 0.0 && r->recomputable &&
+            r->replay_ms >= 0.0 &&
+            r->replay_ms < cheap_ms_per_byte * static_cast<double>(r->size)) {
           continue;
         }
         const uint64_t touch = r->touch.load();
@@ -446,9 +464,14 @@ Record* pickVictim(DeviceEngine& e, size_t threshold, uint64_t protect_until) {
             schedule.deathBeforeUse(touch, r->size, gap) <= protect_until) {
           continue;
         }
-        if (best == nullptr || next > best_next) {
+        // A storage recomputed ahead of its use goes last: taking it would
+        // make that one use cost two replays.
+        const bool ahead = r->replayed_ahead;
+        if (best == nullptr || (best_ahead && !ahead) ||
+            (ahead == best_ahead && next > best_next)) {
           best = r;
           best_next = next;
+          best_ahead = ahead;
         }
       }
       if (best != nullptr && protect_until != 0 && best_next <= protect_until) {
@@ -523,18 +546,67 @@ void refileUpcoming(DeviceEngine& e, uint64_t generation) {
   e.upcoming_generation = generation;
 }
 
+// The victims of an early page-out, none used before `protect_until`. With
+// recompute on, recompute first, as a reclaim does: the storages whose
+// replay costs less than paging them (cheapDrops, best ranked first) are
+// taken first, and dropped, not copied (pageOut decides again by their
+// price); then the storages used furthest in the future, leaving out those
+// cheap to replay. Without recompute, exactly pickVictim()'s choice.
+class EarlyVictims {
+ public:
+  EarlyVictims(DeviceEngine& e, uint64_t protect_until)
+      : e_(e),
+        threshold_(g_size_threshold.load()),
+        protect_until_(protect_until) {
+    if (!g_recompute.load() || g_recompute_hooks.load() == nullptr) {
+      return;
+    }
+    const double per_mib = pagingCost(e, size_t{1} << 20);
+    if (per_mib < 0.0) {
+      return; // the bus is not measured yet: nothing is priced cheap
+    }
+    cheap_ms_per_byte_ = per_mib / static_cast<double>(size_t{1} << 20);
+    drops_ = cheapDrops(e, threshold_, protect_until);
+  }
+
+  // The next victim, or null. Engine lock held.
+  Record* pick() {
+    while (next_ < drops_.size()) {
+      const DropCandidate& c = drops_[next_++];
+      // Taken meanwhile, no longer its storage's allocation, or kept since.
+      if (recordOf(*c.storage) == c.r && !c.r->busy &&
+          c.r->list == &e_.reclaim_list &&
+          c.r->needed_by.load(std::memory_order_relaxed) == 0) {
+        return c.r;
+      }
+    }
+    return pickVictim(e_, threshold_, protect_until_, cheap_ms_per_byte_);
+  }
+
+ private:
+  DeviceEngine& e_;
+  const size_t threshold_;
+  const uint64_t protect_until_;
+  double cheap_ms_per_byte_ = -1.0;
+  // Keeps the candidates alive; destroyed with no engine lock held.
+  std::vector<DropCandidate> drops_;
+  size_t next_ = 0;
+};
+
 // Keeps `margin` bytes free under the limit by paging out early the storages
-// used furthest in the future, none used before `protect_until`.
+// used furthest in the future, none used before `protect_until` (with
+// recompute on, dropping those cheap to replay first: EarlyVictims).
 void pageOutEarly(
     DeviceEngine& e,
     size_t allocated,
     uint64_t protect_until,
     size_t limit,
     size_t margin) {
-  const size_t threshold = g_size_threshold.load();
-  pageOutEarlyFor(e, allocated, limit, margin, [&] {
-    return pickVictim(e, threshold, protect_until);
-  });
+  if (earlyPageOutNeed(e, allocated, limit, margin) == 0) {
+    return; // before pricing anything
+  }
+  EarlyVictims victims(e, protect_until);
+  pageOutEarlyFor(e, allocated, limit, margin, [&] { return victims.pick(); });
 }
 
 // Records the demand at this operator boundary (the bytes the live storages
@@ -608,10 +680,10 @@ void pageOutAheadOfPeak(
     peak_clock = now + ahead;
     wanted = std::min(must - off, budget - e.draining_bytes);
   }
-  const size_t threshold = g_size_threshold.load();
+  EarlyVictims victims(e, peak_clock);
   size_t bytes = 0;
-  const int64_t made = pageOutVictims(
-      e, wanted, [&] { return pickVictim(e, threshold, peak_clock); }, bytes);
+  const int64_t made =
+      pageOutVictims(e, wanted, [&] { return victims.pick(); }, bytes);
   std::lock_guard<std::mutex> lock(e.mutex);
   e.stats.peak_pageout_count += made;
   e.stats.peak_pageout_bytes += static_cast<int64_t>(bytes);

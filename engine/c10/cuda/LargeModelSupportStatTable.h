@@ -100,6 +100,11 @@ C10_LMS_COUNTER(double, recompute_ms)
 // ahead of the recompute.
 C10_LMS_COUNTER(int64_t, recompute_input_prefetch_count)
 C10_LMS_COUNTER(int64_t, recompute_input_prefetch_bytes)
+// Dropped storages the learned schedule recomputed ahead of their use, at
+// an earlier operator boundary once their recipes' inputs were resident
+// (also counted in recompute_count and recompute_bytes).
+C10_LMS_COUNTER(int64_t, recompute_ahead_count)
+C10_LMS_COUNTER(int64_t, recompute_ahead_bytes)
 C10_LMS_COUNTER(int64_t, oom_count) // LMS out-of-memory errors raised
 // Operators whose inputs could not all be made resident.
 C10_LMS_COUNTER(int64_t, pin_failures)

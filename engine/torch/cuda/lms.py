@@ -183,6 +183,8 @@ _COUNTER_KEYS = (
     "recompute_ms",
     "recompute_input_prefetch_count",
     "recompute_input_prefetch_bytes",
+    "recompute_ahead_count",
+    "recompute_ahead_bytes",
     "oom_count",
     "pin_failures",
     "cache_releases",
@@ -1004,7 +1006,9 @@ def set_recompute_lms(enable: bool) -> None:
     anywhere (:func:`lms_storage_state` says ``"dropped"``); the inputs of its
     recipe are kept alive, and LMS may page them out like any other storage;
     the learned schedule pages them in ahead of the dropped storage's next
-    use. When an operator needs the storage, LMS recomputes it by replaying
+    use and, once they are resident, recomputes the storage itself at an
+    operator boundary before that use. When an operator needs a storage still
+    dropped, LMS recomputes it by replaying
     its producing operator on those inputs (recomputing them first if they
     were dropped too), and an operator that writes one of those inputs has the
     storage recomputed before it runs. The recomputed contents are
@@ -1014,8 +1018,9 @@ def set_recompute_lms(enable: bool) -> None:
     ``PYTORCH_CUDA_ALLOC_CONF=lms_recompute:True`` turns it on too.
     ``lms_stats()`` reports ``drop_count``, ``drop_bytes``,
     ``recompute_count``, ``recompute_bytes``, ``recompute_ms``,
-    ``recompute_input_prefetch_count``, ``recompute_input_prefetch_bytes``
-    and the gauge ``dropped_bytes``.
+    ``recompute_input_prefetch_count``, ``recompute_input_prefetch_bytes``,
+    ``recompute_ahead_count``, ``recompute_ahead_bytes`` and the gauge
+    ``dropped_bytes``.
 
     A recipe follows the version counters of its tensors: an in-place write
     to an input or to the output (an in-place operator on the tensor or on a
@@ -1138,7 +1143,9 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       replays took, timed on their streams), and
       ``recompute_input_prefetch_count`` and ``recompute_input_prefetch_bytes``
       (inputs of dropped storages' recipes that the learned schedule paged in
-      ahead of their recompute).
+      ahead of their recompute), ``recompute_ahead_count`` and
+      ``recompute_ahead_bytes`` (dropped storages the learned schedule
+      recomputed ahead of their use, also counted in ``recompute_count``).
     - ``oom_count``: LMS out-of-memory errors raised.
     - ``pin_failures``: operators whose inputs could not all be made resident
       (each raised :class:`torch.OutOfMemoryError` at its first allocation, or,

@@ -359,6 +359,9 @@ uint64_t mix(uint64_t hash, const std::string& text) {
   return mix(hash, std::hash<std::string>()(text));
 }
 
+// The recipe an in-place step extends (captureStep).
+struct Recipe;
+
 } // namespace
 
 struct Capture {
@@ -372,6 +375,10 @@ struct Capture {
   // The operator and its tensor arguments' types, sizes and strides: what
   // its measured duration is shared by (fastest()).
   uint64_t signature;
+  // For an in-place step on a recipe's output (captureStep): that recipe,
+  // and its output's version before the step.
+  std::shared_ptr<Recipe> extends;
+  uint32_t extends_version = 0;
 
   explicit Capture(c10::OperatorHandle h)
       : handle(std::move(h)),
@@ -446,6 +453,16 @@ struct Recipe {
   size_t output = 0; // which return
   c10::VariableVersion out_counter{c10::VariableVersion::DISABLED};
   uint32_t out_version = 0;
+  // How the return viewed the storage: an in-place step must write exactly
+  // that view to extend the recipe (captureStep).
+  std::vector<int64_t> out_sizes;
+  std::vector<int64_t> out_strides;
+  int64_t out_offset = 0;
+  // In-place pointwise operators applied to the output after the operator,
+  // in order (relu_ on a batch norm's output): replayed on the result. Their
+  // time is not priced: a pointwise pass over the output is a fraction of
+  // the operators that make one worth dropping.
+  std::vector<c10::OperatorHandle> steps;
   // The storage it makes, for recomputing before a write to an input.
   c10::weak_intrusive_ptr<c10::StorageImpl> storage{
       c10::intrusive_ptr<c10::StorageImpl>()};
@@ -819,6 +836,14 @@ void recompute(c10::StorageImpl& storage) {
                   arg->sizes, at::TensorOptions().dtype(arg->dtype));
       }
       recipe->handle.callBoxed(&stack);
+      if (!recipe->steps.empty() && recipe->output < stack.size() &&
+          stack[recipe->output].isTensor()) {
+        const at::Tensor out = stack[recipe->output].toTensor();
+        for (const c10::OperatorHandle& step : recipe->steps) {
+          std::vector<c10::IValue> step_stack{out};
+          step.callBoxed(&step_stack);
+        }
+      }
     } catch (...) {
       --t_replaying;
       throw;
@@ -958,11 +983,97 @@ void installHooks() {
   engine::setRecomputeHooks(&kHooks);
 }
 
+namespace {
+
+// In-place pointwise operators that can extend the recipe of the tensor they
+// write (captureStep): one tensor argument, self, written; the same result
+// for the same input bits. torchvision's ResNets run relu(inplace=True) on
+// batch norm outputs, which would otherwise invalidate their recipes.
+bool isInPlaceStep(const c10::OperatorName& name) {
+  return name.name == "aten::relu_" && name.overload_name.empty();
+}
+
+// At most this many steps extend one recipe.
+constexpr size_t kMaxSteps = 4;
+
+// The capture of an outermost in-place step on `self` when self is a
+// recipe's output as the recipe made it: the same view of its storage, at
+// the version the recipe (with its steps so far) produced. At the step's end,
+// record() appends it to the recipe (appendStep). Null otherwise: the write
+// then invalidates the recipe, as any write to its output does.
+CapturePtr captureStep(const at::RecordFunction& fn) {
+  const OperatorInfo& info = infoOf(*fn.operator_name());
+  const auto inputs = fn.inputs();
+  if (!info.handle.has_value() || inputs.size() != 1 || !inputs[0].isTensor() ||
+      !inputs[0].toTensor().defined()) {
+    return nullptr;
+  }
+  const at::Tensor& self = inputs[0].toTensor();
+  c10::StorageImpl* storage = cudaStorageOf(self);
+  if (storage == nullptr ||
+      !engine::isManaged(storage->_mutable_data_ptr_no_checks())) {
+    return nullptr;
+  }
+  std::shared_ptr<Recipe> recipe = find(contextOf(*storage));
+  if (recipe == nullptr) {
+    return nullptr;
+  }
+  uint32_t version = 0;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (!outputHolds(*recipe) || recipe->retained ||
+        recipe->steps.size() >= kMaxSteps || self.is_inference() ||
+        self.storage_offset() != recipe->out_offset ||
+        !self.sizes().equals(recipe->out_sizes) ||
+        !self.strides().equals(recipe->out_strides)) {
+      return nullptr;
+    }
+    version = recipe->out_counter.current_version();
+  }
+  CapturePtr capture(new Capture(*info.handle));
+  capture->device = storage->device().index();
+  capture->extends = std::move(recipe);
+  capture->extends_version = version;
+  return capture;
+}
+
+// At the end of a step captureStep() took: when the step wrote its recipe's
+// output exactly once (one version more, through the recipe's own counter)
+// and the recipe is still its storage's, the step becomes part of it.
+void appendStep(const at::RecordFunction& fn, Capture& capture) {
+  Recipe& recipe = *capture.extends;
+  c10::intrusive_ptr<c10::StorageImpl> storage = recipe.storage.lock();
+  if (!storage) {
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const auto it = g_recipes.find(contextOf(*storage));
+  if (it == g_recipes.end() || it->second != capture.extends ||
+      recipe.invalid || recipe.retained ||
+      recipe.out_counter.current_version() != capture.extends_version + 1) {
+    return;
+  }
+  recipe.steps.push_back(capture.handle);
+  recipe.out_version = recipe.out_counter.current_version();
+  if (engine::isRecomputeLogEnabled()) {
+    std::fprintf(
+        stderr,
+        "LMS recompute: %s extends the recipe of %s\n",
+        fn.name(),
+        recipe.handle.schema().name().c_str());
+  }
+}
+
+} // namespace
+
 CapturePtr capture(const at::RecordFunction& fn) {
   if (!engine::isRecomputeEnabled() || t_replaying > 0) {
     return nullptr;
   }
   const auto& name = fn.operator_name();
+  if (name.has_value() && isInPlaceStep(*name)) {
+    return captureStep(fn);
+  }
   if (!name.has_value() || !onAllowList(name->name)) {
     return nullptr;
   }
@@ -1053,6 +1164,10 @@ void record(const at::RecordFunction& fn, Capture& capture) {
   if (std::uncaught_exceptions() > 0) {
     return; // the operator failed: nothing to record
   }
+  if (capture.extends != nullptr) {
+    appendStep(fn, capture);
+    return;
+  }
   auto timing = std::make_shared<Timing>();
   timing->device = capture.device;
   timing->signature = capture.signature;
@@ -1083,6 +1198,9 @@ void record(const at::RecordFunction& fn, Capture& capture) {
     recipe->output = k;
     recipe->out_counter = out.unsafeGetTensorImpl()->version_counter();
     recipe->out_version = recipe->out_counter.current_version();
+    recipe->out_sizes.assign(out.sizes().begin(), out.sizes().end());
+    recipe->out_strides.assign(out.strides().begin(), out.strides().end());
+    recipe->out_offset = out.storage_offset();
     recipe->storage = c10::weak_intrusive_ptr<c10::StorageImpl>(
         c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage));
     recipe->device = capture.device;

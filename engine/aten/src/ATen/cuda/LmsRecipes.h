@@ -29,9 +29,11 @@
 // * A recipe is valid while its inputs and its output have the versions
 //   they had when it was recorded: an in-place write to either (through any
 //   view: views share the version counter) invalidates it, as it does
-//   autograd's saved tensors. Writes that bypass version counters
-//   (`tensor.data`, raw pointers in custom kernels) are not seen, the same
-//   contract autograd has.
+//   autograd's saved tensors. The exception: an outermost in-place ReLU
+//   (aten::relu_) that writes exactly the output, at the version its recipe
+//   produced, becomes a step of the recipe, replayed after the operator.
+//   Writes that bypass version counters (`tensor.data`, raw pointers in
+//   custom kernels) are not seen, the same contract autograd has.
 // * An operator that writes an input of a dropped storage's recipe first has
 //   the dropped storage recomputed, and its recipe invalidated.
 // * A storage whose recipe inputs a running operator pins is not dropped.
