@@ -130,6 +130,16 @@ bool isScratchArgument(std::string_view name) {
   return name == "running_mean" || name == "running_var";
 }
 
+// Composite operators (no CUDA kernel of their own) of the allow-list that
+// autocast leaves alone all the way down: neither they nor any operator they
+// call has an autocast kernel, so they are their own recipe under autocast
+// as without it. Under autocast the boundary sees batch_norm, and what it
+// calls is no operator autocast calls (the recipes' second level): without
+// this, a training-mode batch norm under autocast had no recipe at all.
+bool isAutocastFreeComposite(std::string_view name) {
+  return name == "aten::batch_norm";
+}
+
 thread_local int t_replaying = 0;
 
 // An operator's handle and whether it may be a recipe, per operator name.
@@ -137,9 +147,9 @@ struct OperatorInfo {
   std::optional<c10::OperatorHandle> handle;
   bool pure = false; // on the allow-list, writes nothing, returns no alias
   bool random = false; // draws from the default CUDA generator
-  // Has a CUDA kernel of its own and none for autocast: under autocast it
-  // runs on its arguments as given, so its recipe replays the same way
-  // whatever autocast's state at the replay.
+  // Has a CUDA kernel of its own (or is isAutocastFreeComposite) and none for
+  // autocast: under autocast it runs on its arguments as given, so its recipe
+  // replays the same way whatever autocast's state at the replay.
   bool cast_free = false;
   std::vector<size_t> written; // the arguments its schema writes
   // Running statistics (isScratchArgument): replayed on copies.
@@ -185,7 +195,8 @@ const OperatorInfo& infoOf(const c10::OperatorName& name) {
           (slot->written.empty() ? !schema.is_mutable() : true) && !aliases;
       slot->random = isRandom(name.name);
       slot->cast_free =
-          handle->hasKernelForDispatchKey(c10::DispatchKey::CUDA) &&
+          (handle->hasKernelForDispatchKey(c10::DispatchKey::CUDA) ||
+           isAutocastFreeComposite(name.name)) &&
           !handle->hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA);
       slot->handle.emplace(*handle);
     }
