@@ -212,13 +212,17 @@ PRIOR_SLOWDOWN = {"offload": 8.5}
 # Fixed costs: a compare.py call (start, CUDA context, bandwidth, the LMS-off baselines: the
 # no-cap regime's two, and its saved-tensor count where offload is measured) and a row
 # (building the model, settling, cleaning up), as the reference's rows measured them.
-CALL_SETUP_S = {"capped": 15.0, "nocap": 25.0}
+# The no-cap call's setup as measured on an H200 (speed/2026-11-28-h200x2-0d8a624/speed-resnet-b:
+# bandwidth, the baseline at batch 64 and the fitting run at batch 219 took about 40 s).
+CALL_SETUP_S = {"capped": 15.0, "nocap": 40.0}
 ROW_SETUP_S = compare.ROW_SETUP_S
 # compare.py's no-cap row gate (--prior-slowdown): a row starts where its own estimate times
 # this fits in the call's time. Its default (2) guards a run planned by nobody; a call of this
 # plan has a share sized to the rows already, and with 2 the first LMS row of a share would
-# rarely start.
-NOCAP_PRIOR_SLOWDOWN = 1.25
+# rarely start. With 1.25 the ResNet-152 hybrid row at 1.5x was skipped as needing 95 s with
+# 79 s left, and the whole call then ended after 67 s (speed/2026-11-28-h200x2-0d8a624/
+# speed-resnet-b): the estimate alone, without a margin, gates the row.
+NOCAP_PRIOR_SLOWDOWN = 1.0
 # What a call may run past its share before it is stopped (compare.py saves on SIGTERM).
 CALL_GRACE_S = 30.0
 # A row that runs out of memory at the reference ends after about one step.
