@@ -768,7 +768,9 @@ def speed_table(runs: Sequence[Run], methods: Sequence[str] = METHODS) -> str:
                 *(
                     cell_text(
                         here[m].row if m in here else None,
-                        ckpt.row if ckpt else None,
+                        # A ratio of two figures of one run only (cells of a row may come
+                        # from several runs).
+                        ckpt.row if ckpt and m in here and ckpt.run is here[m].run else None,
                         key.batch,
                         in_memory_s(here[m].run, 1) if m in here else None,
                     )

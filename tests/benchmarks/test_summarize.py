@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import compare, summarize
+from benchmarks import compare, speed, summarize
 from benchmarks.compare import Bandwidth, Measurement, evaluate_goals, fill_roofline
 
 REPO = Path(__file__).resolve().parents[2]
@@ -514,6 +514,7 @@ def test_every_generated_section_lives_once_in_its_file() -> None:
         summarize.HYBRID_STRESS_BEGIN,
         summarize.BEGIN,
         summarize.INDEX_BEGIN,
+        speed.SPEED_BEGIN,
     )
     assert sorted(summarize.section_name(m) for m in markers) == sorted(summarize.SECTION_FILES)
 
