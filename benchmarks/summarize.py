@@ -1294,6 +1294,7 @@ README_TABLES: dict[str, tuple[str, ...]] = {
         "benchmarks/results/matrix/2026-11-27-h200x2-b5bf71f",
         "benchmarks/results/matrix/2026-11-27-h200x4-fee98d9",
         "benchmarks/results/matrix/2026-11-28-h200x2-e0df2d5",
+        "benchmarks/results/processes/2026-11-28-h200-ac633fc/disk-tier",
     ),
     "capped": ("benchmarks/results/compare/2026-11-24-h100-unrecorded",),
     "stress": ("benchmarks/results/stress/2026-11-27-h200x4-fee98d9",),
