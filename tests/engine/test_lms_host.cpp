@@ -1263,11 +1263,19 @@ TEST_CASE(device_wait_decisions) {
 
 // LMS on with no limit of its own and a wait of `wait_s` (the one setting
 // of host and device waits), on a GPU whose ledger this process has joined.
+// The limit once the engine has read the ledger again (it reads it at most
+// every 10 ms).
+size_t limitAfterReading() {
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  return lms::getLimit(0);
+}
+
 class DeviceEnv : public HostEnv {
  public:
-  explicit DeviceEnv(double wait_s) : HostEnv(0, wait_s) {
-    limit_alone_ = lms::getLimit(0);
-  }
+  // The limit alone from a fresh reading of the device: the engine's last
+  // one may date from an earlier test, while its peer still held memory.
+  explicit DeviceEnv(double wait_s)
+      : HostEnv(0, wait_s), limit_alone_(limitAfterReading()) {}
   size_t limitAlone() const {
     return limit_alone_;
   }
@@ -1275,13 +1283,6 @@ class DeviceEnv : public HostEnv {
  private:
   size_t limit_alone_ = 0;
 };
-
-// The limit once the engine has read the ledger again (it reads it at most
-// every 10 ms).
-size_t limitAfterReading() {
-  std::this_thread::sleep_for(std::chrono::milliseconds(30));
-  return lms::getLimit(0);
-}
 
 // A process that joins the GPU's ledger halves this one's share; a need it
 // publishes under its part gives the rest back; when it dies, its slot is
