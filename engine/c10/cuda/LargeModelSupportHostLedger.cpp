@@ -111,6 +111,35 @@ bool unlockedByAll(int fd, size_t offset, off_t len) {
   return ::fcntl(fd, F_GETLK, &probe) == 0 && probe.l_type == F_UNLCK;
 }
 
+// Opens a ledger file of this user (created 0600 where missing) and takes the
+// lock on its first byte, which serializes laying it out; `st` is the file's
+// status once locked. Returns the descriptor, or -1 with why in `why`.
+int openOwnLedgerFile(
+    const std::string& path,
+    struct stat& st,
+    std::string& why) {
+  const int fd = ::open(
+      path.c_str(),
+      O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC,
+      S_IRUSR | S_IWUSR);
+  if (fd < 0) {
+    why = std::string("cannot open it: ") + std::strerror(errno);
+    return -1;
+  }
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+      st.st_uid != ::geteuid()) {
+    why = "it is not a regular file of this user";
+  } else if (!lockFileByte(fd, 0, /*wait=*/true)) {
+    why = std::string("cannot lock it: ") + std::strerror(errno);
+  } else if (::fstat(fd, &st) != 0) {
+    why = std::string("cannot read its size: ") + std::strerror(errno);
+  } else {
+    return fd;
+  }
+  ::close(fd);
+  return -1;
+}
+
 } // namespace
 
 bool HostLedger::lockByte(size_t offset, bool wait) {
@@ -122,26 +151,11 @@ void HostLedger::unlockByte(size_t offset) {
 }
 
 bool HostLedger::open() {
-  fd_ = ::open(
-      path_.c_str(),
-      O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC,
-      S_IRUSR | S_IWUSR);
-  if (fd_ < 0) {
-    fallBack(std::string("cannot open it: ") + std::strerror(errno));
-    return false;
-  }
   struct stat st {};
-  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) ||
-      st.st_uid != ::geteuid()) {
-    fallBack("it is not a regular file of this user");
-    return false;
-  }
-  if (!lockByte(0, /*wait=*/true)) {
-    fallBack(std::string("cannot lock it: ") + std::strerror(errno));
-    return false;
-  }
-  if (::fstat(fd_, &st) != 0) {
-    fallBack(std::string("cannot read its size: ") + std::strerror(errno));
+  std::string why;
+  fd_ = openOwnLedgerFile(path_, st, why);
+  if (fd_ < 0) {
+    fallBack(why);
     return false;
   }
   bool fresh = st.st_size == 0;
@@ -513,22 +527,11 @@ DeviceLedgerSlot* DeviceLedger::slots() {
 }
 
 bool DeviceLedger::open() {
-  fd_ = ::open(
-      path_.c_str(),
-      O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC,
-      S_IRUSR | S_IWUSR);
-  if (fd_ < 0) {
-    fallBack(std::string("cannot open it: ") + std::strerror(errno));
-    return false;
-  }
   struct stat st {};
-  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode) ||
-      st.st_uid != ::geteuid()) {
-    fallBack("it is not a regular file of this user");
-    return false;
-  }
-  if (!lockFileByte(fd_, 0, /*wait=*/true) || ::fstat(fd_, &st) != 0) {
-    fallBack(std::string("cannot lock it: ") + std::strerror(errno));
+  std::string why;
+  fd_ = openOwnLedgerFile(path_, st, why);
+  if (fd_ < 0) {
+    fallBack(why);
     return false;
   }
   bool fresh = st.st_size == 0;
