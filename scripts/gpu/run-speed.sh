@@ -26,6 +26,10 @@
 # of the sending checkout, or the run stops before it starts.
 # Writes under OUT: run-speed.log, build.log, REGIME/MODEL/ (compare.py's CSVs, JSON, PNG),
 # speed-table.md, summary.txt (the plan, each call's outcome, the table) and speed.tgz (all).
+# GPUS=2 (a host of two GPUs): the models are split between GPU 0 and GPU 1 (the first, third,
+# ... model on GPU 0), which run at once, each into OUT/gpuN with a host ledger of its own and
+# half the host memory for its no-cap rows (SPEED_HOST_GIB, where set, is each one's); the
+# extension is built once, and OUT's speed-table.md, summary.txt and speed.tgz cover both.
 set -euo pipefail
 
 if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
@@ -54,7 +58,29 @@ selection=(
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
+# GPUS=2: the models of each GPU (every other one, the first on GPU 0).
+models_of_gpu() { # GPU
+  local -a all
+  IFS=, read -ra all <<<"${SPEED_MODELS:-resnet152,gpt}"
+  local i out=()
+  for ((i = $1; i < ${#all[@]}; i += 2)); do out+=("${all[$i]}"); done
+  (IFS=,; echo "${out[*]}")
+}
+two_gpus() { [[ "${GPUS:-1}" == 2 && -z "${SPEED_GPU_PART:-}" ]]; }
+half_host_gib() {
+  awk '/^MemAvailable:/ { printf "%d\n", $2 / 1048576 / 2 }' /proc/meminfo
+}
+
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  if two_gpus; then
+    host=${SPEED_HOST_GIB:-$(half_host_gib)}
+    for gpu in 0 1; do
+      echo "== GPU $gpu"
+      SPEED_GPU_PART=$gpu SPEED_MODELS=$(models_of_gpu "$gpu") SPEED_HOST_GIB=$host \
+        bash "${BASH_SOURCE[0]}"
+    done
+    exit 0
+  fi
   exec "$PY" -m benchmarks.speed plan "${selection[@]}" --budget-s "$TOTAL_S"
 fi
 
@@ -84,6 +110,42 @@ else
 fi
 export PYTHONPATH="$ROOT/extension:$PYTHONPATH"
 export PYTHONUNBUFFERED=1
+
+if two_gpus; then
+  host=${SPEED_HOST_GIB:-$(half_host_gib)}
+  left=$(( TOTAL_S - ($(date +%s) - began) ))
+  echo "== two GPUs at once, $left s: GPU 0 $(models_of_gpu 0), GPU 1 $(models_of_gpu 1)," \
+    "$host GiB of host memory each"
+  parts=()
+  for gpu in 0 1; do
+    # A host ledger each: the two runs must not wait for each other's pinned memory.
+    CUDA_VISIBLE_DEVICES=$gpu SPEED_GPU_PART=$gpu SPEED_MODELS=$(models_of_gpu "$gpu") \
+      SPEED_HOST_GIB=$host TOTAL_S=$left OUT="$OUT/gpu$gpu" REBUILD=0 \
+      PYTORCH_LMS_HOST_LEDGER="/dev/shm/pytorch-lms-speed-ledger-$(id -u)-$$-gpu$gpu" \
+      bash "${BASH_SOURCE[0]}" >"$OUT/gpu$gpu.out" 2>&1 &
+    parts+=("$!")
+  done
+  status=0
+  for part in "${parts[@]}"; do
+    wait "$part" || status=$?
+  done
+  rm -f "/dev/shm/pytorch-lms-speed-ledger-$(id -u)-$$-gpu"[01]
+  "$PY" -m benchmarks.speed table "$OUT/gpu0" "$OUT/gpu1" >"$OUT/speed-table.md" || true
+  {
+    for gpu in 0 1; do
+      echo "== GPU $gpu"
+      cat "$OUT/gpu$gpu/summary.txt" 2>/dev/null || tail -n 5 "$OUT/gpu$gpu.out"
+      echo
+    done
+    echo "== both"
+    cat "$OUT/speed-table.md"
+  } >"$OUT/summary.txt"
+  cat "$OUT/summary.txt"
+  tar czf "$OUT/speed.tgz" -C "$OUT" --exclude=speed.tgz --exclude='gpu*/speed.tgz' \
+    --warning=no-file-changed . || true
+  echo "== wrote $OUT/speed.tgz and $OUT/summary.txt in $(( $(date +%s) - began )) s"
+  exit "$status"
+fi
 
 # What is left after the build, less the table, the tarball and the last call's grace.
 left=$(( TOTAL_S - ($(date +%s) - began) - 45 ))

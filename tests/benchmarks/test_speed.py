@@ -278,6 +278,35 @@ def test_the_runner_prints_its_plan_without_a_gpu(tmp_path: Path) -> None:
     assert "SPEED_HOST_GIB" in help_text and "set -euo" not in help_text
 
 
+def test_the_runner_splits_the_models_over_two_gpus(tmp_path: Path) -> None:
+    """GPUS=2: every other model on GPU 1, each GPU's plan with the host memory given."""
+    env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "GPUS": "2",
+        "PYTHON": sys.executable,
+        "OUT": str(tmp_path),
+        "SPEED_MODELS": "resnet152,gpt,vit_l",
+        "SPEED_HOST_GIB": "120",
+    }
+    out = subprocess.run(
+        ["bash", str(REPO / "scripts" / "gpu" / "run-speed.sh")],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+        cwd=tmp_path,
+    ).stdout
+    first, second = out.split("== GPU 1\n")
+    assert first.startswith("== GPU 0\n")
+    assert "nocap/resnet152: about" in first and "nocap/vit_l: about" in first
+    assert "gpt" not in first
+    assert "nocap/gpt: about" in second and "resnet152" not in second
+    assert "vit_l" not in second
+    assert first.count("available for no-cap rows: 120 GiB") == 1
+    assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+
+
 def test_the_runner_refuses_to_run_without_an_engine_to_name(tmp_path: Path) -> None:
     # A copy of the tree without .git and without LMS_ENGINE_COMMIT.
     copy = tmp_path / "tree"
