@@ -322,19 +322,7 @@ int holdPinned(size_t mib) {
 
 // The name the engine gives the device ledger of device 0's GPU.
 std::string deviceLedgerPath() {
-  cudaDeviceProp prop{};
-  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  std::string key = "GPU-";
-  char hex[3];
-  for (size_t i = 0; i < sizeof(prop.uuid.bytes); ++i) {
-    std::snprintf(
-        hex,
-        sizeof(hex),
-        "%02x",
-        static_cast<unsigned char>(prop.uuid.bytes[i]));
-    key += hex;
-  }
-  return lms::DeviceLedger::pathFor(key);
+  return lms::DeviceLedger::pathForDevice(0);
 }
 
 // The device peer's side (see the top of the file).

@@ -5,6 +5,7 @@
 
 #include <c10/cuda/LargeModelSupportHostPool.h>
 
+#include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
@@ -15,6 +16,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -140,6 +142,21 @@ int openOwnLedgerFile(
   return -1;
 }
 
+// Maps `bytes` of a locked ledger file, first sizing it where this process
+// lays it out (`fresh`). Returns the mapping, or null with why in `why`.
+void* mapLedgerFile(int fd, size_t bytes, bool fresh, std::string& why) {
+  if (fresh && ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+    why = std::string("cannot size it: ") + std::strerror(errno);
+    return nullptr;
+  }
+  void* map = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (map == MAP_FAILED) {
+    why = std::string("cannot map it: ") + std::strerror(errno);
+    return nullptr;
+  }
+  return map;
+}
+
 } // namespace
 
 bool HostLedger::lockByte(size_t offset, bool wait) {
@@ -172,13 +189,7 @@ bool HostLedger::open() {
       fallBack("it is not a ledger of Large Model Support");
       return false;
     }
-    struct flock probe {};
-    probe.l_type = F_WRLCK;
-    probe.l_whence = SEEK_SET;
-    probe.l_start = 1;
-    probe.l_len = 0; // to the end, however long
-    if (::fcntl(fd_, F_GETLK, &probe) != 0 || probe.l_type != F_UNLCK ||
-        ::ftruncate(fd_, 0) != 0) {
+    if (!unlockedByAll(fd_, 1, 0) || ::ftruncate(fd_, 0) != 0) {
       fallBack(
           "it has another layout (another version of Large Model Support?) "
           "and a live process uses it");
@@ -187,14 +198,9 @@ bool HostLedger::open() {
     fresh = true;
   }
   // The first process to lock a new (empty) file lays it out.
-  if (fresh && ::ftruncate(fd_, static_cast<off_t>(kLedgerBytes)) != 0) {
-    fallBack(std::string("cannot size it: ") + std::strerror(errno));
-    return false;
-  }
-  void* map =
-      ::mmap(nullptr, kLedgerBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
-  if (map == MAP_FAILED) {
-    fallBack(std::string("cannot map it: ") + std::strerror(errno));
+  void* map = mapLedgerFile(fd_, kLedgerBytes, fresh, why);
+  if (map == nullptr) {
+    fallBack(why);
     return false;
   }
   map_ = map;
@@ -517,6 +523,22 @@ std::string DeviceLedger::pathFor(const std::string& key) {
       std::to_string(static_cast<unsigned long>(::geteuid())) + "-" + key;
 }
 
+std::string DeviceLedger::pathForDevice(c10::DeviceIndex device) {
+  cudaDeviceProp prop{};
+  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  std::string key = "GPU-";
+  char hex[3];
+  for (size_t i = 0; i < sizeof(prop.uuid.bytes); ++i) {
+    std::snprintf(
+        hex,
+        sizeof(hex),
+        "%02x",
+        static_cast<unsigned char>(prop.uuid.bytes[i]));
+    key += hex;
+  }
+  return pathFor(key);
+}
+
 DeviceLedgerHeader* DeviceLedger::header() {
   return static_cast<DeviceLedgerHeader*>(map_);
 }
@@ -558,14 +580,9 @@ bool DeviceLedger::open() {
       fresh = true;
     }
   }
-  if (fresh && ::ftruncate(fd_, static_cast<off_t>(kDeviceLedgerBytes)) != 0) {
-    fallBack(std::string("cannot size it: ") + std::strerror(errno));
-    return false;
-  }
-  void* map = ::mmap(
-      nullptr, kDeviceLedgerBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
-  if (map == MAP_FAILED) {
-    fallBack(std::string("cannot map it: ") + std::strerror(errno));
+  void* map = mapLedgerFile(fd_, kDeviceLedgerBytes, fresh, why);
+  if (map == nullptr) {
+    fallBack(why);
     return false;
   }
   map_ = map;

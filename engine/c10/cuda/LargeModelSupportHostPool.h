@@ -340,6 +340,9 @@ class C10_CUDA_API DeviceLedger {
   // $PYTORCH_LMS_DEVICE_LEDGER followed by "-" and the key when that is set,
   // else a file of this user's in /dev/shm.
   static std::string pathFor(const std::string& key);
+  // The ledger of the GPU of `device`: pathFor its UUID ("GPU-<hex>"), the
+  // same for every process whatever its CUDA_VISIBLE_DEVICES.
+  static std::string pathForDevice(c10::DeviceIndex device);
 
   // Publishes this process's held and need (claiming its slot the first
   // time), frees the slots of processes that have ended, and returns the

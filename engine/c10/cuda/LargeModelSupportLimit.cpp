@@ -64,19 +64,8 @@ std::string mib(size_t bytes) {
 // The ledger of the GPU of engine `e`, named by the GPU's UUID.
 DeviceLedger& ledgerOf(DeviceEngine& e) {
   std::call_once(e.ledger_once, [&e] {
-    cudaDeviceProp prop{};
-    C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, e.device));
-    std::string key = "GPU-";
-    char hex[3];
-    for (size_t i = 0; i < sizeof(prop.uuid.bytes); ++i) {
-      std::snprintf(
-          hex,
-          sizeof(hex),
-          "%02x",
-          static_cast<unsigned char>(prop.uuid.bytes[i]));
-      key += hex;
-    }
-    e.ledger = std::make_unique<DeviceLedger>(DeviceLedger::pathFor(key));
+    e.ledger =
+        std::make_unique<DeviceLedger>(DeviceLedger::pathForDevice(e.device));
   });
   return *e.ledger;
 }
