@@ -280,6 +280,73 @@ def test_an_in_place_relu_extends_the_batch_norm_recipe(autocast: bool) -> None:
     assert torch.equal(y.cpu(), want)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_a_residual_add_and_relu_extend_the_batch_norm_recipe(autocast: bool) -> None:
+    """A bottleneck's last batch norm output takes the residual in place and then the relu
+    (torchvision: ``out += identity; out = relu(out)``): both writes are steps of the batch
+    norm's recipe, so the block's output is dropped, not paged, and comes back with the same
+    bits. The residual is held (as the next block's convolution holds it); a residual that
+    nothing else holds would be kept alive by the recipe alone, and the output is paged out."""
+    _on()
+    bn = torch.nn.BatchNorm2d(64).cuda().train()
+    g = torch.Generator(device="cuda").manual_seed(29)
+    x = torch.randn(16, 64, 64, 64, device="cuda", generator=g) * 3 + 1
+    identity = torch.randn(16, 64, 64, 64, device="cuda", generator=g)
+
+    def make(residual: Callable[[], torch.Tensor]) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = bn(x)
+            out += residual()
+            return F.relu(out, inplace=True)
+
+    _warm(lambda: make(lambda: identity))
+    y = make(lambda: identity)
+    want = y.cpu()
+    assert (want == 0).any() and (want > 0).any()
+    torch.cuda.synchronize()
+    torch.cuda.reset_accumulated_lms_stats()
+    assert torch.cuda.reclaim_inactive() > 0
+    assert storage_state(y) == "dropped"
+    assert storage_state(identity) != "dropped"
+    assert torch.equal(y.cpu(), want)  # batch norm, add_, relu_: the same bits
+    assert torch.cuda.lms_stats()["recompute_count"] == 1
+    ops = torch.cuda.lms_recompute_operators()
+    assert sum(ops.get(n, {}).get("recompute_count", 0) for n in BATCH_NORMS) == 1, ops
+    del y
+    # The residual is a temporary (a flip of x) that dies after the add.
+    z = make(lambda: x.flip(0))
+    want = z.cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(z) == "paged out"
+    assert torch.equal(z.cpu(), want)
+
+
+def test_chains_of_replays_stay_short() -> None:
+    """Five storages each made from the one before (a product, then gelus), all held: a
+    reclaim drops no more of them in a row than three replays (kMaxChainReplays in
+    LmsRecipes.cpp), so recomputing one never replays a long chain at once; the others are
+    paged out. Every one comes back with its bits."""
+    _on()
+    x, w = _small(41, 4096, 32), _small(42, 32, 4096)
+    _warm(lambda: F.gelu(x @ w))
+    chain = [x @ w]  # 64 MiB each
+    for _ in range(4):
+        chain.append(F.gelu(chain[-1]))
+    want = [t.cpu() for t in chain]
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    states = [storage_state(t) for t in chain]
+    assert "dropped" in states and "paged out" in states, states
+    run = longest = 0
+    for state in states:
+        run = run + 1 if state == "dropped" else 0
+        longest = max(longest, run)
+    assert longest <= 3, states
+    for got, expected in zip(reversed(chain), reversed(want)):
+        assert torch.equal(got.cpu(), expected)
+
+
 def test_recompute_off_pages_out() -> None:
     _on()
     torch.cuda.set_recompute_lms(False)

@@ -268,6 +268,9 @@ struct TensorArg {
   // Running statistics (isScratchArgument): neither held nor tracked (the
   // operator itself writes them); a replay runs on a copy.
   bool scratch = false;
+  // An argument of the recipe's operator (-1), or of its in-place step of
+  // that index (Recipe::steps), whose argument `index` it then is.
+  int step = -1;
 };
 
 // Whether a recipe can hold `tensor` as its storage and view: a dense,
@@ -470,10 +473,16 @@ struct Recipe {
   std::vector<int64_t> out_strides;
   int64_t out_offset = 0;
   // In-place pointwise operators applied to the output after the operator,
-  // in order (relu_ on a batch norm's output): replayed on the result. Their
-  // time is not priced: a pointwise pass over the output is a fraction of
-  // the operators that make one worth dropping.
-  std::vector<c10::OperatorHandle> steps;
+  // in order (relu_ on a batch norm's output, add_ of a residual): replayed
+  // on the result, each with its arguments (the output first; its tensor
+  // arguments are in `tensors`, marked with the step's index). Their time is
+  // not priced: a pointwise pass over the output is a fraction of the
+  // operators that make one worth dropping.
+  struct Step {
+    c10::OperatorHandle handle;
+    std::vector<c10::IValue> args; // tensors left undefined
+  };
+  std::vector<Step> steps;
   // The storage it makes, for recomputing before a write to an input.
   c10::weak_intrusive_ptr<c10::StorageImpl> storage{
       c10::intrusive_ptr<c10::StorageImpl>()};
@@ -577,6 +586,39 @@ c10::StorageImpl* cudaStorageOf(const at::Tensor& tensor) {
       : nullptr;
 }
 
+// A tensor argument at `index` of an operator's arguments, as a recipe holds
+// it; none when a recipe cannot hold it (see viewable(); an inference tensor
+// or one without a version counter could change unseen). Running statistics
+// (`scratch`) are no input a recipe depends on: the operator writes them
+// itself, and a replay copies them.
+std::optional<TensorArg> argOf(
+    const at::Tensor& tensor,
+    size_t index,
+    bool scratch) {
+  const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  if (tensor.is_inference() || !viewable(tensor) ||
+      (!scratch && !impl->version_counter().enabled())) {
+    return std::nullopt;
+  }
+  TensorArg arg;
+  arg.index = index;
+  arg.weak = impl->storage().getWeakStorageImpl();
+  arg.sizes.assign(tensor.sizes().begin(), tensor.sizes().end());
+  arg.strides.assign(tensor.strides().begin(), tensor.strides().end());
+  arg.offset = tensor.storage_offset();
+  arg.dtype = tensor.dtype();
+  arg.backend =
+      tensor.is_cuda() ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
+  arg.conj = tensor.is_conj();
+  arg.neg = tensor.is_neg();
+  arg.wrapped_number = impl->is_wrapped_number();
+  arg.version_counter = impl->version_counter();
+  arg.version = arg.version_counter.current_version();
+  arg.scratch = scratch;
+  arg.storage = scratch ? nullptr : cudaStorageOf(tensor);
+  return arg;
+}
+
 // The running statistics an argument held (its view of their storage, of
 // whatever version), or undefined when they are gone.
 at::Tensor scratchOf(const TensorArg& arg) {
@@ -606,6 +648,102 @@ bool outputHolds(const Recipe& recipe) {
 // Engine hooks
 // ---------------------------------------------------------------------------
 
+// A chain of replays: recomputing a dropped storage recomputes its recipe's
+// dropped inputs first, theirs before them, and so on. Longer chains are
+// refused when a storage is dropped (costMs): in a backward pass a long
+// chain replays at one use what the uses before left dropped, and its
+// memory comes all at once. Three replays: a storage, its dropped input and
+// theirs, as deep as a replay ahead of use looks (the engine's
+// kAheadDepth, two dropped inputs below the storage).
+constexpr int kMaxChainReplays = 3;
+
+struct Chain {
+  int replays = 0; // in the chain; negative: it cannot be replayed (why)
+  double ms = 0.0; // their measured device time
+  const char* why = nullptr;
+};
+
+// The chain that recomputing dropped `storage` runs: its own replay and the
+// chains of its recipe's dropped inputs, counted no deeper than `limit`
+// replays (deeper: refused). g_mutex not held.
+Chain chainOf(c10::StorageImpl& storage, int limit) {
+  if (limit <= 0) {
+    return Chain{-1, 0.0, "its chain of replays would be too long"};
+  }
+  std::shared_ptr<Recipe> recipe = find(contextOf(storage));
+  Chain chain;
+  std::vector<StorageStrong> inputs;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    chain.ms = recipe != nullptr && recipe->timing != nullptr
+        ? recipe->timing->read()
+        : -1.0;
+    if (chain.ms < 0.0) {
+      return Chain{-1, 0.0, "a dropped input's replay is not timed"};
+    }
+    for (const TensorArg& arg : recipe->tensors) {
+      if (arg.storage != nullptr && arg.strong.defined()) {
+        inputs.push_back(StorageStrong::reclaim_copy(arg.storage));
+      }
+    }
+  }
+  int below = 0;
+  for (const StorageStrong& input : inputs) {
+    if (engine::getState(*input) != engine::StorageState::Dropped) {
+      continue;
+    }
+    const Chain inner = chainOf(*input, limit - 1);
+    if (inner.replays < 0) {
+      return inner;
+    }
+    chain.ms += inner.ms;
+    below = std::max(below, inner.replays);
+  }
+  chain.replays = 1 + below;
+  return chain;
+}
+
+// The longest chain of dropped storages whose recipes read `storage`,
+// directly or through each other, counted up to `limit`. g_mutex not held.
+int replaysAbove(c10::StorageImpl& storage, int limit) {
+  if (limit <= 0 || g_dependent_count.load(std::memory_order_relaxed) == 0) {
+    return 0;
+  }
+  std::vector<StorageStrong> dependents;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const auto it = g_dependents.find(&storage);
+    if (it == g_dependents.end()) {
+      return 0;
+    }
+    for (void* context : it->second) {
+      const auto recipe = g_recipes.find(context);
+      if (recipe != g_recipes.end()) {
+        if (StorageStrong dropped = recipe->second->storage.lock()) {
+          dependents.push_back(std::move(dropped));
+        }
+      }
+    }
+  }
+  int most = 0;
+  for (const StorageStrong& dependent : dependents) {
+    most = std::max(most, 1 + replaysAbove(*dependent, limit - 1));
+  }
+  return std::min(most, limit);
+}
+
+// Whether `tensor`, an in-place step's argument (a residual), is held by
+// nothing but this look at it: dropping the recipe's output would keep
+// alive, for the replay, what would otherwise be freed. Not asked of the
+// operator's own arguments: the allow-list holds operators whose backward
+// saves them (onAllowList). g_mutex held.
+bool heldOnlyHere(
+    const Recipe& recipe,
+    const TensorArg& arg,
+    const at::Tensor& tensor) {
+  return arg.step >= 0 && !recipe.retained && tensor.storage().use_count() <= 1;
+}
+
 double costMs(c10::StorageImpl& storage) {
   std::shared_ptr<Recipe> recipe = find(contextOf(storage));
   if (recipe == nullptr) {
@@ -630,9 +768,13 @@ double costMs(c10::StorageImpl& storage) {
       if (!t.defined()) {
         return noCost(*recipe, "an input is gone or was written");
       }
+      if (heldOnlyHere(*recipe, arg, t)) {
+        return noCost(*recipe, "a step's argument is held by nothing else");
+      }
       inputs.emplace_back(std::move(t), arg.storage != nullptr);
     }
   }
+  int below = 0; // the longest chain of dropped inputs' replays
   for (const auto& [tensor, cuda] : inputs) {
     if (!cuda) {
       continue;
@@ -654,21 +796,22 @@ double costMs(c10::StorageImpl& storage) {
         break;
       }
       case engine::StorageState::Dropped: {
-        // Recursive recompute: its own replay, without looking further.
-        std::shared_ptr<Recipe> inner = find(contextOf(*input));
-        std::lock_guard<std::mutex> lock(g_mutex);
-        const double inner_ms = inner != nullptr && inner->timing != nullptr
-            ? inner->timing->read()
-            : -1.0;
-        if (inner_ms < 0.0) {
-          return -1.0;
+        // Recursive recompute: its own replay and those below it.
+        const Chain inner = chainOf(*input, kMaxChainReplays - 1);
+        if (inner.replays < 0) {
+          return noCost(*recipe, inner.why);
         }
-        ms += inner_ms;
+        ms += inner.ms;
+        below = std::max(below, inner.replays);
         break;
       }
       default:
         break;
     }
+  }
+  const int above = replaysAbove(storage, kMaxChainReplays);
+  if (1 + below + above > kMaxChainReplays) {
+    return noCost(*recipe, "its chain of replays would be too long");
   }
   return ms;
 }
@@ -694,7 +837,7 @@ bool retain(c10::StorageImpl& storage) {
       continue;
     }
     at::Tensor t = tensorOf(arg);
-    if (!t.defined()) {
+    if (!t.defined() || heldOnlyHere(recipe, arg, t)) {
       return false;
     }
     held.push_back(std::move(t));
@@ -786,6 +929,8 @@ void recompute(c10::StorageImpl& storage) {
   std::vector<c10::StorageImpl*> inputs;
   // Running statistics: replayed on copies (scratchArguments), by index.
   std::vector<std::pair<const TensorArg*, at::Tensor>> scratch;
+  // The tensor arguments of the in-place steps.
+  std::vector<std::pair<const TensorArg*, at::Tensor>> step_args;
   {
     std::lock_guard<std::mutex> lock(g_mutex);
     for (const TensorArg& arg : recipe->tensors) {
@@ -817,7 +962,11 @@ void recompute(c10::StorageImpl& storage) {
       if (arg.storage != nullptr) {
         inputs.push_back(arg.storage);
       }
-      stack[arg.index] = std::move(t);
+      if (arg.step >= 0) {
+        step_args.emplace_back(&arg, std::move(t));
+      } else {
+        stack[arg.index] = std::move(t);
+      }
     }
   }
   {
@@ -850,9 +999,16 @@ void recompute(c10::StorageImpl& storage) {
       if (!recipe->steps.empty() && recipe->output < stack.size() &&
           stack[recipe->output].isTensor()) {
         const at::Tensor out = stack[recipe->output].toTensor();
-        for (const c10::OperatorHandle& step : recipe->steps) {
-          std::vector<c10::IValue> step_stack{out};
-          step.callBoxed(&step_stack);
+        for (size_t k = 0; k < recipe->steps.size(); ++k) {
+          const Recipe::Step& step = recipe->steps[k];
+          std::vector<c10::IValue> step_stack = step.args;
+          step_stack[0] = out;
+          for (const auto& [arg, tensor] : step_args) {
+            if (arg->step == static_cast<int>(k)) {
+              step_stack[arg->index] = tensor;
+            }
+          }
+          step.handle.callBoxed(&step_stack);
         }
       }
     } catch (...) {
@@ -997,11 +1153,17 @@ void installHooks() {
 namespace {
 
 // In-place pointwise operators that can extend the recipe of the tensor they
-// write (captureStep): one tensor argument, self, written; the same result
-// for the same input bits. torchvision's ResNets run relu(inplace=True) on
-// batch norm outputs, which would otherwise invalidate their recipes.
+// write (captureStep): self written, the same result for the same input
+// bits. torchvision's ResNets run relu(inplace=True) on batch norm outputs,
+// and a bottleneck's last batch norm output takes the residual in place
+// (`out += identity`, add_) before its relu: either would otherwise
+// invalidate the recipe, and the block's output (a quarter of its saved
+// bytes) could only be paged. The residual is saved for the next block's
+// first convolution anyway; a step argument nothing else holds is no reason
+// to keep it (retain).
 bool isInPlaceStep(const c10::OperatorName& name) {
-  return name.name == "aten::relu_" && name.overload_name.empty();
+  return (name.name == "aten::relu_" && name.overload_name.empty()) ||
+      (name.name == "aten::add_" && name.overload_name == "Tensor");
 }
 
 // At most this many steps extend one recipe.
@@ -1015,7 +1177,9 @@ constexpr size_t kMaxSteps = 4;
 CapturePtr captureStep(const at::RecordFunction& fn) {
   const OperatorInfo& info = infoOf(*fn.operator_name());
   const auto inputs = fn.inputs();
-  if (!info.handle.has_value() || inputs.size() != 1 || !inputs[0].isTensor() ||
+  if (!info.handle.has_value() ||
+      inputs.size() != info.handle->schema().arguments().size() ||
+      inputs.empty() || !inputs[0].isTensor() ||
       !inputs[0].toTensor().defined()) {
     return nullptr;
   }
@@ -1024,6 +1188,28 @@ CapturePtr captureStep(const at::RecordFunction& fn) {
   if (storage == nullptr ||
       !engine::isManaged(storage->_mutable_data_ptr_no_checks())) {
     return nullptr;
+  }
+  // The step's other arguments: tensors on the output's device, held as a
+  // recipe's arguments are (argOf), none of them a view of the output.
+  CapturePtr capture(new Capture(*info.handle));
+  capture->args.emplace_back(at::Tensor());
+  for (size_t i = 1; i < inputs.size(); ++i) {
+    const c10::IValue& value = inputs[i];
+    if (!collectable(value)) {
+      return nullptr;
+    }
+    if (!value.isTensor() || !value.toTensor().defined()) {
+      capture->args.push_back(value);
+      continue;
+    }
+    std::optional<TensorArg> arg = argOf(value.toTensor(), i, false);
+    if (!arg.has_value() || arg->storage == nullptr ||
+        arg->storage == storage ||
+        arg->storage->device() != storage->device()) {
+      return nullptr;
+    }
+    capture->tensors.push_back(std::move(*arg));
+    capture->args.emplace_back(at::Tensor());
   }
   std::shared_ptr<Recipe> recipe = find(contextOf(*storage));
   if (recipe == nullptr) {
@@ -1041,7 +1227,6 @@ CapturePtr captureStep(const at::RecordFunction& fn) {
     }
     version = recipe->out_counter.current_version();
   }
-  CapturePtr capture(new Capture(*info.handle));
   capture->device = storage->device().index();
   capture->extends = std::move(recipe);
   capture->extends_version = version;
@@ -1064,7 +1249,15 @@ void appendStep(const at::RecordFunction& fn, Capture& capture) {
       recipe.out_counter.current_version() != capture.extends_version + 1) {
     return;
   }
-  recipe.steps.push_back(capture.handle);
+  recipe.steps.push_back(Recipe::Step{capture.handle, capture.args});
+  for (TensorArg& arg : capture.tensors) {
+    if (!versionHolds(arg.version_counter, arg.version)) {
+      recipe.invalid = true; // the step wrote its own argument
+      return;
+    }
+    arg.step = static_cast<int>(recipe.steps.size() - 1);
+    recipe.tensors.push_back(std::move(arg));
+  }
   recipe.out_version = recipe.out_counter.current_version();
   if (engine::isRecomputeLogEnabled()) {
     std::fprintf(
@@ -1117,34 +1310,15 @@ CapturePtr capture(const at::RecordFunction& fn) {
           std::find(
               info.scratch.begin(), info.scratch.end(), capture->args.size()) !=
           info.scratch.end();
-      if (tensor.is_inference() || !viewable(tensor) ||
-          (!scratch &&
-           !tensor.unsafeGetTensorImpl()->version_counter().enabled())) {
+      std::optional<TensorArg> arg =
+          argOf(tensor, capture->args.size(), scratch);
+      if (!arg.has_value()) {
         return nullptr;
       }
-      const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
-      TensorArg arg;
-      arg.index = capture->args.size();
-      arg.weak = impl->storage().getWeakStorageImpl();
-      arg.sizes.assign(tensor.sizes().begin(), tensor.sizes().end());
-      arg.strides.assign(tensor.strides().begin(), tensor.strides().end());
-      arg.offset = tensor.storage_offset();
-      arg.dtype = tensor.dtype();
-      arg.backend =
-          tensor.is_cuda() ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU;
-      arg.conj = tensor.is_conj();
-      arg.neg = tensor.is_neg();
-      arg.wrapped_number = impl->is_wrapped_number();
-      arg.version_counter = impl->version_counter();
-      arg.version = arg.version_counter.current_version();
-      arg.scratch = scratch;
-      // Running statistics are no input a recipe depends on: the operator
-      // writes them itself, and a replay copies them.
-      arg.storage = scratch ? nullptr : cudaStorageOf(tensor);
-      if (arg.storage != nullptr && capture->device < 0) {
-        capture->device = arg.storage->device().index();
+      if (arg->storage != nullptr && capture->device < 0) {
+        capture->device = arg->storage->device().index();
       }
-      capture->tensors.push_back(std::move(arg));
+      capture->tensors.push_back(std::move(*arg));
       uint64_t& hash = capture->signature;
       hash = mix(hash, static_cast<uint64_t>(tensor.scalar_type()));
       for (const int64_t size : tensor.sizes()) {
