@@ -566,10 +566,16 @@ struct DropCandidate {
   StorageRef storage;
   double score = 0.0;
 };
+// Candidates one call prices (cheapDrops): pricing asks the recipes (a
+// lookup, and an event query and a state per input), so a call asks again
+// only about those that ranked best by their last price, not about every
+// inactive storage. A reclaim that needs more calls again.
+constexpr size_t kPricedCandidates = 16;
 std::vector<DropCandidate> cheapDrops(
     DeviceEngine& e,
     size_t threshold,
-    uint64_t protect_until = 0);
+    uint64_t protect_until = 0,
+    size_t count = kPricedCandidates);
 Record* settledResident(
     c10::StorageImpl& storage,
     Record* r,

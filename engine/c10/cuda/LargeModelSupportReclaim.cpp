@@ -353,7 +353,11 @@ size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
   size_t freed = drainPageOuts(e, bytes);
   bool counted = false;
   const size_t threshold = g_size_threshold.load();
-  if (freed < bytes && g_recompute.load()) {
+  // Rounds of cheap drops, each priced afresh, until the bytes are freed or a
+  // round takes nothing: one round prices only kPricedCandidates storages.
+  size_t round = 1;
+  while (freed < bytes && round > 0 && g_recompute.load()) {
+    round = 0;
     // Destroyed after every victim is no longer busy.
     const std::vector<DropCandidate> drops = cheapDrops(e, threshold);
     for (const DropCandidate& c : drops) {
@@ -381,6 +385,7 @@ size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
         return freed;
       }
       freed += c.r->size;
+      round += c.r->size;
     }
   }
   while (freed < bytes) {

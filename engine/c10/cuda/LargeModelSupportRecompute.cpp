@@ -107,12 +107,6 @@ bool dropInstead(DeviceEngine& e, Record& r, StorageRef& keep_alive) {
 
 namespace {
 
-// Candidates a reclaim prices (cheapDrops): pricing asks the recipes (a
-// lookup, and an event query and a state per input), so a reclaim asks
-// again only about those that ranked best by their last price, not about
-// every inactive storage.
-constexpr size_t kPricedCandidates = 16;
-
 // A replay is priced at no less than this many milliseconds: one kernel
 // launch. It keeps the ratio of bytes to milliseconds finite.
 constexpr double kLeastReplayMs = 0.005;
@@ -128,7 +122,8 @@ double dropScore(size_t bytes, double ms, uint64_t distance) {
 
 } // namespace
 
-// The storages a reclaim drops before it pages anything out, best first:
+// The storages a reclaim drops before it pages anything out, best first,
+// among the `count` candidates that ranked best by their last price:
 // inactive, resident storages with a recipe whose replay costs less than
 // paging them out and back in (pagingCost), ranked by dropScore(). The
 // distance is to the next use the learned schedule predicts (twice the
@@ -144,7 +139,8 @@ double dropScore(size_t bytes, double ms, uint64_t distance) {
 std::vector<DropCandidate> cheapDrops(
     DeviceEngine& e,
     size_t threshold,
-    uint64_t protect_until) {
+    uint64_t protect_until,
+    size_t count) {
   std::vector<DropCandidate> out;
   const RecomputeHooks* hooks = g_recompute_hooks.load();
   if (hooks == nullptr || !g_recompute.load()) {
@@ -199,7 +195,7 @@ std::vector<DropCandidate> cheapDrops(
       }
       seen.push_back(Seen{r, std::max<uint64_t>(distance, 1), r->replay_ms});
     }
-    const size_t priced = std::min(seen.size(), kPricedCandidates);
+    const size_t priced = std::min(seen.size(), count);
     std::partial_sort(
         seen.begin(),
         seen.begin() + static_cast<std::ptrdiff_t>(priced),

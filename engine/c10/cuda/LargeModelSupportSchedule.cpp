@@ -553,6 +553,10 @@ void refileUpcoming(DeviceEngine& e, uint64_t generation) {
 // price); then the storages used furthest in the future, leaving out those
 // cheap to replay. Without recompute, exactly pickVictim()'s choice.
 class EarlyVictims {
+  // Candidates priced for one early page-out, which picks its victims under
+  // the engine lock and cannot price more then: several reclaims' worth.
+  static constexpr size_t kEarlyCandidates = 4 * kPricedCandidates;
+
  public:
   EarlyVictims(DeviceEngine& e, uint64_t protect_until)
       : e_(e),
@@ -566,7 +570,7 @@ class EarlyVictims {
       return; // the bus is not measured yet: nothing is priced cheap
     }
     cheap_ms_per_byte_ = per_mib / static_cast<double>(size_t{1} << 20);
-    drops_ = cheapDrops(e, threshold_, protect_until);
+    drops_ = cheapDrops(e, threshold_, protect_until, kEarlyCandidates);
   }
 
   // The next victim, or null. Engine lock held.
