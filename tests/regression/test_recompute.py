@@ -322,6 +322,42 @@ def test_a_residual_add_and_relu_extend_the_batch_norm_recipe(autocast: bool) ->
     assert torch.equal(z.cpu(), want)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["cast", "autocast-linear"])
+def test_a_cast_of_a_recipe_output_gets_a_recipe_of_its_own(autocast: bool) -> None:
+    """A layer norm's float output cast to bfloat16 (autocast does it for the matrix product
+    after it, which saves the cast) dies after the cast; the cast gets a recipe of its own,
+    the layer norm then the cast, and is dropped and comes back with the same bits. Under
+    autocast the cast is the one the product saves for its backward."""
+    _on()
+    ln = torch.nn.LayerNorm(4096).cuda()
+    w = _small(51, 16, 4096)
+    g = torch.Generator(device="cuda").manual_seed(52)
+    x = torch.randn(2048, 4096, device="cuda", generator=g)  # 32 MiB
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        if not autocast:
+            cast = ln(x).to(torch.bfloat16)
+            return cast, cast
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = F.linear(ln(x), w)
+        saved = y.grad_fn._saved_self  # type: ignore[union-attr]  # the bf16 cast mm saves
+        return y, saved
+
+    _warm(make)
+    y, cast = make()
+    assert cast.dtype == torch.bfloat16 and cast.shape == (2048, 4096)
+    want = cast.cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reset_accumulated_lms_stats()
+    assert torch.cuda.reclaim_inactive() > 0
+    assert storage_state(cast) == "dropped"
+    assert torch.equal(cast.cpu(), want)
+    assert torch.cuda.lms_stats()["recompute_count"] == 1
+    ops = torch.cuda.lms_recompute_operators()
+    assert any("layer_norm" in n and c.get("recompute_count", 0) for n, c in ops.items()), ops
+    del y
+
+
 def test_chains_of_replays_stay_short() -> None:
     """Five storages each made from the one before (a product, then gelus), all held: a
     reclaim drops no more of them in a row than three replays (kMaxChainReplays in

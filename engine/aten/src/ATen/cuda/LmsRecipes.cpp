@@ -393,6 +393,9 @@ struct Capture {
   // and its output's version before the step.
   std::shared_ptr<Recipe> extends;
   uint32_t extends_version = 0;
+  // A cast of that output into a storage of its own (isCastStep), which
+  // gets a recipe of its own: the recipe's, then the cast.
+  bool derives = false;
 
   explicit Capture(c10::OperatorHandle h)
       : handle(std::move(h)),
@@ -481,6 +484,9 @@ struct Recipe {
   struct Step {
     c10::OperatorHandle handle;
     std::vector<c10::IValue> args; // tensors left undefined
+    // Writes its first argument; else returns what the next step reads (a
+    // cast, isCastStep).
+    bool in_place = true;
   };
   std::vector<Step> steps;
   // The storage it makes, for recomputing before a write to an input.
@@ -998,7 +1004,7 @@ void recompute(c10::StorageImpl& storage) {
       recipe->handle.callBoxed(&stack);
       if (!recipe->steps.empty() && recipe->output < stack.size() &&
           stack[recipe->output].isTensor()) {
-        const at::Tensor out = stack[recipe->output].toTensor();
+        at::Tensor out = stack[recipe->output].toTensor();
         for (size_t k = 0; k < recipe->steps.size(); ++k) {
           const Recipe::Step& step = recipe->steps[k];
           std::vector<c10::IValue> step_stack = step.args;
@@ -1009,7 +1015,16 @@ void recompute(c10::StorageImpl& storage) {
             }
           }
           step.handle.callBoxed(&step_stack);
+          if (!step.in_place) {
+            TORCH_CHECK(
+                !step_stack.empty() && step_stack[0].isTensor(),
+                "Large Model Support: the replay of ",
+                step.handle.schema().name(),
+                " returned no tensor");
+            out = step_stack[0].toTensor();
+          }
         }
+        stack[recipe->output] = out;
       }
     } catch (...) {
       --t_replaying;
@@ -1166,6 +1181,15 @@ bool isInPlaceStep(const c10::OperatorName& name) {
       (name.name == "aten::add_" && name.overload_name == "Tensor");
 }
 
+// A cast of a recipe's output to a storage of its own (autocast's cast of a
+// layer norm's float output for the matrix product after it, which saves
+// the cast): the cast's output gets a recipe of its own, the output's recipe
+// followed by the cast, while the float output itself dies. Without it the
+// cast could only be paged.
+bool isCastStep(const c10::OperatorName& name) {
+  return name.name == "aten::_to_copy" && name.overload_name.empty();
+}
+
 // At most this many steps extend one recipe.
 constexpr size_t kMaxSteps = 4;
 
@@ -1174,7 +1198,7 @@ constexpr size_t kMaxSteps = 4;
 // the version the recipe (with its steps so far) produced. At the step's end,
 // record() appends it to the recipe (appendStep). Null otherwise: the write
 // then invalidates the recipe, as any write to its output does.
-CapturePtr captureStep(const at::RecordFunction& fn) {
+CapturePtr captureStep(const at::RecordFunction& fn, bool derives) {
   const OperatorInfo& info = infoOf(*fn.operator_name());
   const auto inputs = fn.inputs();
   if (!info.handle.has_value() ||
@@ -1230,6 +1254,7 @@ CapturePtr captureStep(const at::RecordFunction& fn) {
   capture->device = storage->device().index();
   capture->extends = std::move(recipe);
   capture->extends_version = version;
+  capture->derives = derives;
   return capture;
 }
 
@@ -1249,12 +1274,14 @@ void appendStep(const at::RecordFunction& fn, Capture& capture) {
       recipe.out_counter.current_version() != capture.extends_version + 1) {
     return;
   }
-  recipe.steps.push_back(Recipe::Step{capture.handle, capture.args});
-  for (TensorArg& arg : capture.tensors) {
+  for (const TensorArg& arg : capture.tensors) {
     if (!versionHolds(arg.version_counter, arg.version)) {
       recipe.invalid = true; // the step wrote its own argument
       return;
     }
+  }
+  recipe.steps.push_back(Recipe::Step{capture.handle, capture.args});
+  for (TensorArg& arg : capture.tensors) {
     arg.step = static_cast<int>(recipe.steps.size() - 1);
     recipe.tensors.push_back(std::move(arg));
   }
@@ -1268,6 +1295,69 @@ void appendStep(const at::RecordFunction& fn, Capture& capture) {
   }
 }
 
+// At the end of a cast captureStep() took: when its source still holds what
+// its recipe made, the cast's output gets a recipe of its own, a copy of
+// the source's with the cast as its last step, timed as the source's.
+void deriveRecipe(const at::RecordFunction& fn, Capture& capture) {
+  const auto outputs = fn.outputs();
+  if (outputs.empty() || !outputs[0].isTensor() ||
+      !outputs[0].toTensor().defined()) {
+    return;
+  }
+  const at::Tensor& out = outputs[0].toTensor();
+  c10::StorageImpl* storage = cudaStorageOf(out);
+  if (storage == nullptr ||
+      !engine::isManaged(storage->_mutable_data_ptr_no_checks()) ||
+      !out.unsafeGetTensorImpl()->version_counter().enabled() ||
+      storage->device().index() != capture.device) {
+    return;
+  }
+  std::shared_ptr<Recipe> recipe;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const Recipe& source = *capture.extends;
+    if (!outputHolds(source) || source.retained ||
+        source.out_counter.current_version() != capture.extends_version) {
+      return;
+    }
+    for (const TensorArg& arg : source.tensors) {
+      if (arg.storage == storage) {
+        return; // not a storage of its own
+      }
+    }
+    recipe = std::make_shared<Recipe>(source);
+  }
+  Recipe::Step cast{capture.handle, capture.args};
+  cast.in_place = false;
+  recipe->steps.push_back(std::move(cast));
+  recipe->out_counter = out.unsafeGetTensorImpl()->version_counter();
+  recipe->out_version = recipe->out_counter.current_version();
+  recipe->out_sizes.assign(out.sizes().begin(), out.sizes().end());
+  recipe->out_strides.assign(out.strides().begin(), out.strides().end());
+  recipe->out_offset = out.storage_offset();
+  recipe->storage = c10::weak_intrusive_ptr<c10::StorageImpl>(
+      c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage));
+  void* context = contextOf(*storage);
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto [it, added] = g_recipes.emplace(context, recipe);
+    if (!added) {
+      if (outputHolds(*it->second) || it->second->retained) {
+        return; // a recipe that still makes it
+      }
+      it->second = std::move(recipe);
+    }
+  }
+  engine::setRecomputable(*storage, true);
+  if (engine::isRecomputeLogEnabled()) {
+    std::fprintf(
+        stderr,
+        "LMS recompute: %s extends the recipe of %s\n",
+        fn.name(),
+        capture.extends->handle.schema().name().c_str());
+  }
+}
+
 } // namespace
 
 CapturePtr capture(const at::RecordFunction& fn) {
@@ -1275,8 +1365,8 @@ CapturePtr capture(const at::RecordFunction& fn) {
     return nullptr;
   }
   const auto& name = fn.operator_name();
-  if (name.has_value() && isInPlaceStep(*name)) {
-    return captureStep(fn);
+  if (name.has_value() && (isInPlaceStep(*name) || isCastStep(*name))) {
+    return captureStep(fn, /*derives=*/isCastStep(*name));
   }
   if (!name.has_value() || !onAllowList(name->name)) {
     return nullptr;
@@ -1350,7 +1440,11 @@ void record(const at::RecordFunction& fn, Capture& capture) {
     return; // the operator failed: nothing to record
   }
   if (capture.extends != nullptr) {
-    appendStep(fn, capture);
+    if (capture.derives) {
+      deriveRecipe(fn, capture);
+    } else {
+      appendStep(fn, capture);
+    }
     return;
   }
   auto timing = std::make_shared<Timing>();
