@@ -4,9 +4,10 @@ Given a PyTorch source tree with the LMS series applied, this runs torchgen to p
 ATen headers, as PyTorch's CMake build does, writes the few configuration headers CMake would
 generate, and compiles the translation units the series adds or changes above c10 to object
 files only: every engine translation unit outside c10/ (from the engine manifest,
-lmstool.manifest: today aten/src/ATen/cuda/LmsPinning.cpp, LmsRecipes.cpp and
-torch/csrc/cuda/LmsBindings.cpp) and torch/csrc/cuda/Module.cpp, torch._C's CUDA module with
-the LMS hunks. The c10 engine sources are built by the standalone c10 build instead.
+lmstool.manifest: today aten/src/ATen/cuda/LmsPinning.cpp, LmsRecipes.cpp,
+LmsRecipeReplay.cpp and torch/csrc/cuda/LmsBindings.cpp) and torch/csrc/cuda/Module.cpp,
+torch._C's CUDA module with the LMS hunks. The c10 engine sources are built by the
+standalone c10 build instead.
 
 The LMS sources must compile without a warning of their own under -Wall -Wextra; upstream
 headers are allowed theirs. Nothing is linked and no full build is started.

@@ -361,7 +361,7 @@ def test_a_cast_of_a_recipe_output_gets_a_recipe_of_its_own(autocast: bool) -> N
 def test_chains_of_replays_stay_short() -> None:
     """Five storages each made from the one before (a product, then gelus), all held: a
     reclaim drops no more of them in a row than three replays (kMaxChainReplays in
-    LmsRecipes.cpp), so recomputing one never replays a long chain at once; the others are
+    LmsRecipeReplay.cpp), so recomputing one never replays a long chain at once; the others are
     paged out. Every one comes back with its bits."""
     _on()
     x, w = _small(41, 4096, 32), _small(42, 32, 4096)
