@@ -46,6 +46,34 @@ nn = torch.nn
 F = torch.nn.functional
 
 
+def check_paged_under_the_cap(stats: dict[str, Any], peak_bytes: int, cap: int) -> None:
+    """LMS made the room the cap asks for: it paged out, paged back in, and the run's peak
+    stayed under the cap."""
+    assert stats["pageout_count"] > 0, "LMS trained under the cap without paging anything out"
+    assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
+    assert peak_bytes <= cap
+
+
+def check_out_of_memory_without_lms(
+    run: Callable[[], Any], cap: int, peak: int | None = None
+) -> None:
+    """Training under the same cap without LMS runs out of memory, so the cap binds. Called
+    after the LMS run: a run that ran short first would leave cuDNN's fallback plans to it."""
+    from tests.regression.lms_regression_harness import MiB, memory_cap
+
+    oom = None
+    with memory_cap(cap):
+        try:
+            run()
+        except torch.OutOfMemoryError as exc:
+            oom = exc
+    of_peak = f" (compiled peak {peak / MiB:.0f} MiB)" if peak is not None else ""
+    assert oom is not None, (
+        f"training fit under a cap of {cap / MiB:.0f} MiB without LMS{of_peak}: the cap "
+        "proves nothing"
+    )
+
+
 def check_against_references(
     reference: Any, capped: Any, difference: Any, spread: float, record: Callable[[str, Any], None]
 ) -> None:
@@ -440,9 +468,7 @@ def test_compiled_resnet50_reduce_overhead_under_a_share_of_its_peak(
     assert len(fallbacks) == 1, f"expected one fallback warning, got {fallbacks}"
     record("cudagraph_skips", _cudagraph_skips() - skips)
     assert _cudagraph_skips() > skips, "Inductor's skip counter did not count the fallback"
-    assert stats["pageout_count"] > 0, "LMS trained under the cap without paging anything out"
-    assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
-    assert capped.peak_bytes <= cap
+    check_paged_under_the_cap(stats, capped.peak_bytes, cap)
     check_against_references(reference, capped, difference, spread, record)
     if difference is None:
         for i, (a, b) in enumerate(zip(reference_buffers, capped_buffers)):
@@ -520,20 +546,11 @@ def test_compiled_resnet50_reduce_overhead_at_half_its_peak_after_an_uncapped_ru
     assert "went back to the device" in yields[0] and "MiB" in yields[0], yields[0]
     # The tree is released once; should its new pool not fit, it goes on without graphs.
     assert len(yields) == 1 and len(fallbacks) <= 1, (yields, fallbacks)
-    assert stats["pageout_count"] > 0, "LMS trained under the cap without paging anything out"
-    assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
-    assert capped.peak_bytes <= cap
+    check_paged_under_the_cap(stats, capped.peak_bytes, cap)
     torch.cuda.set_enabled_lms(False)
 
     _settle_graphs_and_workspaces()
-    oom = None
-    with memory_cap(cap):
-        try:
-            _train_resnet50_reduce_overhead(steps)
-        except torch.OutOfMemoryError as exc:
-            oom = exc
-    assert oom is not None, f"training fit under a cap of {cap / MiB:.0f} MiB without LMS"
-    del oom
+    check_out_of_memory_without_lms(lambda: _train_resnet50_reduce_overhead(steps), cap)
 
     check_against_references(reference, capped, difference, spread, record)
     if difference is None:
@@ -747,23 +764,11 @@ def check_compiled_under_a_share(
     record("graph_prefetch_count", stats["graph_prefetch_count"])
     record("fallback_warnings", _graph_pool_fallbacks(caught))
     record("pool_yield_warnings", _graph_pool_yields(caught))
-    assert stats["pageout_count"] > 0, "LMS trained under the cap without paging anything out"
-    assert stats["pagein_count"] > 0, "nothing paged out was ever paged back in"
-    assert capped.peak_bytes <= cap
+    check_paged_under_the_cap(stats, capped.peak_bytes, cap)
     torch.cuda.set_enabled_lms(False)
 
     settle_all()
-    oom = None
-    with memory_cap(cap):
-        try:
-            run()
-        except torch.OutOfMemoryError as exc:
-            oom = exc
-    assert oom is not None, (
-        f"training fit under a cap of {cap / MiB:.0f} MiB without LMS (compiled peak "
-        f"{peak / MiB:.0f} MiB): the cap proves nothing"
-    )
-    del oom
+    check_out_of_memory_without_lms(run, cap, peak)
 
     check_against_references(reference, capped, difference, spread, record)
     del reference, repeat, capped
