@@ -2496,6 +2496,44 @@ TEST_CASE(reclaims_drop_cheap_replays_first_best_priced_first) {
   env.checkBaseline();
 }
 
+// One round of cheap drops prices kPricedCandidates (16) storages; a reclaim
+// that needs more bytes than one round frees prices again, and drops every
+// cheap storage before it pages out the one without a recipe, although that
+// one heads the reclaim order.
+TEST_CASE(a_reclaim_drops_cheap_replays_beyond_one_round) {
+  Env env(128 * kMiB);
+  {
+    RecomputeEnv recompute;
+    lms::resetAccumulatedStats(0);
+    const double paging = lms::pagingCostMs(0, 4 * kMiB);
+    REQUIRE(paging > 0.0);
+    auto plain = newStorage(4 * kMiB); // least recently used
+    write(*plain, 900);
+    constexpr int kCheap = 20; // more than one round
+    std::vector<StoragePtr> cheap;
+    for (int i = 0; i < kCheap; ++i) {
+      cheap.push_back(recompute.withRecipe(4 * kMiB, 901 + i));
+      FakeRecipes& r = recipes();
+      std::lock_guard<std::mutex> lock(r.mutex);
+      r.cost_of[cheap.back()->_mutable_data_ptr_no_checks().get_context()] =
+          paging / 40;
+    }
+    CHECK_EQ(lms::reclaimBytes(0, kCheap * 4 * kMiB), kCheap * 4 * kMiB);
+    const auto st = lms::getStats(0);
+    CHECK_EQ(st.drop_count, kCheap);
+    CHECK_EQ(st.pageout_count, 0);
+    CHECK(state(plain) == lms::StorageState::Inactive);
+    for (int i = 0; i < kCheap; ++i) {
+      CHECK(state(cheap[i]) == lms::StorageState::Dropped);
+    }
+    CHECK(matches(*plain, 900));
+    for (int i = 0; i < kCheap; ++i) {
+      CHECK(matches(*cheap[i], 901 + i));
+    }
+  }
+  env.checkBaseline();
+}
+
 // With recompute off the same storages are paged out in the reclaim order,
 // the storage without a recipe first: recompute first changes nothing else.
 TEST_CASE(with_recompute_off_reclaims_keep_the_reclaim_order) {
