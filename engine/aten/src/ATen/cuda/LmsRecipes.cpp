@@ -509,6 +509,41 @@ void appendStep(const at::RecordFunction& fn, Capture& capture) {
   }
 }
 
+// Makes `recipe` the recipe of `storage`, which its operator's return `out`
+// views, unless the storage has a recipe that still makes it (a nested
+// operator's, recorded first). Returns whether it did.
+bool install(
+    std::shared_ptr<Recipe> recipe,
+    const at::Tensor& out,
+    c10::StorageImpl& storage) {
+  recipe->out_counter = out.unsafeGetTensorImpl()->version_counter();
+  recipe->out_version = recipe->out_counter.current_version();
+  recipe->out_sizes.assign(out.sizes().begin(), out.sizes().end());
+  recipe->out_strides.assign(out.strides().begin(), out.strides().end());
+  recipe->out_offset = out.storage_offset();
+  recipe->storage = c10::weak_intrusive_ptr<c10::StorageImpl>(
+      c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(&storage));
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto [it, added] = g_recipes.emplace(contextOf(storage), recipe);
+    if (!added) {
+      if (outputHolds(*it->second) || it->second->retained) {
+        if (engine::isRecomputeLogEnabled()) {
+          std::fprintf(
+              stderr,
+              "LMS recompute: %s output kept the recipe of %s\n",
+              recipe->handle.schema().name().c_str(),
+              it->second->handle.schema().name().c_str());
+        }
+        return false;
+      }
+      it->second = std::move(recipe);
+    }
+  }
+  engine::setRecomputable(storage, true);
+  return true;
+}
+
 // At the end of a cast captureStep() took: when its source still holds what
 // its recipe made, the cast's output gets a recipe of its own, a copy of
 // the source's with the cast as its last step, timed as the source's.
@@ -544,25 +579,9 @@ void deriveRecipe(const at::RecordFunction& fn, Capture& capture) {
   Recipe::Step cast{capture.handle, capture.args};
   cast.in_place = false;
   recipe->steps.push_back(std::move(cast));
-  recipe->out_counter = out.unsafeGetTensorImpl()->version_counter();
-  recipe->out_version = recipe->out_counter.current_version();
-  recipe->out_sizes.assign(out.sizes().begin(), out.sizes().end());
-  recipe->out_strides.assign(out.strides().begin(), out.strides().end());
-  recipe->out_offset = out.storage_offset();
-  recipe->storage = c10::weak_intrusive_ptr<c10::StorageImpl>(
-      c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage));
-  void* context = contextOf(*storage);
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    auto [it, added] = g_recipes.emplace(context, recipe);
-    if (!added) {
-      if (outputHolds(*it->second) || it->second->retained) {
-        return; // a recipe that still makes it
-      }
-      it->second = std::move(recipe);
-    }
+  if (!install(std::move(recipe), out, *storage)) {
+    return;
   }
-  engine::setRecomputable(*storage, true);
   if (engine::isRecomputeLogEnabled()) {
     std::fprintf(
         stderr,
@@ -689,34 +708,9 @@ void record(const at::RecordFunction& fn, Capture& capture) {
     }
     auto recipe = std::make_shared<Recipe>(capture);
     recipe->output = k;
-    recipe->out_counter = out.unsafeGetTensorImpl()->version_counter();
-    recipe->out_version = recipe->out_counter.current_version();
-    recipe->out_sizes.assign(out.sizes().begin(), out.sizes().end());
-    recipe->out_strides.assign(out.strides().begin(), out.strides().end());
-    recipe->out_offset = out.storage_offset();
-    recipe->storage = c10::weak_intrusive_ptr<c10::StorageImpl>(
-        c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage));
     recipe->device = capture.device;
     recipe->timing = timing;
-    void* context = contextOf(*storage);
-    {
-      std::lock_guard<std::mutex> lock(g_mutex);
-      auto [it, added] = g_recipes.emplace(context, recipe);
-      if (!added) {
-        if (outputHolds(*it->second) || it->second->retained) {
-          if (engine::isRecomputeLogEnabled()) {
-            std::fprintf(
-                stderr,
-                "LMS recompute: %s output kept the recipe of %s\n",
-                recipe->handle.schema().name().c_str(),
-                it->second->handle.schema().name().c_str());
-          }
-          continue; // a recipe that still makes it
-        }
-        it->second = std::move(recipe);
-      }
-    }
-    engine::setRecomputable(*storage, true);
+    install(std::move(recipe), out, *storage);
   }
 }
 
