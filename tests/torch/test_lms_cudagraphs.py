@@ -293,61 +293,6 @@ def test_pool_that_runs_out_of_memory_makes_the_tree_run_without_graphs(
     assert fallback.releases == [0]
 
 
-class LibraryThatFallsBack(Region):
-    """In the graph pool, an allocation inside a library fails: the caching allocator calls
-    its out-of-memory observers, then raises its own error, which the library catches and
-    goes on another way with other numbers (as cuDNN does with a smaller workspace)."""
-
-    class AllocatorError(Exception):
-        pass
-
-    def __init__(self, stubs: Stubs, observe: Callable[[int, int, int, int], None]) -> None:
-        super().__init__(stubs)
-        self.observe = observe
-
-    def __call__(self, args: list[Any]) -> list[torch.Tensor]:
-        other_plan = 0.0
-        if self.stubs.in_pool:
-            try:
-                self.observe(0, 2 * MiB, 8 * MiB, 0)
-                raise self.AllocatorError("CUDA out of memory")
-            except self.AllocatorError:
-                self.calls.append("library fell back")
-                other_plan = 1e-3
-        outputs = super().__call__(args)
-        return [outputs[0] + other_plan]
-
-
-def test_an_allocation_that_fails_in_the_pool_ends_the_warm_up_before_a_library_catches_it(
-    trees: tuple[ModuleType, Stubs], fallback: ModuleType, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The allocator's out-of-memory observer ends the warm-up at its first failed allocation:
-    the library never sees its own error, so it never falls back to another plan, and the
-    plain code computes what a run that fits computes. Outside a call into the pool the
-    observer does nothing."""
-    attached: list[Any] = []
-    monkeypatch.setattr(fallback, "_OBSERVER_ATTACHED", False)
-    monkeypatch.setattr(
-        torch._C, "_cuda_attach_out_of_memory_observer", attached.append, raising=False
-    )
-    ct, stubs = trees
-    region = LibraryThatFallsBack(stubs, fallback._observe_out_of_memory)
-    x, stats = torch.ones(3), torch.zeros(2)
-    fn = tree_compile(ct, region, x, stats)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        outputs = run_steps(fn, x, stats, steps=3)
-    expected, expected_stats = reference(steps=3)
-    for step, (a, b) in enumerate(zip(outputs, expected)):
-        assert torch.equal(a, b), f"output of call {step} differs"
-    assert torch.equal(stats, expected_stats)
-    assert "library fell back" not in region.calls
-    assert region.calls == ["plain", "plain", "plain"]  # the warm-up ended before the region ran
-    assert len(fallback_warnings(caught, fallback)) == 1
-    assert attached == [fallback._observe_out_of_memory]  # attached once
-    fallback._observe_out_of_memory(0, MiB, MiB, 0)  # no call into a pool: nothing raised
-
-
 def test_skip_counter_counts_the_fallback(
     trees: tuple[ModuleType, Stubs], fallback: ModuleType
 ) -> None:

@@ -48,14 +48,11 @@ pool that is kept is named in the out-of-memory error, with what holds it; so ar
 private pools of the device (``torch.cuda.graph``, ``torch.cuda.MemPool``, regions with a
 CUDA graph of their own), which LMS never releases.
 
-Results stay those of CUDA graphs, which run the same compiled code: a warm-up or capture
-ends at its first failed allocation, raised from the caching allocator's out-of-memory
-observer, so that no library catches it and goes on another way (cuDNN would keep the
-smaller-workspace plan it fell back to, with other numbers, for the plain code too); the
-failed call runs again on its own inputs, kept for this (Inductor's compiled functions clear
-the list they are given); a failed warm-up, which ran part of the region, first gets back the
-inputs the region mutates (copied before it) and the states of the random number generators
-it uses. A failed capture ran nothing: a capture only records.
+Results stay those of CUDA graphs, which run the same compiled code: the failed call runs
+again on its own inputs, kept for this (Inductor's compiled functions clear the list they are
+given); a failed warm-up, which ran part of the region, first gets back the inputs the region
+mutates (copied before it) and the states of the random number generators it uses. A failed
+capture ran nothing: a capture only records.
 
 Inductor's tree manager (``CUDAGraphTreeManager``) is wrapped where it warms a region up
 (``run_eager``), captures one (``record_function``) and runs one (``run``), when
@@ -165,58 +162,6 @@ _RELEASES = {"count": 0, "bytes": 0, "outputs_moved": 0}
 # Per thread: set while idle pools are being released (an allocation made meanwhile that
 # fails does not release again).
 _releasing = threading.local()
-
-
-class _PoolStepOutOfMemory(_OutOfMemoryError):  # type: ignore[misc,valid-type]
-    """The caching allocator ran out of memory while a CUDA graph pool's warm-up or capture
-    ran on this thread (:func:`_pool_step`); raised from its out-of-memory observer."""
-
-
-# Calls into a CUDA graph pool (a warm-up or a capture that LMS falls back from) under way
-# on this thread: the caching allocator's out-of-memory observer (_observe_out_of_memory)
-# then ends the call at its first failed allocation.
-_POOL_STEP = threading.local()
-_OBSERVING = threading.Lock()
-_OBSERVER_ATTACHED = False
-
-
-def _observe_out_of_memory(device: int, size: int, allowed: int, free: int) -> None:
-    """The caching allocator's out-of-memory observer: during a call into a CUDA graph pool,
-    raises :class:`_PoolStepOutOfMemory` before the allocator raises its error. The allocator
-    calls it with no lock held, right before it raises, so the call ends as it would. Not an
-    error a library catches: cuDNN catches the allocator's out-of-memory error and goes on with
-    a plan of a smaller workspace, which it keeps for that convolution from then on, and whose
-    results differ in their last bits; the plain code that runs instead of the graph would
-    then not compute what a run that fits computes. Outside such a call it does nothing."""
-    if getattr(_POOL_STEP, "depth", 0) > 0:
-        raise _PoolStepOutOfMemory(
-            f"CUDA out of memory in a CUDA graph pool: tried to allocate {_mib(size)} on "
-            f"cuda:{device}, {_mib(free)} free, {_mib(allowed)} allowed"
-        )
-
-
-def _attach_observer() -> None:
-    """Attaches :func:`_observe_out_of_memory` to the caching allocator, once per process."""
-    global _OBSERVER_ATTACHED
-    if _OBSERVER_ATTACHED:
-        return
-    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
-    with _OBSERVING:
-        if not _OBSERVER_ATTACHED and callable(attach):
-            attach(_observe_out_of_memory)
-            _OBSERVER_ATTACHED = True
-
-
-class _pool_step:
-    """A call into a CUDA graph pool that LMS falls back from when it runs out of memory: the
-    first failed allocation ends it (:func:`_observe_out_of_memory`)."""
-
-    def __enter__(self) -> None:
-        _attach_observer()
-        _POOL_STEP.depth = getattr(_POOL_STEP, "depth", 0) + 1
-
-    def __exit__(self, *exc: object) -> None:
-        _POOL_STEP.depth -= 1
 
 
 class _PoolDidNotFit(_OutOfMemoryError):  # type: ignore[misc,valid-type]
@@ -965,8 +910,7 @@ def install_tree_fallback(module: ModuleType) -> None:
             if not attempt.retry:
                 return step(self, new_inputs, function_id)
             try:
-                with _pool_step():
-                    return step(self, new_inputs, function_id)
+                return step(self, new_inputs, function_id)
             except _PoolDidNotFit:
                 raise
             except _OutOfMemoryError as error:
@@ -1089,8 +1033,7 @@ class _SingleGraph:
             return self.run(new_inputs)
         attempt = _Attempt(new_inputs, self.mutated, self.device)
         try:
-            with _pool_step():
-                outputs = self.run(new_inputs)
+            outputs = self.run(new_inputs)
         except _OutOfMemoryError:
             pass
         else:
