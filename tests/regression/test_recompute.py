@@ -286,7 +286,8 @@ def test_a_residual_add_and_relu_extend_the_batch_norm_recipe(autocast: bool) ->
     (torchvision: ``out += identity; out = relu(out)``): both writes are steps of the batch
     norm's recipe, so the block's output is dropped, not paged, and comes back with the same
     bits. The residual is held (as the next block's convolution holds it); a residual that
-    nothing else holds would be kept alive by the recipe alone, and the output is paged out."""
+    died before the drop leaves the recipe nothing to replay from, and the output is paged
+    out."""
     _on()
     bn = torch.nn.BatchNorm2d(64).cuda().train()
     g = torch.Generator(device="cuda").manual_seed(29)

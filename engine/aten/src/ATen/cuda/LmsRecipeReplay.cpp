@@ -262,18 +262,6 @@ int replaysAbove(c10::StorageImpl& storage, int limit) {
   return std::min(most, limit);
 }
 
-// Whether `tensor`, an in-place step's argument (a residual), is held by
-// nothing but this look at it: dropping the recipe's output would keep
-// alive, for the replay, what would otherwise be freed. Not asked of the
-// operator's own arguments: the allow-list holds operators whose backward
-// saves them (onAllowList). g_mutex held.
-bool heldOnlyHere(
-    const Recipe& recipe,
-    const TensorArg& arg,
-    const at::Tensor& tensor) {
-  return arg.step >= 0 && !recipe.retained && tensor.storage().use_count() <= 1;
-}
-
 double costMs(c10::StorageImpl& storage) {
   std::shared_ptr<Recipe> recipe = find(contextOf(storage));
   if (recipe == nullptr) {
@@ -297,9 +285,6 @@ double costMs(c10::StorageImpl& storage) {
       at::Tensor t = tensorOf(arg);
       if (!t.defined()) {
         return noCost(*recipe, "an input is gone or was written");
-      }
-      if (heldOnlyHere(*recipe, arg, t)) {
-        return noCost(*recipe, "a step's argument is held by nothing else");
       }
       inputs.emplace_back(std::move(t), arg.storage != nullptr);
     }
@@ -367,7 +352,7 @@ bool retain(c10::StorageImpl& storage) {
       continue;
     }
     at::Tensor t = tensorOf(arg);
-    if (!t.defined() || heldOnlyHere(recipe, arg, t)) {
+    if (!t.defined()) {
       return false;
     }
     held.push_back(std::move(t));

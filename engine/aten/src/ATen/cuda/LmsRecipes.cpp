@@ -388,8 +388,10 @@ namespace {
 // (`out += identity`, add_) before its relu: either would otherwise
 // invalidate the recipe, and the block's output (a quarter of its saved
 // bytes) could only be paged. The residual is saved for the next block's
-// first convolution anyway; a step argument nothing else holds is no reason
-// to keep it (retain).
+// first convolution anyway. A step's argument is held weakly, as the
+// operator's are, until the output is dropped (retain): one that died before
+// leaves the output to paging; one alive then stays alive, held by the
+// recipe, until the replay.
 bool isInPlaceStep(const c10::OperatorName& name) {
   return (name.name == "aten::relu_" && name.overload_name.empty()) ||
       (name.name == "aten::add_" && name.overload_name == "Tensor");
