@@ -678,9 +678,7 @@ class LmsAllocator final : public alloc::CUDAAllocator {
         if (!capturing && lms::reclaimBytes(device, size) > 0) {
           continue;
         }
-        TORCH_CHECK_WITH(
-            OutOfMemoryError,
-            false,
+        const std::string message = c10::str(
             "Large Model Support: out of memory for a private memory pool "
             "(a CUDA graph or torch.cuda.MemPool), whose memory LMS never pages "
             "out. ",
@@ -695,6 +693,10 @@ class LmsAllocator final : public alloc::CUDAAllocator {
             "memory fraction or LMS limit, a smaller batch), or compile "
             "without mode=\"reduce-overhead\". ",
             e.what_without_backtrace());
+        // A warm-up or capture of compiled code ends here, before a library
+        // that would catch an out-of-memory error sees one.
+        lms::raiseIfGraphPoolStep(device, message);
+        TORCH_CHECK_WITH(OutOfMemoryError, false, message);
       }
     }
   }

@@ -1902,6 +1902,59 @@ TEST_CASE(pending_error_is_raised_by_the_next_allocation) {
   env.checkBaseline();
 }
 
+// Inside a CUDA graph pool step (a warm-up or capture that the Python layer
+// runs again without graphs), running out of memory raises c10::Error, which
+// a library catching c10::OutOfMemoryError does not catch, and the step's end
+// says so: the allocator's error or LMS's own, and an operator's pending one.
+// Outside a step the errors are as before.
+TEST_CASE(a_graph_pool_step_ends_with_an_error_no_library_catches_as_oom) {
+  Env env(64 * kMiB);
+  {
+    const auto is_oom = [](const std::function<void()>& f) {
+      try {
+        f();
+      } catch (const c10::OutOfMemoryError&) {
+        return 1;
+      } catch (const c10::Error& e) {
+        CHECK(
+            std::string(e.what()).find(
+                "CUDA graph pool's warm-up or capture") != std::string::npos);
+        return 0;
+      }
+      return -1;
+    };
+    const CapAboveBaseline cap(32 * kMiB);
+    // Nothing inactive to page out, the request over the cap: the caching
+    // allocator's error after LMS's retry (where the tag's allocator reclaims
+    // through LMS), or LMS's own.
+    lms::beginGraphPoolStep();
+    CHECK_EQ(is_oom([] { (void)newStorage(40 * kMiB); }), 0);
+    CHECK(lms::endGraphPoolStep());
+    CHECK_EQ(is_oom([] { (void)newStorage(40 * kMiB); }), 1);
+    // An operator's pending error, raised by its next allocation.
+    lms::beginGraphPoolStep();
+    lms::setPendingError(0, oomError("op did not fit"));
+    CHECK_EQ(is_oom([] { (void)newStorage(2 * kMiB); }), 0);
+    CHECK(!lms::hasPendingError());
+    CHECK(lms::endGraphPoolStep());
+    // Steps nest: the outermost's end says whether any ran out; a step that
+    // did not run out says so.
+    lms::beginGraphPoolStep();
+    lms::beginGraphPoolStep();
+    CHECK_EQ(
+        is_oom([] { lms::raiseIfGraphPoolStep(0, "CUDA out of memory"); }), 0);
+    CHECK(lms::endGraphPoolStep());
+    CHECK(lms::endGraphPoolStep());
+    lms::beginGraphPoolStep();
+    auto s = newStorage(2 * kMiB);
+    CHECK(!lms::endGraphPoolStep());
+    CHECK_EQ(
+        is_oom([] { lms::raiseIfGraphPoolStep(0, "CUDA out of memory"); }),
+        -1); // outside a step: nothing raised
+  }
+  env.checkBaseline();
+}
+
 // Raw allocations (workspaces) are not managed, but they get room the same
 // way tensors do: the limit trigger pages out inactive storages first.
 TEST_CASE(raw_allocation_reclaims_under_the_limit) {

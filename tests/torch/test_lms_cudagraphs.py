@@ -50,6 +50,33 @@ class FakeBindings:
             raise self.fail
         self.moved.append(tensor)
 
+    # The engine's graph pool steps (c10/cuda/LargeModelSupport.h): how many are under way,
+    # and whether one ran out of memory since the outermost began.
+    pool_steps = 0
+    pool_step_ran_out = False
+
+    def _cuda_lms_beginGraphPoolStep(self) -> None:
+        if self.pool_steps == 0:
+            self.pool_step_ran_out = False
+        self.pool_steps += 1
+
+    def _cuda_lms_endGraphPoolStep(self) -> bool:
+        assert self.pool_steps > 0
+        ran_out = self.pool_step_ran_out
+        self.pool_steps -= 1
+        return ran_out
+
+    def out_of_memory(self, message: str) -> None:
+        """An allocation that does not fit, raised as the engine raises it: inside a graph
+        pool step, an error no library catches as out of memory."""
+        if self.pool_steps > 0:
+            self.pool_step_ran_out = True
+            raise RuntimeError(
+                f"Large Model Support: out of memory in a CUDA graph pool's "
+                f"warm-up or capture on cuda:0; {message}"
+            )
+        raise torch.OutOfMemoryError(message)
+
 
 @pytest.fixture
 def fallback(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
@@ -291,6 +318,77 @@ def test_pool_that_runs_out_of_memory_makes_the_tree_run_without_graphs(
     assert manager is not None and manager.graph is None  # the pool's keeper is gone
     assert all(node.graph is None for node in fallback._tree_nodes(manager))
     assert fallback.releases == [0]
+
+
+class LibraryThatFallsBack(Region):
+    """In the graph pool, an allocation inside a library does not fit; the library catches an
+    out-of-memory error and goes on another way, with other numbers (as cuDNN does with a
+    smaller workspace, a plan it then keeps). ``error`` is what else the region raises there
+    instead, if anything."""
+
+    def __init__(self, stubs: Stubs, bindings: Any, error: Exception | None = None) -> None:
+        super().__init__(stubs)
+        self.bindings = bindings
+        self.raise_instead = error
+
+    def __call__(self, args: list[Any]) -> list[torch.Tensor]:
+        other_plan = 0.0
+        if self.stubs.in_pool:
+            if self.raise_instead is not None:
+                raise self.raise_instead
+            try:
+                self.bindings.out_of_memory("CUDA out of memory. Tried to allocate 2.00 MiB")
+            except torch.OutOfMemoryError:
+                self.calls.append("library fell back")
+                other_plan = 1e-3
+        outputs = super().__call__(args)
+        return [outputs[0] + other_plan]
+
+
+def test_an_allocation_that_fails_in_the_pool_ends_the_warm_up_before_a_library_catches_it(
+    trees: tuple[ModuleType, Stubs], fallback: ModuleType
+) -> None:
+    """The warm-up runs as a graph pool step: its first allocation that does not fit ends it
+    with an error the library does not catch as out of memory, so the library never goes on
+    with its other plan, and the plain code computes what a run that fits computes."""
+    ct, stubs = trees
+    region = LibraryThatFallsBack(stubs, fallback.bindings)
+    x, stats = torch.ones(3), torch.zeros(2)
+    fn = tree_compile(ct, region, x, stats)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = run_steps(fn, x, stats, steps=3)
+    expected, expected_stats = reference(steps=3)
+    for step, (a, b) in enumerate(zip(outputs, expected)):
+        assert torch.equal(a, b), f"output of call {step} differs"
+    assert torch.equal(stats, expected_stats)
+    assert "library fell back" not in region.calls
+    assert region.calls == ["plain", "plain", "plain"]  # the warm-up ended before the region ran
+    messages = fallback_warnings(caught, fallback)
+    assert len(messages) == 1 and "CUDA graph warm-up" in messages[0], messages
+    assert fallback.bindings.pool_steps == 0  # every step that began ended
+    # Outside a step, the same allocation raises the out-of-memory error a library catches.
+    with pytest.raises(torch.OutOfMemoryError):
+        fallback.bindings.out_of_memory("CUDA out of memory")
+
+
+def test_an_error_in_the_pool_that_is_not_out_of_memory_is_raised_as_it_is(
+    trees: tuple[ModuleType, Stubs], fallback: ModuleType
+) -> None:
+    """A RuntimeError of the region that is not the end of a graph pool step (the engine
+    reported no allocation that did not fit) is the program's error: no fallback."""
+    ct, stubs = trees
+    failure = RuntimeError("a shape mismatch in the region")
+    region = LibraryThatFallsBack(stubs, fallback.bindings, error=failure)
+    x, stats = torch.ones(3), torch.zeros(2)
+    fn = tree_compile(ct, region, x, stats)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="shape mismatch") as raised:
+            run_steps(fn, x, stats, steps=1)
+    assert raised.value is failure
+    assert not fallback_warnings(caught, fallback)
+    assert fallback.bindings.pool_steps == 0
 
 
 def test_skip_counter_counts_the_fallback(

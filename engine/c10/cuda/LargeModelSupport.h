@@ -169,6 +169,26 @@ C10_CUDA_API void setPendingError(
 C10_CUDA_API void clearPendingError();
 C10_CUDA_API bool hasPendingError();
 
+// A step of compiled code in a CUDA graph pool (an Inductor warm-up or
+// capture) that the Python layer runs again without CUDA graphs when it runs
+// out of memory (torch/cuda/_lms_cudagraphs.py). While one is under way on
+// this thread, running out of memory ends it with c10::Error, not
+// c10::OutOfMemoryError: a library that catches the latter and goes on
+// another way (cuDNN with a smaller workspace, whose plan it keeps for the
+// plain code that runs instead, with other numbers in the last bits) must
+// not see it. Steps nest; the end of the outermost says whether one ran out
+// of memory since it began.
+C10_CUDA_API void beginGraphPoolStep();
+C10_CUDA_API bool endGraphPoolStep();
+// Where an out-of-memory error is about to be raised (LMS's own, an
+// operator's pending one, the caching allocator's through its integration):
+// inside a graph pool step, raises the c10::Error that ends it, with `what`
+// (the out-of-memory message) in its text; outside one, does nothing.
+// `device` is -1 where it is not known.
+C10_CUDA_API void raiseIfGraphPoolStep(
+    c10::DeviceIndex device,
+    const std::string& what);
+
 // Out-of-memory errors LMS has raised on this thread, the request of the
 // last one, and why it had no room (its message's verdict: the running
 // operator's working set passes the cap, or the tensors fit by bytes but the

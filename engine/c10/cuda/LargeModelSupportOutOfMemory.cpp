@@ -1,7 +1,8 @@
 // LMS out-of-memory errors: the message that says why no room could be made
 // (the running operator's working set, the memory the allocator keeps mapped,
-// or the host tier that ran out), and the error that an operator's pinning
-// hands to the next allocation on its thread.
+// or the host tier that ran out), the error that an operator's pinning
+// hands to the next allocation on its thread, and the error that ends a
+// CUDA graph pool step instead.
 
 #include <c10/cuda/LargeModelSupportInternal.h>
 
@@ -24,6 +25,11 @@ thread_local std::exception_ptr t_pending_error;
 thread_local uint64_t t_oom_raised = 0;
 thread_local size_t t_oom_request = 0;
 thread_local std::string t_oom_verdict;
+
+// Graph pool steps under way on this thread (beginGraphPoolStep), and
+// whether one ran out of memory since the outermost began.
+thread_local int t_pool_steps = 0;
+thread_local bool t_pool_step_ran_out = false;
 
 // What the caching allocator maps for a new request of `size` bytes at least:
 // requests up to 1 MiB come from 2 MiB segments, up to 10 MiB from 20 MiB
@@ -49,6 +55,13 @@ void raisePendingError(size_t size) {
   if (C10_UNLIKELY(t_pending_error != nullptr)) {
     std::exception_ptr error = std::move(t_pending_error);
     t_pending_error = nullptr;
+    if (t_pool_steps > 0) {
+      try {
+        std::rethrow_exception(error);
+      } catch (const c10::Error& pending) {
+        raiseIfGraphPoolStep(-1, pending.what_without_backtrace());
+      }
+    }
     ++t_oom_raised;
     t_oom_request = size;
     t_oom_verdict.clear();
@@ -66,6 +79,7 @@ void raisePendingError(size_t size) {
   }
   const OutOfMemoryText text =
       explainOutOfMemory(e.device, size, placement_refused);
+  raiseIfGraphPoolStep(e.device, text.message);
   ++t_oom_raised;
   t_oom_request = size;
   t_oom_verdict = text.verdict;
@@ -234,6 +248,38 @@ void clearPendingError() {
 
 bool hasPendingError() {
   return t_pending_error != nullptr;
+}
+
+void beginGraphPoolStep() {
+  if (t_pool_steps++ == 0) {
+    t_pool_step_ran_out = false;
+  }
+}
+
+bool endGraphPoolStep() {
+  TORCH_INTERNAL_ASSERT(t_pool_steps > 0, "no graph pool step under way");
+  const bool ran_out = t_pool_step_ran_out;
+  if (--t_pool_steps == 0) {
+    t_pool_step_ran_out = false;
+  }
+  return ran_out;
+}
+
+void raiseIfGraphPoolStep(c10::DeviceIndex device, const std::string& what) {
+  if (t_pool_steps == 0) {
+    return;
+  }
+  t_pool_step_ran_out = true;
+  const std::string where = device >= 0
+      ? " on cuda:" + std::to_string(static_cast<int>(device))
+      : std::string();
+  TORCH_CHECK(
+      false,
+      "Large Model Support: out of memory in a CUDA graph pool's warm-up or "
+      "capture",
+      where,
+      "; the compiled code runs again without CUDA graphs. ",
+      what);
 }
 
 uint64_t outOfMemoryErrorsRaised() {

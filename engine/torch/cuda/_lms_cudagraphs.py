@@ -48,11 +48,14 @@ pool that is kept is named in the out-of-memory error, with what holds it; so ar
 private pools of the device (``torch.cuda.graph``, ``torch.cuda.MemPool``, regions with a
 CUDA graph of their own), which LMS never releases.
 
-Results stay those of CUDA graphs, which run the same compiled code: the failed call runs
-again on its own inputs, kept for this (Inductor's compiled functions clear the list they are
-given); a failed warm-up, which ran part of the region, first gets back the inputs the region
-mutates (copied before it) and the states of the random number generators it uses. A failed
-capture ran nothing: a capture only records.
+Results stay those of CUDA graphs, which run the same compiled code: a warm-up or capture
+ends at its first allocation that does not fit, with an error that no library catches as out
+of memory (the engine raises it while the step is under way; cuDNN would otherwise go on with
+a smaller workspace and keep that plan, with other numbers, for the plain code too); the
+failed call runs again on its own inputs, kept for this (Inductor's compiled functions clear
+the list they are given); a failed warm-up, which ran part of the region, first gets back the
+inputs the region mutates (copied before it) and the states of the random number generators
+it uses. A failed capture ran nothing: a capture only records.
 
 Inductor's tree manager (``CUDAGraphTreeManager``) is wrapped where it warms a region up
 (``run_eager``), captures one (``record_function``) and runs one (``run``), when
@@ -162,6 +165,41 @@ _RELEASES = {"count": 0, "bytes": 0, "outputs_moved": 0}
 # Per thread: set while idle pools are being released (an allocation made meanwhile that
 # fails does not release again).
 _releasing = threading.local()
+
+
+class _PoolStep:
+    """A warm-up or capture of compiled code in a CUDA graph pool that LMS falls back from:
+    while it runs on this thread, the engine raises its first allocation that does not fit
+    (LMS's own, an operator's pending one, the caching allocator's) as a ``RuntimeError``
+    that no library catches as :class:`torch.OutOfMemoryError`. ``ran_out`` says, once it
+    ended, whether that happened."""
+
+    def __init__(self) -> None:
+        self.ran_out = False
+
+    def __enter__(self) -> _PoolStep:
+        _lms_api()._lms_bindings()._cuda_lms_beginGraphPoolStep()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.ran_out = bool(_lms_api()._lms_bindings()._cuda_lms_endGraphPoolStep())
+
+
+def _run_pool_step(step: Callable[[], Any]) -> tuple[Any, str | None]:
+    """Runs ``step`` as a :class:`_PoolStep`: its result and ``None``, or, where it ran out of
+    memory, ``None`` and the error's message. Other errors propagate."""
+    pool_step = _PoolStep()
+    try:
+        with pool_step:
+            return step(), None
+    except _PoolDidNotFit:
+        raise
+    except _OutOfMemoryError as error:
+        return None, str(error)
+    except RuntimeError as error:
+        if not pool_step.ran_out:
+            raise
+        return None, str(error)
 
 
 class _PoolDidNotFit(_OutOfMemoryError):  # type: ignore[misc,valid-type]
@@ -909,12 +947,9 @@ def install_tree_fallback(module: ModuleType) -> None:
             attempt = _Attempt(new_inputs, mutated, getattr(self, "device_index", None), in_pool)
             if not attempt.retry:
                 return step(self, new_inputs, function_id)
-            try:
-                return step(self, new_inputs, function_id)
-            except _PoolDidNotFit:
-                raise
-            except _OutOfMemoryError as error:
-                message = str(error)
+            result, message = _run_pool_step(lambda: step(self, new_inputs, function_id))
+            if message is None:
+                return result
             raise _PoolDidNotFit(message, attempt, name)
 
         return call
@@ -1032,11 +1067,8 @@ class _SingleGraph:
         if getattr(self.captured, "done", False) or not _lms_enabled() or _errors_wanted():
             return self.run(new_inputs)
         attempt = _Attempt(new_inputs, self.mutated, self.device)
-        try:
-            outputs = self.run(new_inputs)
-        except _OutOfMemoryError:
-            pass
-        else:
+        outputs, message = _run_pool_step(lambda: self.run(new_inputs))
+        if message is None:
             self.captured.done = True
             return outputs
         inputs = attempt.undo()

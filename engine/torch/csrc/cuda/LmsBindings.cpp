@@ -416,6 +416,12 @@ void initLmsBindings(PyObject* module) {
   m.def(
       "_cuda_lms_recomputeOperators",
       torch::wrap_pybind_function(&recomputeOperators));
+  m.def(
+      "_cuda_lms_beginGraphPoolStep",
+      torch::wrap_pybind_function(&engine::beginGraphPoolStep));
+  m.def(
+      "_cuda_lms_endGraphPoolStep",
+      torch::wrap_pybind_function(&engine::endGraphPoolStep));
 }
 
 } // namespace torch::cuda::lms
