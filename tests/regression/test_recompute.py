@@ -331,7 +331,8 @@ def test_a_cast_of_a_recipe_output_gets_a_recipe_of_its_own(autocast: bool) -> N
     autocast the cast is the one the product saves for its backward."""
     _on()
     ln = torch.nn.LayerNorm(4096).cuda()
-    w = _small(51, 16, 4096)
+    # Requires grad: the product then saves its input (the cast) for the weight's gradient.
+    w = _small(51, 16, 4096).requires_grad_()
     g = torch.Generator(device="cuda").manual_seed(52)
     x = torch.randn(2048, 4096, device="cuda", generator=g)  # 32 MiB
 

@@ -31,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <deque>
 #include <exception>
 #include <map>
 #include <memory>
@@ -595,6 +596,11 @@ void deriveRecipe(const at::RecordFunction& fn, Capture& capture) {
 
 } // namespace
 
+bool isCast(const at::RecordFunction& fn) {
+  const auto& name = fn.operator_name();
+  return name.has_value() && isCastStep(*name);
+}
+
 CapturePtr capture(const at::RecordFunction& fn) {
   if (!engine::isRecomputeEnabled() || t_replaying > 0) {
     return nullptr;
@@ -670,6 +676,42 @@ CapturePtr capture(const at::RecordFunction& fn) {
   return capture;
 }
 
+namespace {
+
+// Timings of recorded runs, oldest first, until their runs end. Pricing reads
+// a candidate's timing (costMs), but the host runs far ahead of the device
+// on large operators: when a reclaim comes, the runs of most candidates are
+// still in flight, and a signature whose runs were only ever read in flight
+// would never be priced. Each record reads the oldest pending timings whose
+// runs have ended, which fills the fastest run of their signatures as the
+// device goes. Bounded: the oldest are let go first.
+constexpr size_t kMaxPendingTimings = 4096;
+std::deque<std::weak_ptr<Timing>>& pendingTimings() {
+  static auto* pending = new std::deque<std::weak_ptr<Timing>>();
+  return *pending;
+}
+
+void trackTiming(const std::shared_ptr<Timing>& timing) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  auto& pending = pendingTimings();
+  pending.push_back(timing);
+  while (pending.size() > kMaxPendingTimings) {
+    pending.pop_front();
+  }
+  while (!pending.empty()) {
+    std::shared_ptr<Timing> oldest = pending.front().lock();
+    if (oldest != nullptr) {
+      (void)oldest->read();
+      if (oldest->ms < 0.0) {
+        break; // still running: so, mostly, is everything after it
+      }
+    }
+    pending.pop_front();
+  }
+}
+
+} // namespace
+
 void record(const at::RecordFunction& fn, Capture& capture) {
   if (std::uncaught_exceptions() > 0) {
     return; // the operator failed: nothing to record
@@ -689,6 +731,7 @@ void record(const at::RecordFunction& fn, Capture& capture) {
   timing->end = events().get(capture.device);
   C10_CUDA_CHECK(cudaEventRecord(
       timing->end, c10::cuda::getCurrentCUDAStream(capture.device)));
+  trackTiming(timing);
   const auto outputs = fn.outputs();
   for (size_t k = 0; k < outputs.size(); ++k) {
     if (!outputs[k].isTensor() || !outputs[k].toTensor().defined()) {
