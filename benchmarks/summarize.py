@@ -1300,11 +1300,7 @@ README_TABLES: dict[str, tuple[str, ...]] = {
     "stress": ("benchmarks/results/stress/2026-11-27-h200x4-fee98d9",),
     "hybrid": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65",),
     "hybrid_stress": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65/stress-hybrid",),
-    "speed": (
-        "benchmarks/results/speed/2026-11-28-h200x2-0d8a624/speed-resnet-a",
-        "benchmarks/results/speed/2026-11-28-h200x2-0d8a624/speed-gpt",
-        "benchmarks/results/speed/2026-11-28-h200x2-0d8a624/speed-resnet-b",
-    ),
+    "speed": ("benchmarks/results/speed/2026-12-07-h200-0ef1331",),
 }
 # The speed table (benchmarks/speed.py, scripts/gpu/run-speed.sh) is written by --tables once
 # its runs are committed: README_TABLES["speed"] then names their folders (a later folder's
