@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import compare
+from benchmarks.provenance import checkout_engine_sha256, engine_lines, short_device, shown
+from benchmarks.sections import update
 from lmsbench.harness import markdown_table
 from lmsbench.lms_setup import GiB, nonneg_int, positive_float, positive_int
 
@@ -598,7 +600,6 @@ class RowKey:
 
 
 def row_key(run: Run, row: dict[str, Any]) -> RowKey:
-    from benchmarks.summarize import _short_device
 
     model, regime = run.model, run.regime
     return RowKey(
@@ -608,7 +609,7 @@ def row_key(run: Run, row: dict[str, Any]) -> RowKey:
         regime,
         float(row["factor"]),
         int(row.get("batch") or 0),
-        _short_device(run.record.get("environment", {}).get("device")),
+        short_device(run.record.get("environment", {}).get("device")),
     )
 
 
@@ -783,9 +784,8 @@ def speed_table(runs: Sequence[Run], methods: Sequence[str] = METHODS) -> str:
 
 def speed_summary(folders: Sequence[Path], shown: Callable[[Path], str], engine_sha256: str) -> str:
     """The speed table of ``folders`` with a line per run environment naming its engine
-    (summarize.engine_lines: the commit the results record and whether it is this checkout's
+    (provenance.engine_lines: the commit the results record and whether it is this checkout's
     engine), what the figures are, and the table."""
-    from benchmarks.summarize import engine_lines
 
     runs = load_runs(folders, shown)
     if not runs:
@@ -984,15 +984,14 @@ def _selection(args: argparse.Namespace) -> tuple[list[Group], list[CellPlan]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from benchmarks.summarize import _engine_sha256, _shown, update
 
     args = build_parser().parse_args(argv)
     if args.command == "table":
-        text = speed_summary(args.folders, _shown, _engine_sha256())
+        text = speed_summary(args.folders, shown, checkout_engine_sha256())
         if args.readme is None:
             print(text)
             return 0
-        redo = "python -m benchmarks.speed table " + " ".join(map(_shown, args.folders))
+        redo = "python -m benchmarks.speed table " + " ".join(map(shown, args.folders))
         return update(args.readme, [(SPEED_BEGIN, SPEED_END, text)], args.check, redo)
     groups, cells = _selection(args)
     if not groups:
@@ -1003,7 +1002,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     status = run_groups(groups, cells, args)
-    text = speed_summary([args.out], _shown, _engine_sha256())
+    text = speed_summary([args.out], shown, checkout_engine_sha256())
     (args.out / "speed-table.md").write_text(text + "\n")
     print("\n" + text)
     return status
