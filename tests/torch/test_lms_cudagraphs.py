@@ -966,6 +966,28 @@ def test_region_with_its_own_graph_runs_without_it_once_it_did_not_fit(
     assert "runs without a CUDA graph" in messages[0]
 
 
+def test_a_region_with_its_own_graph_ends_its_warm_up_before_a_library_catches_it(
+    compile_fx: ModuleType, fallback: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As for graph trees: the one graph's warm-up runs as a graph pool step, and its first
+    allocation that does not fit ends it before the library can go on with its other plan."""
+    stubs = Stubs()
+    monkeypatch.setattr(compile_fx, "cudagraphify_impl", single_graph_impl(stubs))
+    region = LibraryThatFallsBack(stubs, fallback.bindings)
+    x, stats = torch.ones(3), torch.zeros(2)
+    fn = single_compile(compile_fx, region)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = run_steps(fn, x, stats, steps=3)
+    expected, expected_stats = reference(steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(outputs, expected))
+    assert torch.equal(stats, expected_stats)
+    assert "library fell back" not in region.calls
+    assert region.calls == ["plain", "plain", "plain"]
+    assert len(fallback_warnings(caught, fallback)) == 1
+    assert fallback.bindings.pool_steps == 0
+
+
 def test_region_with_its_own_graph_that_fits_keeps_it(
     compile_fx: ModuleType, fallback: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
