@@ -360,6 +360,68 @@ def test_a_cast_of_a_recipe_output_gets_a_recipe_of_its_own(autocast: bool) -> N
     del y
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_a_copy_of_a_saved_tensor_gets_a_recipe_of_its_own(autocast: bool) -> None:
+    """Attention's head merge: scaled_dot_product_attention's output, which it saves for its
+    backward, transposed and reshaped for the projection, which saves the copy. The copy
+    (``aten::clone``, which ``reshape`` calls) is a recipe of its own with the attention's
+    output as its argument: dropped, not paged, and back with the same bits. A copy whose
+    source died before the drop is paged out."""
+    _on()
+    b, h, t, d = 8, 16, 512, 64
+    g = torch.Generator(device="cuda").manual_seed(61)
+    q, k, v = (
+        torch.randn(b, h, t, d, device="cuda", generator=g).requires_grad_() for _ in range(3)
+    )
+    w = _small(62, 64, h * d).requires_grad_()
+
+    def make(source: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y = source()
+            merged = y.transpose(1, 2).reshape(b, t, h * d)
+            return F.linear(merged, w), merged
+
+    def attention() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    _warm(lambda: make(attention))
+    out, merged = make(attention)
+    assert merged.is_contiguous() and merged.numel() * merged.element_size() >= 8 * MiB
+    want = merged.cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reset_accumulated_lms_stats()
+    assert torch.cuda.reclaim_inactive() > 0
+    assert storage_state(merged) == "dropped"
+    assert torch.equal(merged.cpu(), want)
+    assert torch.cuda.lms_stats()["recompute_count"] == 1
+    ops = torch.cuda.lms_recompute_operators()
+    assert ops.get("aten::clone", {}).get("recompute_count", 0) == 1, ops
+    del out, merged
+    # The source is a temporary that dies after the copy.
+    _out, merged = make(lambda: torch.randn(b, h, t, d, device="cuda", generator=g))
+    want = merged.cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(merged) == "paged out"
+    assert torch.equal(merged.cpu(), want)
+
+
+def test_a_foreach_write_to_an_input_recomputes_its_dependents_first() -> None:
+    """The optimizers' fused foreach kernels (``torch._foreach_add_`` and the like) write a
+    list of tensors with no operator per tensor: a dropped storage whose recipe reads one of
+    them is recomputed before the write, as before any other write, with the bits it had."""
+    _on()
+    x, _w, y = _product(71)
+    want = y.cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(y) == "dropped"
+    torch._foreach_add_([x], [torch.ones_like(x)])
+    assert storage_state(y) != "dropped"
+    assert torch.cuda.lms_stats()["recompute_count"] == 1
+    assert torch.equal(y.cpu(), want)
+
+
 def test_chains_of_replays_stay_short() -> None:
     """Five storages each made from the one before (a product, then gelus), all held: a
     reclaim drops no more of them in a row than three replays (kMaxChainReplays in

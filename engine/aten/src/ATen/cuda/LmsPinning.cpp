@@ -305,7 +305,7 @@ std::unique_ptr<at::ObserverContext> captureOnly(const at::RecordFunction& fn) {
 // pins, but its arguments may be a recipe, and what it writes is guarded.
 std::unique_ptr<at::ObserverContext> enterNested(const at::RecordFunction& fn) {
   recomputeBeforeWrites(fn);
-  if (t_depth != t_capture_depth && !recipes::isCast(fn)) {
+  if (t_depth != t_capture_depth && !recipes::isCopy(fn)) {
     return nullptr;
   }
   return captureOnly(fn);

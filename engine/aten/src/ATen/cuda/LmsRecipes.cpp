@@ -133,7 +133,12 @@ namespace engine = c10::cuda::lms;
 // and casts on the list, ViT-L at 2x its device paged more and stalled
 // longer with recompute on than with paging alone,
 // benchmarks/results/recompute/2026-11-26-h200x2-12049f0/; this list is the
-// remedy that reasoning suggests, not yet measured.)
+// remedy that reasoning suggests, not yet measured.) Copies (isCopyStep) are
+// the exception: their replay is a pass over memory, and the source of the
+// copies worth dropping is saved anyway (attention's output, which
+// scaled_dot_product_attention saves and the head merge copies for the
+// projection that saves the copy); a source that died leaves the copy to
+// paging, as any recipe whose input is gone.
 bool onAllowList(std::string_view name) {
   static const std::unordered_set<std::string_view> names{
       // Convolution: saves its input and weight.
@@ -192,6 +197,10 @@ bool onAllowList(std::string_view name) {
       // backward saves its output), costs nothing to keep.
       "aten::dropout",
       "aten::native_dropout",
+      // Copies into a storage of their own (isCopyStep): the copy of a
+      // recipe's output derives a recipe from it, any other is its own.
+      "aten::clone",
+      "aten::_to_copy",
   };
   return names.count(name) > 0;
 }
@@ -218,7 +227,8 @@ bool isScratchArgument(std::string_view name) {
 // calls is no operator autocast calls (the recipes' second level): without
 // this, a training-mode batch norm under autocast had no recipe at all.
 bool isAutocastFreeComposite(std::string_view name) {
-  return name == "aten::batch_norm";
+  return name == "aten::batch_norm" || name == "aten::clone" ||
+      name == "aten::_to_copy";
 }
 
 // An operator's handle and whether it may be a recipe, per operator name.
@@ -398,13 +408,19 @@ bool isInPlaceStep(const c10::OperatorName& name) {
       (name.name == "aten::add_" && name.overload_name == "Tensor");
 }
 
-// A cast of a recipe's output to a storage of its own (autocast's cast of a
-// layer norm's float output for the matrix product after it, which saves
-// the cast): the cast's output gets a recipe of its own, the output's recipe
-// followed by the cast, while the float output itself dies. Without it the
-// cast could only be paged.
-bool isCastStep(const c10::OperatorName& name) {
-  return name.name == "aten::_to_copy" && name.overload_name.empty();
+// A copy into a storage of its own, a cast (aten::_to_copy) or not
+// (aten::clone). Of a recipe's output (autocast's cast of a layer norm's
+// float output for the matrix product after it, which saves the cast), the
+// copy's output gets a recipe of its own, the output's recipe followed by
+// the copy, while the source itself dies: without it the copy could only be
+// paged. Of anything else (attention's output, copied by the head merge's
+// reshape of its transpose), the copy is a recipe of its own, with the
+// source as its argument. Captured at whatever depth it runs: aten::to,
+// reshape and contiguous call it, and autocast casts inside the operator it
+// casts for, below the depth other recipes are captured at.
+bool isCopyStep(const c10::OperatorName& name) {
+  return (name.name == "aten::_to_copy" || name.name == "aten::clone") &&
+      name.overload_name.empty();
 }
 
 // At most this many steps extend one recipe.
@@ -596,9 +612,9 @@ void deriveRecipe(const at::RecordFunction& fn, Capture& capture) {
 
 } // namespace
 
-bool isCast(const at::RecordFunction& fn) {
+bool isCopy(const at::RecordFunction& fn) {
   const auto& name = fn.operator_name();
-  return name.has_value() && isCastStep(*name);
+  return name.has_value() && isCopyStep(*name);
 }
 
 CapturePtr capture(const at::RecordFunction& fn) {
@@ -606,8 +622,14 @@ CapturePtr capture(const at::RecordFunction& fn) {
     return nullptr;
   }
   const auto& name = fn.operator_name();
-  if (name.has_value() && (isInPlaceStep(*name) || isCastStep(*name))) {
-    return captureStep(fn, /*derives=*/isCastStep(*name));
+  if (name.has_value() && isInPlaceStep(*name)) {
+    return captureStep(fn, /*derives=*/false);
+  }
+  if (name.has_value() && isCopyStep(*name)) {
+    if (CapturePtr derived = captureStep(fn, /*derives=*/true)) {
+      return derived;
+    }
+    // Not of a recipe's output: a recipe of its own, below.
   }
   if (!name.has_value() || !onAllowList(name->name)) {
     return nullptr;
@@ -770,11 +792,24 @@ void beforeWrites(const at::RecordFunction& fn) {
   const OperatorInfo& info = infoOf(*name);
   const auto inputs = fn.inputs();
   std::vector<c10::StorageImpl*> written;
-  for (size_t i : info.written) {
-    if (i < inputs.size() && inputs[i].isTensor() &&
-        inputs[i].toTensor().defined()) {
-      if (c10::StorageImpl* storage = cudaStorageOf(inputs[i].toTensor())) {
+  auto add = [&written](const at::Tensor& tensor) {
+    if (tensor.defined()) {
+      if (c10::StorageImpl* storage = cudaStorageOf(tensor)) {
         written.push_back(storage);
+      }
+    }
+  };
+  for (size_t i : info.written) {
+    if (i >= inputs.size()) {
+      continue;
+    }
+    if (inputs[i].isTensor()) {
+      add(inputs[i].toTensor());
+    } else if (inputs[i].isTensorList()) {
+      // The fused foreach kernels of the optimizers (_foreach_add_ and the
+      // like) write a list of parameters with no operator per tensor.
+      for (const at::Tensor& tensor : inputs[i].toTensorList().vec()) {
+        add(tensor);
       }
     }
   }

@@ -70,11 +70,12 @@ using CapturePtr = std::unique_ptr<Capture, CaptureDeleter>;
 // the allow-list and recompute is on; null otherwise.
 CapturePtr capture(const at::RecordFunction& fn);
 
-// Whether the operator is a cast of a tensor to a storage of its own
-// (aten::_to_copy), which derives a recipe from its source's at whatever
-// depth it runs: aten::to calls it, and so does autocast's cast inside the
-// operator it casts for, below the depth other recipes are captured at.
-bool isCast(const at::RecordFunction& fn);
+// Whether the operator copies a tensor into a storage of its own
+// (aten::_to_copy, aten::clone), which is captured at whatever depth it
+// runs: aten::to, reshape and contiguous call it, and autocast casts inside
+// the operator it casts for, below the depth other recipes are captured at.
+// A copy of a recipe's output derives its recipe from the source's.
+bool isCopy(const at::RecordFunction& fn);
 
 // At its end: records a recipe for each LMS-managed output that aliases no
 // input, for storages that have none yet (the innermost operator wins).

@@ -153,8 +153,8 @@ struct Capture {
   // and its output's version before the step.
   std::shared_ptr<detail::Recipe> extends;
   uint32_t extends_version = 0;
-  // A cast of that output into a storage of its own (isCastStep), which
-  // gets a recipe of its own: the recipe's, then the cast.
+  // A copy of that output into a storage of its own (isCopyStep), which
+  // gets a recipe of its own: the recipe's, then the copy.
   bool derives = false;
 
   explicit Capture(c10::OperatorHandle h)
@@ -235,7 +235,7 @@ struct Recipe {
     c10::OperatorHandle handle;
     std::vector<c10::IValue> args; // tensors left undefined
     // Writes its first argument; else returns what the next step reads (a
-    // cast, isCastStep).
+    // copy, isCopyStep).
     bool in_place = true;
   };
   std::vector<Step> steps;
