@@ -1223,8 +1223,12 @@ README_TABLES: dict[str, tuple[str, ...]] = {
     "capped": ("benchmarks/results/compare/2026-11-24-h100-unrecorded",),
     "stress": ("benchmarks/results/stress/2026-11-27-h200x4-fee98d9",),
     "hybrid": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65",),
-    "hybrid_stress": ("benchmarks/results/recompute/2026-11-26-h200x4-b9b7a65/stress-hybrid",),
-    "speed": ("benchmarks/results/speed/2026-12-07-h200-0ef1331",),
+    "hybrid_stress": ("benchmarks/results/recompute/2026-12-07-h100-9253865/stress-hybrid",),
+    "speed": (
+        "benchmarks/results/speed/2026-12-07-h200-0ef1331",
+        "benchmarks/results/speed/2026-12-07-h100-9253865/speed-gpt",
+        "benchmarks/results/speed/2026-12-07-h100-9253865/speed-resnet",
+    ),
 }
 # The speed table (benchmarks/speed.py, scripts/gpu/run-speed.sh) is written by --tables once
 # its runs are committed: README_TABLES["speed"] then names their folders (a later folder's
