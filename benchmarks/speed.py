@@ -197,11 +197,11 @@ def plan_groups(
 # with lms, lms_hybrid, checkpoint and offload, 6 + 5 iterations; no cap at 1.5x with
 # 4 + 3): what each cell's estimate is scaled from.
 REFERENCE_RUN = HERE / "results" / "recompute" / "2026-11-26-h200x4-b9b7a65"
-# Each method's reference row: lms there ran with recompute off (paging only), which is also
-# LMS's default as long as recompute is off by default; compile_budget recomputes as
-# checkpointing does, after compiling.
+# Each method's reference row: lms there ran with recompute off (paging only), the default
+# of its engine; LMS's default now recomputes, as lms_hybrid did; compile_budget recomputes
+# as checkpointing does, after compiling.
 REFERENCE_METHOD = {
-    "lms": "lms",
+    "lms": "lms_hybrid",
     "lms_paging": "lms",
     "lms_hybrid": "lms_hybrid",
     "checkpoint": "checkpoint",

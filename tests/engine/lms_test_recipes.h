@@ -178,6 +178,7 @@ class FakeRecipesInstalled {
       r.fail_next = false;
     }
     c10::cuda::lms::setRecomputeHooks(&kFakeHooks);
+    was_enabled_ = c10::cuda::lms::isRecomputeEnabled();
     c10::cuda::lms::setRecomputeEnabled(true);
     // A drop is priced against the measured bus: copies must take time.
     if (simgpu_set_copy_bandwidth != nullptr) {
@@ -187,12 +188,15 @@ class FakeRecipesInstalled {
   FakeRecipesInstalled(const FakeRecipesInstalled&) = delete;
   FakeRecipesInstalled& operator=(const FakeRecipesInstalled&) = delete;
   ~FakeRecipesInstalled() {
-    c10::cuda::lms::setRecomputeEnabled(false);
+    c10::cuda::lms::setRecomputeEnabled(was_enabled_);
     c10::cuda::lms::setRecomputeHooks(nullptr);
     if (simgpu_set_copy_bandwidth != nullptr) {
       simgpu_set_copy_bandwidth(0);
     }
   }
+
+ private:
+  bool was_enabled_ = true; // the setting before, put back at the end
 };
 
 } // namespace lms_test

@@ -33,9 +33,9 @@ def storage_state(tensor: torch.Tensor) -> str:
     return str(bindings()._cuda_lms_storageState(tensor))
 
 
-# LMS_REGRESSION_RECOMPUTE=1: every capped LMS run of check_capped_training runs with
-# recompute on (the hybrid of paging and recomputing).
-RECOMPUTE = os.environ.get("LMS_REGRESSION_RECOMPUTE", "0") == "1"
+# Every capped LMS run of check_capped_training runs with recompute on (the hybrid of paging
+# and recomputing), LMS's default; LMS_REGRESSION_RECOMPUTE=0: paging only.
+RECOMPUTE = os.environ.get("LMS_REGRESSION_RECOMPUTE", "1") == "1"
 
 
 def reset_lms() -> None:
@@ -49,6 +49,8 @@ def reset_lms() -> None:
     torch.cuda.set_prefetch_lms(0)
     torch.cuda.set_speculative_lms(0)
     if hasattr(torch.cuda, "set_recompute_lms"):
+        # Paging only: the rows that check paging itself name what they page out; a row
+        # that trains turns recompute on, LMS's default (check_capped_training).
         torch.cuda.set_recompute_lms(False)
     if hasattr(torch.cuda, "set_host_placement_lms"):
         torch.cuda.set_host_placement_lms(True)
@@ -254,8 +256,9 @@ def check_capped_training(
        shape in the process then uses.
     4. Device memory and LMS's pinned host memory return to their baselines.
 
-    ``recompute`` (default: ``LMS_REGRESSION_RECOMPUTE=1`` in the environment) runs the LMS
-    run with recompute on (``torch.cuda.set_recompute_lms``): storages are dropped and
+    ``recompute`` (default: on, LMS's default; ``LMS_REGRESSION_RECOMPUTE=0`` in the
+    environment turns it off) runs the LMS run with recompute on
+    (``torch.cuda.set_recompute_lms``): storages are dropped and
     recomputed where that beats the bus, and the results must still be bit-identical. Passed
     as True, the run must also have dropped and recomputed something.
     """

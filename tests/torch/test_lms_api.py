@@ -128,7 +128,7 @@ class FakeBindings:
             "lookahead": 0,
             "budget": 0,
             "host_limit": 0,
-            "recompute": 0,
+            "recompute": 1,
         }
         self.limits: dict[int, int] = {}
         self.host_wait = 60.0
@@ -354,12 +354,12 @@ def test_settings_reach_the_bindings(lms: ModuleType) -> None:
     lms.set_spill_limit_lms(8 * 1024 * MiB)
     assert lms.fake.calls[-1] == ("setSpillLimit", (8 * 1024 * MiB,))
     assert lms.get_spill_limit_lms() == 8 * 1024 * MiB
-    assert lms.get_recompute_lms() is False  # off by default
-    lms.set_recompute_lms(True)
-    assert lms.fake.calls[-1] == ("setRecompute", (True,))
-    assert lms.get_recompute_lms() is True
+    assert lms.get_recompute_lms() is True  # on by default
     lms.set_recompute_lms(False)
+    assert lms.fake.calls[-1] == ("setRecompute", (False,))
     assert lms.get_recompute_lms() is False
+    lms.set_recompute_lms(True)
+    assert lms.get_recompute_lms() is True
     lms.reset_lms_schedule()
     assert lms.fake.calls[-1] == ("resetSchedule", ())
     assert lms.reclaim_inactive() == 8 * MiB

@@ -93,6 +93,12 @@ C10_CUDA_API void setEnabledObserver(EnabledObserver observer);
 // Forgets the learned schedule (LMS is reactive until it learns again).
 C10_CUDA_API void resetSchedule();
 
+// Whether operators record recipes for recompute now: recompute is on and LMS
+// has had to make room on some device since the process started (a reclaim
+// ran). Until then nothing is dropped, and recording would cost every
+// operator of a model that fits host time for nothing.
+C10_CUDA_API bool isRecordingRecipes();
+
 // PYTORCH_LMS_RECOMPUTE_LOG=1 (a diagnostic, read once): every choice between
 // dropping and paging out a victim with a recipe, and why a recipe cannot
 // price its recompute, are printed to stderr.

@@ -612,6 +612,8 @@ extern std::atomic<int> g_lookahead_ops;
 extern std::atomic<size_t> g_prefetch_budget;
 extern std::atomic<bool> g_graph_prefetch;
 extern std::atomic<bool> g_recompute;
+// Set by the first reclaim of any device (isRecordingRecipes).
+extern std::atomic<bool> g_made_room;
 extern std::atomic<bool> g_packing;
 extern std::atomic<bool> g_host_placement;
 

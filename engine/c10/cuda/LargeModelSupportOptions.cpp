@@ -102,7 +102,11 @@ std::atomic<int> g_lookahead_ops{0}; // 0: derived from the period
 std::atomic<size_t> g_prefetch_budget{0}; // 0: derived (prefetchBudget())
 // Page-ins planned by compiled graphs (pageInAhead): on by default.
 std::atomic<bool> g_graph_prefetch{true};
-std::atomic<bool> g_recompute{false};
+// Recompute (the hybrid): on by default, since it drops what replays cheaply
+// instead of paging it both ways; recipes are recorded from the first reclaim
+// on (g_made_room), so a model that fits pays nothing for it.
+std::atomic<bool> g_recompute{true};
+std::atomic<bool> g_made_room{false};
 std::atomic<bool> g_packing{true};
 std::atomic<bool> g_host_placement{true};
 
@@ -207,6 +211,11 @@ void setRecomputeEnabled(bool enabled) {
 
 bool isRecomputeEnabled() {
   return g_recompute.load();
+}
+
+bool isRecordingRecipes() {
+  return g_recompute.load(std::memory_order_relaxed) &&
+      g_made_room.load(std::memory_order_relaxed);
 }
 
 void setPackingEnabled(bool enabled) {

@@ -141,8 +141,9 @@ C10_LMS_SETTING(spill_limit, SpillLimit, lms_spill_limit_mb, Mebibytes, size_t, 
 // the outputs of pure operators, the operator and its inputs) is dropped
 // instead of paged out when recomputing it costs less than moving it over the
 // bus both ways at the measured copy bandwidth, and is recomputed when an
-// operator needs it (see RecomputeHooks in LargeModelSupport.h). Off by
-// default.
+// operator needs it (see RecomputeHooks in LargeModelSupport.h). On by
+// default; operators record recipes only once LMS has had to make room
+// (isRecordingRecipes).
 C10_LMS_SETTING(recompute, Recompute, lms_recompute, Bool, bool, setRecomputeEnabled, isRecomputeEnabled, "recompute")
 
 // Packing (beginWorkingSet) is on by default; off, working sets are still

@@ -986,14 +986,16 @@ def get_spill_limit_lms() -> int:
 
 
 def set_recompute_lms(enable: bool) -> None:
-    r"""Enable or disable recomputing instead of paging (disabled by default).
+    r"""Enable or disable recomputing instead of paging (enabled by default).
 
     Operator-boundary pinning records, for each output of an operator on an
     allow-list of pure operators, a recipe: the operator and its inputs. The
     list holds deterministic operators (convolution, matrix products,
     pointwise operators whose backward reads their inputs, layer and group
-    normalization, pooling, embedding) and dropout, whose recipe saves the
-    state of the device's default CUDA generator and replays with it. With
+    normalization, pooling, embedding, copies and casts) and dropout, whose
+    recipe saves the state of the device's default CUDA generator and replays
+    with it. Recipes are recorded from the first time LMS has to make room
+    in the process: a model that fits pays nothing for them. With
     this on, LMS decides per storage when it picks a victim: a storage with a
     recipe is dropped instead of paged out when recomputing it costs less than
     paging it. Recomputing costs its producing operator's measured duration,
@@ -1015,7 +1017,8 @@ def set_recompute_lms(enable: bool) -> None:
     bit-identical to the dropped ones, unless the replay caught an
     out-of-memory error inside it (a library such as cuDNN then runs an
     algorithm that needs less memory); LMS warns when that happens.
-    ``PYTORCH_CUDA_ALLOC_CONF=lms_recompute:True`` turns it on too.
+    ``set_recompute_lms(False)`` (or
+    ``PYTORCH_CUDA_ALLOC_CONF=lms_recompute:False``) keeps LMS to paging only.
     ``lms_stats()`` reports ``drop_count``, ``drop_bytes``,
     ``recompute_count``, ``recompute_bytes``, ``recompute_ms``,
     ``recompute_input_prefetch_count``, ``recompute_input_prefetch_bytes``,

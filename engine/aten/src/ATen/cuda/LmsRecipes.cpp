@@ -618,7 +618,7 @@ bool isCopy(const at::RecordFunction& fn) {
 }
 
 CapturePtr capture(const at::RecordFunction& fn) {
-  if (!engine::isRecomputeEnabled() || t_replaying > 0) {
+  if (!engine::isRecordingRecipes() || t_replaying > 0) {
     return nullptr;
   }
   const auto& name = fn.operator_name();
