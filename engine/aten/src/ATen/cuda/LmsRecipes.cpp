@@ -80,6 +80,11 @@ std::unordered_map<uint64_t, double>& fastest() {
   return *runs;
 }
 
+std::unordered_map<uint64_t, int>& timedRuns() {
+  static auto* counts = new std::unordered_map<uint64_t, int>();
+  return *counts;
+}
+
 // Never destroyed: a retained recipe holds tensors, whose deleters must not
 // run after the allocator is gone at exit.
 std::mutex& g_mutex = *new std::mutex();
@@ -692,9 +697,17 @@ CapturePtr capture(const at::RecordFunction& fn) {
     // Before the operator runs: the state it starts drawing from.
     capture->rng = generatorState(capture->device);
   }
-  capture->start = events().get(capture->device);
-  C10_CUDA_CHECK(cudaEventRecord(
-      capture->start, c10::cuda::getCurrentCUDAStream(capture->device)));
+  bool timed_enough = false;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    const auto it = timedRuns().find(capture->signature);
+    timed_enough = it != timedRuns().end() && it->second >= kTimedRuns;
+  }
+  if (!timed_enough) {
+    capture->start = events().get(capture->device);
+    C10_CUDA_CHECK(cudaEventRecord(
+        capture->start, c10::cuda::getCurrentCUDAStream(capture->device)));
+  }
   return capture;
 }
 
@@ -750,10 +763,12 @@ void record(const at::RecordFunction& fn, Capture& capture) {
   timing->device = capture.device;
   timing->signature = capture.signature;
   timing->start = std::exchange(capture.start, nullptr);
-  timing->end = events().get(capture.device);
-  C10_CUDA_CHECK(cudaEventRecord(
-      timing->end, c10::cuda::getCurrentCUDAStream(capture.device)));
-  trackTiming(timing);
+  if (timing->start != nullptr) {
+    timing->end = events().get(capture.device);
+    C10_CUDA_CHECK(cudaEventRecord(
+        timing->end, c10::cuda::getCurrentCUDAStream(capture.device)));
+    trackTiming(timing);
+  } // else priced by its signature's fastest run (Timing::read)
   const auto outputs = fn.outputs();
   for (size_t k = 0; k < outputs.size(); ++k) {
     if (!outputs[k].isTensor() || !outputs[k].toTensor().defined()) {
