@@ -1228,6 +1228,7 @@ README_TABLES: dict[str, tuple[str, ...]] = {
         "benchmarks/results/speed/2026-12-07-h200-0ef1331",
         "benchmarks/results/speed/2026-12-07-h100-9253865/speed-gpt",
         "benchmarks/results/speed/2026-12-07-h100-9253865/speed-resnet",
+        "benchmarks/results/speed/2026-12-07-h100-fa218d6/gpt-lms-default",
     ),
 }
 # The speed table (benchmarks/speed.py, scripts/gpu/run-speed.sh) is written by --tables once
