@@ -2587,6 +2587,32 @@ TEST_CASE(a_reclaim_drops_cheap_replays_beyond_one_round) {
   env.checkBaseline();
 }
 
+// Operators record recipes (isRecordingRecipes) once an allocation wants
+// more than half the limit: a model that fits well pays nothing for them,
+// and what a first reclaim takes was made with recipes. Turning recompute on
+// again starts over.
+TEST_CASE(recipes_are_recorded_from_half_the_limit_on) {
+  Env env(64 * kMiB);
+  {
+    lms::setRecomputeEnabled(false);
+    CHECK(!lms::isRecordingRecipes());
+    lms::setRecomputeEnabled(true);
+    CHECK(!lms::isRecordingRecipes());
+    auto quarter = newStorage(16 * kMiB);
+    CHECK(!lms::isRecordingRecipes());
+    auto past_half = newStorage(24 * kMiB); // 40 of 64 MiB
+    CHECK(lms::isRecordingRecipes());
+    CHECK_EQ(lms::getStats(0).pageout_count, 0); // no reclaim was needed
+    lms::setRecomputeEnabled(false);
+    CHECK(!lms::isRecordingRecipes());
+    lms::setRecomputeEnabled(true);
+    CHECK(!lms::isRecordingRecipes()); // until the next allocation past half
+    auto more = newStorage(2 * kMiB);
+    CHECK(lms::isRecordingRecipes());
+  }
+  env.checkBaseline();
+}
+
 // With recompute off the same storages are paged out in the reclaim order,
 // the storage without a recipe first: recompute first changes nothing else.
 TEST_CASE(with_recompute_off_reclaims_keep_the_reclaim_order) {

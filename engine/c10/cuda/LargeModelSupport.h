@@ -93,10 +93,12 @@ C10_CUDA_API void setEnabledObserver(EnabledObserver observer);
 // Forgets the learned schedule (LMS is reactive until it learns again).
 C10_CUDA_API void resetSchedule();
 
-// Whether operators record recipes for recompute now: recompute is on and LMS
-// has had to make room on some device since the process started (a reclaim
-// ran). Until then nothing is dropped, and recording would cost every
-// operator of a model that fits host time for nothing.
+// Whether operators record recipes for recompute now: recompute is on and,
+// since it was last turned on, an allocation of some device wanted more than
+// half its limit (or a reclaim ran). Before that nothing will be dropped
+// soon, and recording would cost every operator of a model that fits well
+// host time for nothing; from half the limit on, the outputs a first reclaim
+// takes have recipes, and the first iteration drops them instead of paging.
 C10_CUDA_API bool isRecordingRecipes();
 
 // PYTORCH_LMS_RECOMPUTE_LOG=1 (a diagnostic, read once): every choice between

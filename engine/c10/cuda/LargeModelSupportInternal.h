@@ -612,8 +612,14 @@ extern std::atomic<int> g_lookahead_ops;
 extern std::atomic<size_t> g_prefetch_budget;
 extern std::atomic<bool> g_graph_prefetch;
 extern std::atomic<bool> g_recompute;
-// Set by the first reclaim of any device (isRecordingRecipes).
-extern std::atomic<bool> g_made_room;
+// Set once an allocation of any device wants more than half its limit, or a
+// reclaim runs (isRecordingRecipes, noteNearLimit).
+extern std::atomic<bool> g_near_limit;
+inline void noteNearLimit() {
+  if (!g_near_limit.load(std::memory_order_relaxed)) {
+    g_near_limit.store(true, std::memory_order_relaxed);
+  }
+}
 extern std::atomic<bool> g_packing;
 extern std::atomic<bool> g_host_placement;
 

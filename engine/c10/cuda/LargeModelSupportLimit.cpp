@@ -280,6 +280,11 @@ size_t enforceLimit(DeviceEngine& e, size_t size) {
   const size_t limit = effectiveLimit(e);
   const size_t allocated = backend().allocatedBytes(e.device);
   const size_t wanted = allocated + size;
+  if (wanted > limit / 2) {
+    // Recipes from here on: what is made past half the limit is what a
+    // reclaim will need, and iteration 0 then drops instead of paging it.
+    noteNearLimit();
+  }
   size_t freed = 0;
   if (wanted > limit) {
     freed = reclaim(e, wanted - limit, Trigger::Limit);

@@ -103,10 +103,10 @@ std::atomic<size_t> g_prefetch_budget{0}; // 0: derived (prefetchBudget())
 // Page-ins planned by compiled graphs (pageInAhead): on by default.
 std::atomic<bool> g_graph_prefetch{true};
 // Recompute (the hybrid): on by default, since it drops what replays cheaply
-// instead of paging it both ways; recipes are recorded from the first reclaim
-// on (g_made_room), so a model that fits pays nothing for it.
+// instead of paging it both ways; recipes are recorded once an allocation
+// nears the limit (g_near_limit), so a model that fits well pays nothing.
 std::atomic<bool> g_recompute{true};
-std::atomic<bool> g_made_room{false};
+std::atomic<bool> g_near_limit{false};
 std::atomic<bool> g_packing{true};
 std::atomic<bool> g_host_placement{true};
 
@@ -206,6 +206,11 @@ double getHostWait() {
 }
 
 void setRecomputeEnabled(bool enabled) {
+  // Turning it on starts over: recipes are recorded from the next time an
+  // allocation nears the limit.
+  if (enabled && !g_recompute.load()) {
+    g_near_limit.store(false);
+  }
   g_recompute.store(enabled);
 }
 
@@ -215,7 +220,7 @@ bool isRecomputeEnabled() {
 
 bool isRecordingRecipes() {
   return g_recompute.load(std::memory_order_relaxed) &&
-      g_made_room.load(std::memory_order_relaxed);
+      g_near_limit.load(std::memory_order_relaxed);
 }
 
 void setPackingEnabled(bool enabled) {

@@ -347,8 +347,8 @@ thread_local bool t_host_refused = false;
 // are dropped first, best ranked first (cheapDrops). Returns the bytes freed.
 size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger) {
   t_host_refused = false;
-  if (bytes > 0 && !g_made_room.load(std::memory_order_relaxed)) {
-    g_made_room.store(true, std::memory_order_relaxed);
+  if (bytes > 0) {
+    noteNearLimit();
   }
   // Storages paged out early are on their way already: releasing their
   // memory costs at most the rest of a copy that is under way, where a new

@@ -142,7 +142,7 @@ C10_LMS_SETTING(spill_limit, SpillLimit, lms_spill_limit_mb, Mebibytes, size_t, 
 // instead of paged out when recomputing it costs less than moving it over the
 // bus both ways at the measured copy bandwidth, and is recomputed when an
 // operator needs it (see RecomputeHooks in LargeModelSupport.h). On by
-// default; operators record recipes only once LMS has had to make room
+// default; operators record recipes only once an allocation nears the limit
 // (isRecordingRecipes).
 C10_LMS_SETTING(recompute, Recompute, lms_recompute, Bool, bool, setRecomputeEnabled, isRecomputeEnabled, "recompute")
 

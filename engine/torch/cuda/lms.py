@@ -994,8 +994,9 @@ def set_recompute_lms(enable: bool) -> None:
     pointwise operators whose backward reads their inputs, layer and group
     normalization, pooling, embedding, copies and casts) and dropout, whose
     recipe saves the state of the device's default CUDA generator and replays
-    with it. Recipes are recorded from the first time LMS has to make room
-    in the process: a model that fits pays nothing for them. With
+    with it. Recipes are recorded once an allocation wants more than half of
+    LMS's limit (see :func:`set_limit_lms`), from then until recompute is
+    turned off: a model that fits well pays nothing for them. With
     this on, LMS decides per storage when it picks a victim: a storage with a
     recipe is dropped instead of paged out when recomputing it costs less than
     paging it. Recomputing costs its producing operator's measured duration,
