@@ -3,9 +3,9 @@
 # call per model and regime, 3 warm-up and 10 timed iterations a row, each call given its share
 # of the time left after the extension's build, the whole script within TOTAL_S (default 540 s:
 # 9 minutes). By default the most important subset: ResNet-152 and GPT, no cap at 1.5x and 2x
-# the device and capped at 1/2 of the peak, checkpointing, LMS hybrid and LMS paging only
-# (in that order, factor by factor: where a call's share runs out, its last rows are skipped
-# and say so), with the in-memory figure of each run's fitting batches.
+# the device and capped at 1/2 of the peak, checkpointing, LMS with its defaults (recompute
+# on) and LMS paging only (in that order, factor by factor: where a call's share runs out, its
+# last rows are skipped and say so), with the in-memory figure of each run's fitting batches.
 #
 #   scripts/gpu/run-speed.sh                    results under $OUT (default: out/speed)
 #   DRY_RUN=1 scripts/gpu/run-speed.sh          the cells and their estimated times; no GPU
@@ -14,8 +14,8 @@
 # calls with one OUT each, merged by `python -m benchmarks.speed table OUT1 OUT2...`):
 #   SPEED_MODELS (resnet152,gpt), SPEED_REGIMES (nocap,capped), SPEED_NOCAP_FACTORS (1.5,2; the
 #   table's full set 1.25,1.5,2,4), SPEED_CAPPED_FACTORS (2; full 1.5,2,4), SPEED_METHODS
-#   (lms_hybrid,checkpoint,lms_paging; full lms,lms_hybrid,checkpoint,lms_paging,compile_budget,
-#   offload), SPEED_WARMUP (3), SPEED_ITERATIONS (10), SPEED_ARGS (more compare.py arguments,
+#   (lms,checkpoint,lms_paging: LMS's defaults, which recompute, and paging only; full
+#   lms,lms_hybrid,checkpoint,lms_paging,compile_budget,offload), SPEED_WARMUP (3), SPEED_ITERATIONS (10), SPEED_ARGS (more compare.py arguments,
 #   default --amp), SPEED_HOST_GIB (host memory no-cap rows may pin; default: what is
 #   available), TOTAL_S (540), OUT, PYTHON (python3), REBUILD=1 (rebuild torch_lms).
 # With no cap, LMS pins about the deficit plus 5% of the device: at 2x on an H200 about 146 GiB,
@@ -48,7 +48,7 @@ selection=(
   --regimes "${SPEED_REGIMES:-nocap,capped}"
   --nocap-factors "${SPEED_NOCAP_FACTORS:-1.5,2}"
   --capped-factors "${SPEED_CAPPED_FACTORS:-2}"
-  --methods "${SPEED_METHODS:-lms_hybrid,checkpoint,lms_paging}"
+  --methods "${SPEED_METHODS:-lms,checkpoint,lms_paging}"
   --warmup "${SPEED_WARMUP:-3}"
   --iterations "${SPEED_ITERATIONS:-10}"
   "--speed-args=${SPEED_ARGS---amp}"

@@ -258,7 +258,7 @@ def test_the_runner_prints_its_plan_without_a_gpu(tmp_path: Path) -> None:
     assert len(cells) == 18
     assert all(re.search(r" \d+ s, batch \d+$", line) for line in cells), cells
     nocap = [c.split()[-5] for c in cells if "no cap" in c][:6]
-    assert nocap == ["checkpoint", "lms_hybrid", "lms_paging"] * 2
+    assert nocap == ["checkpoint", "lms", "lms_paging"] * 2
     assert any("no cap, need 2x device" in c and "lms_paging" in c for c in cells)
     assert any("cap 1/2 of the peak" in c and "checkpoint" in c for c in cells)
     assert "budget of 540 s" in out and out.strip().splitlines()[-1].startswith("total about")
