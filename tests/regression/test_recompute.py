@@ -418,6 +418,40 @@ def test_a_foreach_write_to_an_input_recomputes_its_dependents_first() -> None:
     assert torch.equal(y.cpu(), want)
 
 
+def test_a_cuda_graph_captures_while_recipes_are_recorded() -> None:
+    """Recording a recipe times its operator with CUDA events, whose queries are illegal
+    while a CUDA graph capture is under way, and a graph's memory is never dropped anyway:
+    operators captured into a graph record no recipe, the capture and its replays work, and
+    the same product outside the capture still gets a recipe and is dropped."""
+    _on()  # recompute on; its bus measurement is a reclaim, so recipes are recorded
+    x, w = _small(81, 4096, 32), _small(82, 32, 4096)
+
+    def op() -> torch.Tensor:
+        return x @ w  # 64 MiB, a recipe of two resident inputs
+
+    _warm(op)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as graph capture asks
+        op()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = op()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = op()
+    assert torch.equal(captured, want)
+    torch.cuda.synchronize()
+    torch.cuda.reset_accumulated_lms_stats()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(want) == "dropped"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, want)
+    del graph, captured
+
+
 def test_chains_of_replays_stay_short() -> None:
     """Five storages each made from the one before (a product, then gelus), all held: a
     reclaim drops no more of them in a row than three replays (kMaxChainReplays in

@@ -22,6 +22,7 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/LargeModelSupport.h>
 #include <c10/util/intrusive_ptr.h>
@@ -624,6 +625,14 @@ bool isCopy(const at::RecordFunction& fn) {
 
 CapturePtr capture(const at::RecordFunction& fn) {
   if (!engine::isRecordingRecipes() || t_replaying > 0) {
+    return nullptr;
+  }
+  // Nothing a CUDA graph capture makes is ever dropped (the graph bakes in
+  // its addresses, and its memory is a private pool's), and a timing's event
+  // queries are illegal while a capture is under way: compiled code in
+  // mode="reduce-overhead" records no recipes.
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
+      c10::cuda::CaptureStatus::None) {
     return nullptr;
   }
   const auto& name = fn.operator_name();
