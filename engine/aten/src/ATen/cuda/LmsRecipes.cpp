@@ -627,14 +627,6 @@ CapturePtr capture(const at::RecordFunction& fn) {
   if (!engine::isRecordingRecipes() || t_replaying > 0) {
     return nullptr;
   }
-  // Nothing a CUDA graph capture makes is ever dropped (the graph bakes in
-  // its addresses, and its memory is a private pool's), and a timing's event
-  // queries are illegal while a capture is under way: compiled code in
-  // mode="reduce-overhead" records no recipes.
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
-      c10::cuda::CaptureStatus::None) {
-    return nullptr;
-  }
   const auto& name = fn.operator_name();
   if (name.has_value() && isInPlaceStep(*name)) {
     return captureStep(fn, /*derives=*/false);
@@ -650,6 +642,15 @@ CapturePtr capture(const at::RecordFunction& fn) {
   }
   const OperatorInfo& info = infoOf(*name);
   if (!info.pure || !info.handle.has_value()) {
+    return nullptr;
+  }
+  // Nothing a CUDA graph capture makes is ever dropped (the graph bakes in
+  // its addresses, and its memory is a private pool's), and a timing's event
+  // queries are illegal while a capture is under way: compiled code in
+  // mode="reduce-overhead" records no recipes. (Steps and derived copies
+  // record no events, and graph memory is not LMS's: captureStep refuses it.)
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
+      c10::cuda::CaptureStatus::None) {
     return nullptr;
   }
   // Under autocast, the recipe of an operator autocast casts for is the
