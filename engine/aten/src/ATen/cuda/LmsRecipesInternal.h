@@ -197,14 +197,7 @@ struct Timing {
   // flight is priced by the earlier runs of its signature: the host runs
   // ahead of the device, so most candidates of a reclaim are in flight.
   double read() {
-    if (ms < 0.0 && end != nullptr) {
-      const cudaError_t done = cudaEventQuery(end);
-      if (done == cudaErrorNotReady) {
-        (void)cudaGetLastError(); // a status, not an error
-        const auto it = fastest().find(signature);
-        return it == fastest().end() ? -1.0 : it->second;
-      }
-      C10_CUDA_CHECK(done);
+    if (ms < 0.0 && end != nullptr && finished()) {
       float elapsed = 0.f;
       C10_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start, end));
       ms = std::max(0.0, static_cast<double>(elapsed));
@@ -221,6 +214,18 @@ struct Timing {
     return it == fastest().end()
         ? ms
         : (ms < 0.0 ? it->second : std::min(ms, it->second));
+  }
+
+ private:
+  // Whether the run's end event has been reached.
+  bool finished() const {
+    const cudaError_t done = cudaEventQuery(end);
+    if (done == cudaErrorNotReady) {
+      (void)cudaGetLastError(); // a status, not an error
+      return false;
+    }
+    C10_CUDA_CHECK(done);
+    return true;
   }
 };
 
