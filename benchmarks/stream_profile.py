@@ -15,7 +15,12 @@ events) and answers, per iteration:
 - copies queued on the compute stream itself (they stall compute by construction);
 - the host's time in the CUDA runtime calls that took longest in total (a
   ``cudaEventSynchronize`` or ``cudaStreamSynchronize`` there blocks the host, and with it
-  the launch of everything after it).
+  the launch of everything after it; a launch or event record that waits for room in a full
+  launch queue counts too, so a large figure there can also mean the host was far ahead);
+- what the host was doing while the whole GPU sat idle: the innermost operators it was in
+  (their own time, without the operators they called) and the runtime calls it was in, so a
+  gap is traced to the operator, the replay or the synchronizing call that held the launches
+  back.
 
 No torch is needed: ``benchmarks/compare.py --profile-iterations N`` runs the profiler and
 calls :func:`analyze`; it can also be run on a saved trace (``python -m
@@ -25,6 +30,7 @@ benchmarks.stream_profile TRACE.json --iterations N``).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
 from collections import defaultdict
@@ -113,6 +119,11 @@ class StreamBreakdown:
     copies_on_compute_ms: float = 0.0  # copies queued on the compute stream itself
     copies_on_compute_gib: float = 0.0
     runtime_calls_ms: dict[str, float] = field(default_factory=dict)  # host time, top calls
+    # While the whole GPU was idle: the host's innermost operators (own time; "outside
+    # operators" for the rest of the idle time no operator covered) and runtime calls. Summed
+    # over host threads: two threads in operators at once both count.
+    gpu_idle_host_ops_ms: dict[str, float] = field(default_factory=dict)
+    gpu_idle_runtime_calls_ms: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
         """A few lines for a log."""
@@ -131,6 +142,12 @@ class StreamBreakdown:
         if self.runtime_calls_ms:
             calls = ", ".join(f"{k} {v:.1f}" for k, v in self.runtime_calls_ms.items())
             lines.append(f"host in CUDA runtime calls (ms): {calls}")
+        if self.gpu_idle_host_ops_ms:
+            ops = ", ".join(f"{k} {v:.1f}" for k, v in self.gpu_idle_host_ops_ms.items())
+            lines.append(f"while the GPU sat idle, the host was in (ms): {ops}")
+        if self.gpu_idle_runtime_calls_ms:
+            calls = ", ".join(f"{k} {v:.1f}" for k, v in self.gpu_idle_runtime_calls_ms.items())
+            lines.append(f"while the GPU sat idle, in CUDA runtime calls (ms): {calls}")
         return "\n".join(lines)
 
     def record(self) -> dict[str, object]:
@@ -139,7 +156,71 @@ class StreamBreakdown:
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")
+# Host-side operator events: ATen operators and record_function ranges. The profiler's own
+# per-step ranges (ProfilerStep#N) span everything and say nothing.
+HOST_OP_CATEGORIES = ("cpu_op", "user_annotation")
+OUTSIDE_OPERATORS = "outside operators"
 GiB = 1024**3
+
+
+class Coverage:
+    """How much of an interval sorted, disjoint ``intervals`` cover, in O(log n) a query."""
+
+    def __init__(self, intervals: Sequence[Interval]) -> None:
+        self.starts = [s for s, _ in intervals]
+        self.ends = [e for _, e in intervals]
+        self.before = [0.0]  # total length of the intervals before index i
+        for s, e in intervals:
+            self.before.append(self.before[-1] + e - s)
+
+    def covered(self, start: float, end: float) -> float:
+        if end <= start or not self.starts:
+            return 0.0
+        # The intervals that may overlap: from the last one starting at or before `start`
+        # to the last one starting before `end`.
+        first = max(bisect.bisect_right(self.starts, start) - 1, 0)
+        last = bisect.bisect_left(self.starts, end)
+        if last <= first:
+            return 0.0
+        total = self.before[last] - self.before[first]
+        total -= max(0.0, min(start, self.ends[first]) - self.starts[first])  # cut the head
+        total -= max(0.0, self.ends[last - 1] - end)  # and the tail
+        return max(total, 0.0)
+
+
+def host_during(
+    ops: Sequence[tuple[object, float, float, str]], idle: Sequence[Interval]
+) -> dict[str, float]:
+    """Microseconds of ``idle`` each innermost host operator covered, by name: an operator's
+    own time (without the operators nested in it on its thread) within ``idle``, plus
+    ``OUTSIDE_OPERATORS``: the idle time no operator of any thread covered. ``ops`` are
+    ``(thread, start, end, name)``."""
+    cover = Coverage(idle)
+    out: dict[str, float] = defaultdict(float)
+    by_thread: dict[object, list[tuple[float, float, str]]] = defaultdict(list)
+    for tid, start, end, name in ops:
+        by_thread[tid].append((start, end, name))
+    for spans in by_thread.values():
+        # Parents before children: by start, the longer first.
+        spans.sort(key=lambda op: (op[0], -op[1]))
+        stack: list[tuple[float, str]] = []  # (end, name) of the open operators
+        for start, end, name in spans:
+            while stack and stack[-1][0] <= start:
+                stack.pop()
+            inside = cover.covered(start, end)
+            out[name] += inside
+            if stack:  # the parent's own time excludes this child
+                out[stack[-1][1]] -= inside
+            stack.append((end, name))
+    covered_by_ops = merge((start, end) for _, start, end, _ in ops)
+    out[OUTSIDE_OPERATORS] = length(subtract(list(idle), covered_by_ops))
+    return {k: v for k, v in out.items() if v > 0.0}
+
+
+def _top(totals: dict[str, float], n: int, iterations: int) -> dict[str, float]:
+    """The ``n`` largest of ``totals`` (microseconds), in milliseconds per iteration."""
+    top = sorted(totals.items(), key=lambda kv: -kv[1])[:n]
+    return {k: v / 1000 / iterations for k, v in top}
 
 
 def _direction(name: str) -> str:
@@ -164,6 +245,8 @@ def analyze(trace: dict[str, object], iterations: int, top_calls: int = 6) -> St
     by_stream: dict[int, list[Interval]] = defaultdict(list)
     copies: dict[str, list[tuple[int, Interval, float]]] = {"d2h": [], "h2d": []}
     calls: dict[str, float] = defaultdict(float)
+    call_spans: list[tuple[object, float, float, str]] = []
+    host_ops: list[tuple[object, float, float, str]] = []
     for ev in events:
         if not isinstance(ev, dict) or ev.get("ph") != "X":
             continue
@@ -175,6 +258,12 @@ def analyze(trace: dict[str, object], iterations: int, top_calls: int = 6) -> St
             continue
         if cat in RUNTIME_CATEGORIES:
             calls[str(ev.get("name", "?"))] += end - start
+            call_spans.append((ev.get("tid"), start, end, str(ev.get("name", "?"))))
+            continue
+        if cat in HOST_OP_CATEGORIES:
+            name = str(ev.get("name", "?"))
+            if not name.startswith("ProfilerStep"):
+                host_ops.append((ev.get("tid"), start, end, name))
             continue
         if cat not in GPU_CATEGORIES:
             continue
@@ -220,6 +309,12 @@ def analyze(trace: dict[str, object], iterations: int, top_calls: int = 6) -> St
     h2d_spans = merge(iv for _, iv, _ in copies["h2d"])
     on_compute = [(iv, b) for d in copies.values() for stream, iv, b in d if stream == compute]
     top = sorted(calls.items(), key=lambda kv: -kv[1])[:top_calls]
+    gpu_idle = subtract(idle_rest, other)
+    # Calls do not nest, so each one's time within the idle time is its own.
+    cover = Coverage(gpu_idle)
+    idle_calls: dict[str, float] = defaultdict(float)
+    for _, start, end, name in call_spans:
+        idle_calls[name] += cover.covered(start, end)
     return StreamBreakdown(
         iterations=iterations,
         span_ms=(span[1] - span[0]) / 1000 / n,
@@ -235,6 +330,10 @@ def analyze(trace: dict[str, object], iterations: int, top_calls: int = 6) -> St
         copies_on_compute_ms=length(merge(iv for iv, _ in on_compute)) / 1000 / n,
         copies_on_compute_gib=sum(b for _, b in on_compute) / GiB / n,
         runtime_calls_ms={k: v / 1000 / n for k, v in top},
+        gpu_idle_host_ops_ms=_top(host_during(host_ops, gpu_idle), top_calls + 2, iterations),
+        gpu_idle_runtime_calls_ms=_top(
+            {k: v for k, v in idle_calls.items() if v > 0.0}, top_calls, iterations
+        ),
     )
 
 

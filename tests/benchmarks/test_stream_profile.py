@@ -90,6 +90,55 @@ def test_idle_time_is_split_by_what_the_rest_of_the_gpu_did() -> None:
     assert b.runtime_calls_ms["cudaEventSynchronize"] == pytest.approx(0.1)
 
 
+def op(name: str, ts: float, dur: float, tid: int = 1, cat: str = "cpu_op") -> dict[str, object]:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": {}}
+
+
+def test_gpu_idle_time_is_traced_to_the_host_operator_and_call_it_was_in() -> None:
+    # The GPU runs 0-100, 300-400 and 600-1000: idle 100-300 and 400-600. Thread 1 runs
+    # aten::linear 50-350, inside it aten::mm 120-180 (whose cudaStreamSynchronize takes
+    # 130-170), then aten::add 450-500; thread 2 runs aten::relu 500-550. Nothing covers
+    # 400-450 and 550-600.
+    events = [
+        kernel(7, 0, 100),
+        kernel(7, 300, 100),
+        kernel(7, 600, 400),
+        op("ProfilerStep#3", 0, 1000),
+        op("aten::linear", 50, 300),
+        op("aten::mm", 120, 60),
+        call("cudaStreamSynchronize", 130, 40),
+        call("cudaLaunchKernel", 320, 5),
+        op("aten::add", 450, 50),
+        op("aten::relu", 500, 50, tid=2),
+    ]
+    b = analyze({"traceEvents": events}, iterations=1)
+    assert b.idle_gpu_idle_ms == pytest.approx(0.4)
+    ops = b.gpu_idle_host_ops_ms
+    # linear's own share: 100-300 less mm's 120-180
+    assert ops["aten::linear"] == pytest.approx(0.14)
+    assert ops["aten::mm"] == pytest.approx(0.06)
+    assert ops["aten::add"] == pytest.approx(0.05)
+    assert ops["aten::relu"] == pytest.approx(0.05)
+    assert ops[stream_profile.OUTSIDE_OPERATORS] == pytest.approx(0.1)
+    assert not any(name.startswith("ProfilerStep") for name in ops)
+    assert next(iter(ops)) == "aten::linear"  # largest first
+    calls = b.gpu_idle_runtime_calls_ms
+    assert calls == pytest.approx({"cudaStreamSynchronize": 0.04})  # the launch is in a busy span
+    summary = b.summary()
+    assert "while the GPU sat idle, the host was in (ms): aten::linear 0.1" in summary
+    assert "cudaStreamSynchronize 0.0" in summary
+
+
+def test_coverage_of_an_interval() -> None:
+    cover = stream_profile.Coverage([(0, 10), (20, 30), (40, 50)])
+    assert cover.covered(5, 45) == pytest.approx(5 + 10 + 5)
+    assert cover.covered(10, 20) == 0
+    assert cover.covered(-5, 100) == 30
+    assert cover.covered(25, 26) == 1
+    assert cover.covered(55, 60) == 0
+    assert stream_profile.Coverage([]).covered(0, 1) == 0
+
+
 def test_copies_on_the_compute_stream_count_as_its_busy_time() -> None:
     events = [kernel(7, 0, 100), memcpy(7, 100, 50, GiB, "HtoD"), kernel(7, 150, 100)]
     b = analyze({"traceEvents": events}, iterations=1)
