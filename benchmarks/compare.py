@@ -435,6 +435,8 @@ class Measurement:
     # inactive paged out so that their tensors fit in as few pages as they need). None where
     # the statistics lack the key.
     pack_count_per_iter: float | None = None
+    # Large allocations LMS placed before the allocator tried them (fragment_placements).
+    placements_per_iter: float | None = None
     # LMS rows: whether recompute was on (get_recompute_lms after the row's setting; None
     # where the build cannot say). compile_budget rows: the activation_memory_budget used.
     recompute_on: bool | None = None
@@ -2714,9 +2716,14 @@ def profile_steps(
 def record_packing(
     m: Measurement, before: dict[str, Any], after: dict[str, Any], iterations: int
 ) -> None:
-    """The operators packed per timed iteration, where LMS's statistics count them."""
+    """The operators packed and the large allocations placed ahead per timed iteration, where
+    LMS's statistics count them."""
     if "pack_count" in after and "pack_count" in before:
         m.pack_count_per_iter = (after["pack_count"] - before["pack_count"]) / iterations
+    if "fragment_placements" in after and "fragment_placements" in before:
+        m.placements_per_iter = (
+            after["fragment_placements"] - before["fragment_placements"]
+        ) / iterations
 
 
 def describe(m: Measurement) -> str:
@@ -2745,6 +2752,8 @@ def describe(m: Measurement) -> str:
         parts.append(f"{m.pagein_demand_count_per_iter:.0f} page-ins on demand per iter")
     if m.pack_count_per_iter:
         parts.append(f"{m.pack_count_per_iter:g} operators packed per iter")
+    if m.placements_per_iter:
+        parts.append(f"{m.placements_per_iter:g} large allocations placed ahead per iter")
     if m.peak_allocated_bytes is not None:
         parts.append(f"peak {m.peak_allocated_bytes / GiB:.2f} GiB")
     if m.oom_retries:

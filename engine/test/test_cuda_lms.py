@@ -37,6 +37,7 @@ COUNTERS = (
     "pack_bytes",
     "workspace_releases",
     "fragment_reclaims",
+    "fragment_placements",
     "host_placement_count",
     "host_placement_bytes",
     "input_host_placement_count",

@@ -1320,10 +1320,46 @@ TEST_CASE(an_operator_that_allocates_nothing_is_not_packed) {
 }
 
 // A failed allocation pages out the storage that holds the range the request
-// fits in, not the least recently used one: X (24 MiB, used longest ago) has
-// a segment of its own; Z (4 MiB) sits at the start of a 30 MiB segment whose
-// other 26 MiB are free. A 28 MiB request fits in Z's segment once Z is out.
+// fits in, not the least recently used one: X (12 MiB, used longest ago) has
+// a segment of its own; Z (4 MiB) sits at the start of an 18 MiB segment whose
+// other 14 MiB are free. A 15 MiB request fits in Z's segment once Z is out.
+// It is below the size placed before the allocator tries it (the next test),
+// so the allocator fails first.
 TEST_CASE(a_failed_allocation_pages_out_the_storage_in_its_way) {
+  Env env(40 * kMiB);
+  {
+    const CapAboveBaseline cap(40 * kMiB);
+    auto x = newStorage(12 * kMiB);
+    auto y = newStorage(18 * kMiB);
+    y.reset(); // its segment stays cached, free
+    auto z = newStorage(4 * kMiB); // carved out of y's segment
+    write(*x, 1);
+    write(*z, 2);
+    lms::releaseOutput(*x); // least recently used first
+    lms::releaseOutput(*z);
+    const auto before = lms::getStats(0);
+    auto d = newStorage(15 * kMiB); // 31 MiB of tensors, 45 MiB of segments
+    write(*d, 3);
+    const auto after = lms::getStats(0);
+    CHECK_EQ(after.fragment_reclaims, before.fragment_reclaims + 1);
+    CHECK_EQ(after.fragment_placements, before.fragment_placements);
+    CHECK_EQ(after.pageout_bytes - before.pageout_bytes, int64_t(4 * kMiB));
+    CHECK(lms::getState(*z) == lms::StorageState::PagedOut);
+    CHECK(lms::getState(*x) == lms::StorageState::Inactive);
+    CHECK(matches(*x, 1));
+    CHECK(matches(*z, 2));
+    CHECK(matches(*d, 3));
+  }
+  env.checkBaseline();
+}
+
+// A large request on a device the allocator cannot grow on is placed before
+// the allocator tries it: the storage in the way of the run it fits in is
+// paged out first, and the allocator never fails (failing, it would return its
+// whole cache to the device, synchronizing it). The layout of the test above
+// at twice the size: X (24 MiB) in a segment of its own, Z (4 MiB) at the
+// start of a 30 MiB segment, a 28 MiB request.
+TEST_CASE(a_large_request_on_a_full_device_is_placed_ahead) {
   Env env(64 * kMiB);
   {
     const CapAboveBaseline cap(64 * kMiB);
@@ -1339,13 +1375,24 @@ TEST_CASE(a_failed_allocation_pages_out_the_storage_in_its_way) {
     auto d = newStorage(28 * kMiB); // 56 MiB of tensors, 78 MiB of segments
     write(*d, 3);
     const auto after = lms::getStats(0);
-    CHECK_EQ(after.fragment_reclaims, before.fragment_reclaims + 1);
+    CHECK_EQ(after.fragment_placements, before.fragment_placements + 1);
+    CHECK_EQ(after.fragment_reclaims, before.fragment_reclaims);
+    CHECK_EQ(after.reclaim_alloc_failure, before.reclaim_alloc_failure);
     CHECK_EQ(after.pageout_bytes - before.pageout_bytes, int64_t(4 * kMiB));
     CHECK(lms::getState(*z) == lms::StorageState::PagedOut);
     CHECK(lms::getState(*x) == lms::StorageState::Inactive);
     CHECK(matches(*x, 1));
     CHECK(matches(*z, 2));
     CHECK(matches(*d, 3));
+    // A free run that holds the request: nothing is moved ahead.
+    d.reset();
+    const auto again = lms::getStats(0);
+    auto e = newStorage(28 * kMiB);
+    write(*e, 4);
+    const auto last = lms::getStats(0);
+    CHECK_EQ(last.fragment_placements, again.fragment_placements);
+    CHECK_EQ(last.pageout_bytes, again.pageout_bytes);
+    CHECK(matches(*e, 4));
   }
   env.checkBaseline();
 }

@@ -166,10 +166,12 @@ def lms_summary(stats: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# lms_stats() counters an engine may lack: failed allocations placed by paging out the
-# storages that held a range the request fits in; the copies timed each way.
+# lms_stats() counters an engine may lack: allocations (failed ones, or large ones ahead of
+# the allocator) placed by paging out the storages that held a range the request fits in;
+# the copies timed each way.
 OPTIONAL_STATS = (
     "fragment_reclaims",
+    "fragment_placements",
     "host_placement_count",
     "host_placement_bytes",
     "input_host_placement_count",

@@ -42,6 +42,7 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "pack_bytes": 8 * MiB,
         "workspace_releases": 1,
         "fragment_reclaims": 1,
+        "fragment_placements": 2,
         "host_placement_count": 1,
         "host_placement_bytes": 40 * MiB,
         "input_host_placement_count": 1,
@@ -500,7 +501,7 @@ def test_summary_lines_format(lms: ModuleType) -> None:
     # 2 GiB in 40 ms out; nothing timed in yet.
     assert "Copies: out 53.7 GB/s, in none timed | Recomputing: 2.5 ms" in text
     assert "1 at limit" in text and "1 explicit" in text
-    assert "Failed allocations placed by paging out a range: 1" in text
+    assert "Allocations placed by paging out a range: 1 failed, 2 ahead" in text
     assert "Operators packed: 1 (8192 KiB paged out); workspaces freed: 1" in text
     assert "Prefetched: 4 (3 hits)" in text
     assert "Host budget: 98304 MiB, LMS processes hold 40960 KiB, refused 2" in text

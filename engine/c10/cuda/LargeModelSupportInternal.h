@@ -53,6 +53,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -498,7 +499,14 @@ void releaseDeviceMemory(DeviceEngine& e, Record& r, bool in_deleter);
 extern thread_local bool t_host_refused;
 size_t reclaim(DeviceEngine& e, size_t bytes, Trigger trigger);
 std::unordered_map<uintptr_t, Record*> residentReclaimable(DeviceEngine& e);
-size_t reclaimFragments(DeviceEngine& e, size_t size, cudaStream_t stream);
+// A storage dropped, not copied, counts this share of its bytes in the cost
+// of a run placeAhead vacates: its replay is priced below its paging.
+constexpr size_t kDropCostShare = 8;
+size_t reclaimFragments(
+    DeviceEngine& e,
+    size_t size,
+    cudaStream_t stream,
+    std::optional<size_t> max_cost = std::nullopt);
 size_t drainPageOuts(DeviceEngine& e, size_t bytes);
 void rescueDrained(DeviceEngine& e, Record& r);
 int64_t pageOutVictims(

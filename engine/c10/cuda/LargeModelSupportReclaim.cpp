@@ -437,10 +437,30 @@ std::unordered_map<uintptr_t, Record*> residentReclaimable(DeviceEngine& e) {
 // mapped; the allocator then returns its cache to the device and tries again,
 // and so on until everything reclaimable is out. Returns the bytes freed, 0
 // when no such run exists (or the allocator cannot tell).
-size_t reclaimFragments(DeviceEngine& e, size_t size, cudaStream_t stream) {
+//
+// With `max_cost` set, before the allocation (placeAhead): 0, nothing
+// moved, when a free run already holds the request or the cheapest run costs
+// more than `max_cost`. The cost then counts a storage whose replay was
+// priced below its paging (it is dropped, not copied) at 1/kDropCostShare of
+// its bytes.
+size_t reclaimFragments(
+    DeviceEngine& e,
+    size_t size,
+    cudaStream_t stream,
+    std::optional<size_t> max_cost) {
   if (size <= kMiB) {
     return 0; // the small pool: its 2 MiB segments do not fragment this way
   }
+  const bool ahead = max_cost.has_value();
+  const double paging_per_byte = ahead ? pagingCost(e, kMiB) / kMiB : -1.0;
+  // What moving `r` out costs, in bytes.
+  const auto costOf = [&](const Record* r) -> size_t {
+    const bool dropped = ahead && r->recomputable && r->stream_known &&
+        r->replay_ms >= 0.0 && paging_per_byte > 0.0 &&
+        r->replay_ms < paging_per_byte * static_cast<double>(r->size) &&
+        g_recompute.load(std::memory_order_relaxed);
+    return dropped ? r->size / kDropCostShare : r->size;
+  };
   const std::vector<SegmentMap> maps = backend().segments(e.device, stream);
   if (maps.empty()) {
     return 0;
@@ -481,11 +501,14 @@ size_t reclaimFragments(DeviceEngine& e, size_t size, cudaStream_t stream) {
           continue;
         }
         bytes += block;
-        cost += allocated ? block : 0;
+        cost += allocated ? costOf(owner[hi]) : 0;
         while (lo < hi && bytes - map.blocks[lo].first >= size) {
           bytes -= map.blocks[lo].first;
-          cost -= map.blocks[lo].second ? map.blocks[lo].first : 0;
+          cost -= map.blocks[lo].second ? costOf(owner[lo]) : 0;
           ++lo;
+        }
+        if (bytes >= size && cost == 0 && ahead) {
+          return 0; // the allocator has a free run for it
         }
         if (bytes >= size && cost > 0 && cost < best_cost) {
           best_map = &map;
@@ -495,7 +518,7 @@ size_t reclaimFragments(DeviceEngine& e, size_t size, cudaStream_t stream) {
         }
       }
     }
-    if (best_map == nullptr) {
+    if (best_map == nullptr || (ahead && best_cost > *max_cost)) {
       return 0;
     }
     uintptr_t address = best_map->base;
@@ -508,7 +531,7 @@ size_t reclaimFragments(DeviceEngine& e, size_t size, cudaStream_t stream) {
       }
       address += best_map->blocks[i].first;
     }
-    countReclaim(e, Trigger::AllocFailure);
+    countReclaim(e, ahead ? Trigger::Limit : Trigger::AllocFailure);
   }
   // The victims after the i-th go back, resident, when it cannot go out.
   auto put_back_after = [&](size_t i) {
@@ -537,7 +560,7 @@ size_t reclaimFragments(DeviceEngine& e, size_t size, cudaStream_t stream) {
   }
   if (freed > 0) {
     std::lock_guard<std::mutex> lock(e.mutex);
-    ++e.stats.fragment_reclaims;
+    ++(ahead ? e.stats.fragment_placements : e.stats.fragment_reclaims);
   }
   return freed;
 }

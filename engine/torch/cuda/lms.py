@@ -145,6 +145,7 @@ _COUNTER_KEYS = (
     "pack_bytes",
     "workspace_releases",
     "fragment_reclaims",
+    "fragment_placements",
     "host_placement_count",
     "host_placement_bytes",
     "input_host_placement_count",
@@ -1091,7 +1092,10 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       allocation would pass the limit, the speculative margin was crossed, the
       device allocation failed, :func:`reclaim_inactive`); ``fragment_reclaims``:
       failed allocations placed by paging out the storages that held a range of
-      the allocator's memory the request fits in; ``pack_count`` and
+      the allocator's memory the request fits in; ``fragment_placements``:
+      large allocations on a device the allocator could not grow on, placed
+      the same way before the allocator tried them (it would have returned its
+      whole cache to the device, synchronizing it); ``pack_count`` and
       ``pack_bytes``: operators expected to need most of the device, for which
       every inactive storage (their own inputs included) was paged out and the
       cached free memory returned before they pinned their inputs, so that
@@ -1400,9 +1404,8 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
         f"{counters['reclaim_explicit']} explicit".ljust(_WIDTH)
     )
     lines.append(
-        f" Failed allocations placed by paging out a range: {counters['fragment_reclaims']}".ljust(
-            _WIDTH
-        )
+        f" Allocations placed by paging out a range: {counters['fragment_reclaims']} failed, "
+        f"{counters['fragment_placements']} ahead".ljust(_WIDTH)
     )
     lines.append(
         f" Operators packed: {counters['pack_count']} "
