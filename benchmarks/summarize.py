@@ -1218,6 +1218,7 @@ README_TABLES: dict[str, tuple[str, ...]] = {
         "benchmarks/results/matrix/2026-11-27-h200x2-b5bf71f",
         "benchmarks/results/matrix/2026-11-27-h200x4-fee98d9",
         "benchmarks/results/matrix/2026-11-28-h200x2-e0df2d5",
+        "benchmarks/results/matrix/2026-12-07-h100-25bc6c4",
         "benchmarks/results/processes/2026-11-28-h200-ac633fc/disk-tier",
     ),
     "capped": ("benchmarks/results/compare/2026-11-24-h100-unrecorded",),
@@ -1229,6 +1230,7 @@ README_TABLES: dict[str, tuple[str, ...]] = {
         "benchmarks/results/speed/2026-12-07-h100-9253865/speed-gpt",
         "benchmarks/results/speed/2026-12-07-h100-9253865/speed-resnet",
         "benchmarks/results/speed/2026-12-07-h100-fa218d6/gpt-lms-default",
+        "benchmarks/results/speed/2026-12-07-h100-25bc6c4",
     ),
 }
 # The speed table (benchmarks/speed.py, scripts/gpu/run-speed.sh) is written by --tables once
