@@ -34,6 +34,7 @@
 #include <mutex>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 // Test-control API of the simulated GPU. Weak: a real CUDA runtime has none
@@ -1319,6 +1320,24 @@ TEST_CASE(an_operator_that_allocates_nothing_is_not_packed) {
   env.checkBaseline();
 }
 
+// The layout of the tests of runs of blocks below: X (holding 1s) in a
+// segment of its own, then Z (holding 2s) at the start of a cached free
+// segment of `run` bytes; both inactive, X used longest ago.
+std::pair<StoragePtr, StoragePtr> storageBeforeAFreeRun(
+    size_t x_bytes,
+    size_t run,
+    size_t z_bytes) {
+  auto x = newStorage(x_bytes);
+  auto y = newStorage(run);
+  y.reset(); // its segment stays cached, free
+  auto z = newStorage(z_bytes); // carved out of y's segment
+  write(*x, 1);
+  write(*z, 2);
+  lms::releaseOutput(*x); // least recently used first
+  lms::releaseOutput(*z);
+  return {std::move(x), std::move(z)};
+}
+
 // A failed allocation pages out the storage that holds the range the request
 // fits in, not the least recently used one: X (12 MiB, used longest ago) has
 // a segment of its own; Z (4 MiB) sits at the start of an 18 MiB segment whose
@@ -1329,14 +1348,7 @@ TEST_CASE(a_failed_allocation_pages_out_the_storage_in_its_way) {
   Env env(40 * kMiB);
   {
     const CapAboveBaseline cap(40 * kMiB);
-    auto x = newStorage(12 * kMiB);
-    auto y = newStorage(18 * kMiB);
-    y.reset(); // its segment stays cached, free
-    auto z = newStorage(4 * kMiB); // carved out of y's segment
-    write(*x, 1);
-    write(*z, 2);
-    lms::releaseOutput(*x); // least recently used first
-    lms::releaseOutput(*z);
+    auto [x, z] = storageBeforeAFreeRun(12 * kMiB, 18 * kMiB, 4 * kMiB);
     const auto before = lms::getStats(0);
     auto d = newStorage(15 * kMiB); // 31 MiB of tensors, 45 MiB of segments
     write(*d, 3);
@@ -1363,14 +1375,7 @@ TEST_CASE(a_large_request_on_a_full_device_is_placed_ahead) {
   Env env(64 * kMiB);
   {
     const CapAboveBaseline cap(64 * kMiB);
-    auto x = newStorage(24 * kMiB);
-    auto y = newStorage(30 * kMiB);
-    y.reset(); // its segment stays cached, free
-    auto z = newStorage(4 * kMiB); // carved out of y's segment
-    write(*x, 1);
-    write(*z, 2);
-    lms::releaseOutput(*x); // least recently used first
-    lms::releaseOutput(*z);
+    auto [x, z] = storageBeforeAFreeRun(24 * kMiB, 30 * kMiB, 4 * kMiB);
     const auto before = lms::getStats(0);
     auto d = newStorage(28 * kMiB); // 56 MiB of tensors, 78 MiB of segments
     write(*d, 3);
@@ -1393,6 +1398,33 @@ TEST_CASE(a_large_request_on_a_full_device_is_placed_ahead) {
     CHECK_EQ(last.fragment_placements, again.fragment_placements);
     CHECK_EQ(last.pageout_bytes, again.pageout_bytes);
     CHECK(matches(*e, 4));
+  }
+  env.checkBaseline();
+}
+
+// A run that would move more than half the request beyond what the limit
+// needs is not vacated ahead: the allocator gets the request first. X (24
+// MiB, used longest ago) has a segment of its own; Z (20 MiB) sits at the
+// start of a 30 MiB segment. For a 28 MiB request the limit's reclaim pages X
+// out (least recently used); the only run is then Z's segment, 20 MiB to move
+// for a 28 MiB request, so nothing is placed ahead. The allocator fails, and
+// its failure path, which has no such bound, vacates the same run.
+TEST_CASE(a_run_dearer_than_half_the_request_is_not_vacated_ahead) {
+  Env env(64 * kMiB);
+  {
+    const CapAboveBaseline cap(64 * kMiB);
+    auto [x, z] = storageBeforeAFreeRun(24 * kMiB, 30 * kMiB, 20 * kMiB);
+    const auto before = lms::getStats(0);
+    auto d = newStorage(28 * kMiB); // 72 MiB of tensors: X goes
+    write(*d, 3);
+    const auto after = lms::getStats(0);
+    CHECK_EQ(after.fragment_placements, before.fragment_placements);
+    CHECK_EQ(after.fragment_reclaims, before.fragment_reclaims + 1);
+    CHECK(lms::getState(*x) == lms::StorageState::PagedOut);
+    CHECK(lms::getState(*z) == lms::StorageState::PagedOut);
+    CHECK(matches(*x, 1));
+    CHECK(matches(*z, 2));
+    CHECK(matches(*d, 3));
   }
   env.checkBaseline();
 }
