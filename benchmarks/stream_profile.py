@@ -20,7 +20,9 @@ events) and answers, per iteration:
 - what the host was doing while the whole GPU sat idle: the innermost operators it was in
   (their own time, without the operators they called) and the runtime calls it was in, so a
   gap is traced to the operator, the replay or the synchronizing call that held the launches
-  back.
+  back. The drop-in extension marks its part of an allocation (``lms::allocate``) and, inside
+  it, the caching allocator's own malloc (``lms::caching_allocator_malloc``), so an
+  allocation's idle time splits into LMS's reclaim and the allocator's.
 
 No torch is needed: ``benchmarks/compare.py --profile-iterations N`` runs the profiler and
 calls :func:`analyze`; it can also be run on a saved trace (``python -m

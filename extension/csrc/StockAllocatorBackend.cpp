@@ -1,5 +1,6 @@
 #include "StockAllocatorBackend.h"
 
+#include <ATen/record_function.h>
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -37,6 +38,13 @@ namespace {
 
 namespace alloc = c10::cuda::CUDACachingAllocator;
 namespace lms = c10::cuda::lms;
+
+// Profiler ranges (user annotations of torch.profiler) around LMS's handling
+// of an allocation and, inside it, the caching allocator's own malloc, so
+// that a profile tells the host time of each apart where the device sits idle
+// (benchmarks/stream_profile.py). Recorded only while a profiler runs.
+constexpr const char* kAllocateRange = "lms::allocate";
+constexpr const char* kMallocRange = "lms::caching_allocator_malloc";
 
 // The page in which the stock allocator maps expandable segments of its large
 // pool (kLargeBuffer in CUDACachingAllocator.cpp, not exported).
@@ -248,7 +256,8 @@ class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
     // c10::OutOfMemoryError once its free list, a new segment and releasing
     // its cached blocks (which gives them back to other processes too) have
     // all failed; the engine then pages out and retries.
-    c10::cuda::CUDAGuard guard(device);
+    RECORD_USER_SCOPE(kMallocRange); // a local named `guard`
+    c10::cuda::CUDAGuard device_guard(device);
     return stock_->raw_alloc_with_stream(size, stream);
   }
 
@@ -407,6 +416,7 @@ class LmsAllocator final : public alloc::CUDAAllocator {
       return inPrivatePool(
           device, size, [&] { return stock_->allocate(size); });
     }
+    RECORD_USER_SCOPE(kAllocateRange);
     return lms::allocate(
         device, size, c10::cuda::getCurrentCUDAStream(device).stream());
   }
@@ -428,6 +438,7 @@ class LmsAllocator final : public alloc::CUDAAllocator {
         return stock_->raw_alloc_with_stream(size, stream);
       });
     }
+    RECORD_USER_SCOPE(kAllocateRange);
     return lms::allocateRaw(device, size, stream);
   }
 

@@ -5,8 +5,10 @@ resident at once. Each case checks the contents it ends with, not only that it d
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -91,6 +93,44 @@ def test_a_limit_is_a_limit(record: Callable[[str, Any], None]) -> None:
         assert timed["copy_out_ms"] > 0.0, lms_summary(timed)
         record("copy_out_gb_per_s", timed["copy_out_bytes"] / (timed["copy_out_ms"] * 1e6))
     record("lms", lms_summary(stats))
+
+
+def test_a_profile_names_the_allocations_lms_reclaims_for(tmp_path: Path) -> None:
+    """Under ``torch.profiler`` the drop-in marks its part of an allocation
+    (``lms::allocate``) and, inside it, the caching allocator's malloc
+    (``lms::caching_allocator_malloc``): 16 tensors of 128 MiB under a 1 GiB limit page out,
+    and every allocation of theirs shows both ranges, the allocator's inside LMS's."""
+    from lmsbench.lms_setup import ensure_lms_api
+
+    if ensure_lms_api() != "extension":
+        pytest.skip("the profiler ranges are the drop-in extension's")
+    torch.cuda.set_enabled_lms(True)
+    torch.cuda.set_limit_lms(1 * GiB)
+    before = torch.cuda.lms_stats()["pageout_bytes"]
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        xs = [_filled(float(i), 128 * MiB) for i in range(16)]
+        torch.cuda.synchronize()
+    stats = torch.cuda.lms_stats()
+    assert stats["pageout_bytes"] - before >= 512 * MiB, lms_summary(stats)
+    trace = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = [
+        e
+        for e in json.loads(trace.read_text())["traceEvents"]
+        if e.get("ph") == "X" and str(e.get("name", "")).startswith("lms::")
+    ]
+    outer = [e for e in events if e["name"] == "lms::allocate"]
+    inner = [e for e in events if e["name"] == "lms::caching_allocator_malloc"]
+    assert len(outer) >= 16, sorted({e["name"] for e in events})
+    assert len(inner) >= 16, sorted({e["name"] for e in events})
+    for e in inner:  # each malloc lies inside an allocation of LMS
+        start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+        assert any(
+            float(o["ts"]) <= start and end <= float(o["ts"]) + float(o.get("dur", 0.0))
+            for o in outer
+        ), e
+    assert _values(xs) == [float(i) for i in range(16)]
 
 
 def _has_input_placement() -> bool:
