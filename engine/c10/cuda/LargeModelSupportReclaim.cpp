@@ -452,13 +452,16 @@ size_t reclaimFragments(
     return 0; // the small pool: its 2 MiB segments do not fragment this way
   }
   const bool ahead = max_cost.has_value();
-  const double paging_per_byte = ahead ? pagingCost(e, kMiB) / kMiB : -1.0;
+  // Read once: a window's cost is added and taken off block by block, and
+  // must take off what it added (the fields below change under e.mutex only).
+  const double paging_per_byte = ahead && g_recompute.load()
+      ? pagingCost(e, kMiB) / static_cast<double>(kMiB)
+      : -1.0;
   // What moving `r` out costs, in bytes.
   const auto costOf = [&](const Record* r) -> size_t {
-    const bool dropped = ahead && r->recomputable && r->stream_known &&
-        r->replay_ms >= 0.0 && paging_per_byte > 0.0 &&
-        r->replay_ms < paging_per_byte * static_cast<double>(r->size) &&
-        g_recompute.load(std::memory_order_relaxed);
+    const bool dropped = paging_per_byte > 0.0 && r->recomputable &&
+        r->stream_known && r->replay_ms >= 0.0 &&
+        r->replay_ms < paging_per_byte * static_cast<double>(r->size);
     return dropped ? r->size / kDropCostShare : r->size;
   };
   const std::vector<SegmentMap> maps = backend().segments(e.device, stream);
