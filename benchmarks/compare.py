@@ -2531,7 +2531,8 @@ def train_measure(
             record_host_memory(m, after if lms is not None else None, rss_reset)
             if args.profile_iterations and m.method in PROFILED_METHODS:
                 try:
-                    m.profile = profile_steps(one_step, step, args.profile_iterations, log)
+                    row = m.method + (f" x{m.factor:g}" if m.factor else "")
+                    m.profile = profile_steps(one_step, step, args.profile_iterations, log, row)
                 except Exception as exc:  # the row's figures stand without a profile
                     log(f"      profile failed: {type(exc).__name__}: {exc}")
         if lms is not None and after is not None and "limit_bytes" in after:
@@ -2689,10 +2690,15 @@ def record_host_memory(m: Measurement, lms_after: dict[str, Any] | None, rss_res
 
 
 def profile_steps(
-    one_step: Callable[[int], None], first: int, iterations: int, log: Callable[[str], None]
+    one_step: Callable[[int], None],
+    first: int,
+    iterations: int,
+    log: Callable[[str], None],
+    label: str = "",
 ) -> dict[str, Any]:
     """Runs ``iterations`` more training steps under ``torch.profiler`` (CPU and CUDA
-    activity) and returns their stream breakdown (see stream_profile.py)."""
+    activity) and returns their stream breakdown (see stream_profile.py). Its lines are logged
+    before the row's own line, so they name the row (``label``)."""
     import tempfile
 
     import torch
@@ -2709,7 +2715,7 @@ def profile_steps(
         prof.export_chrome_trace(str(path))
         breakdown = analyze(json.loads(path.read_text()), iterations)
     for line in breakdown.summary().splitlines():
-        log(f"      profile: {line}")
+        log(f"      profile{f' of {label}' if label else ''}: {line}")
     return breakdown.record()
 
 
