@@ -1320,47 +1320,61 @@ TEST_CASE(an_operator_that_allocates_nothing_is_not_packed) {
   env.checkBaseline();
 }
 
-// The layout of the tests of runs of blocks below: X (holding 1s) in a
-// segment of its own, then Z (holding 2s) at the start of a cached free
-// segment of `run` bytes; both inactive, X used longest ago.
-std::pair<StoragePtr, StoragePtr> storageBeforeAFreeRun(
+// The tests of runs of blocks below: X (holding 1s) in a segment of its own,
+// then Z (holding 2s) at the start of a cached free segment of `run` bytes,
+// both inactive and X used longest ago; then a request D (holding 3s), with
+// the statistics before and after it.
+struct RunCase {
+  StoragePtr x;
+  StoragePtr z;
+  StoragePtr d;
+  lms::LmsStats before;
+  lms::LmsStats after;
+
+  bool contentsKept() const {
+    return matches(*x, 1) && matches(*z, 2) && matches(*d, 3);
+  }
+};
+
+RunCase requestBesideARun(
     size_t x_bytes,
     size_t run,
-    size_t z_bytes) {
-  auto x = newStorage(x_bytes);
+    size_t z_bytes,
+    size_t request) {
+  RunCase c;
+  c.x = newStorage(x_bytes);
   auto y = newStorage(run);
   y.reset(); // its segment stays cached, free
-  auto z = newStorage(z_bytes); // carved out of y's segment
-  write(*x, 1);
-  write(*z, 2);
-  lms::releaseOutput(*x); // least recently used first
-  lms::releaseOutput(*z);
-  return {std::move(x), std::move(z)};
+  c.z = newStorage(z_bytes); // carved out of y's segment
+  write(*c.x, 1);
+  write(*c.z, 2);
+  lms::releaseOutput(*c.x); // least recently used first
+  lms::releaseOutput(*c.z);
+  c.before = lms::getStats(0);
+  c.d = newStorage(request);
+  write(*c.d, 3);
+  c.after = lms::getStats(0);
+  return c;
 }
 
 // A failed allocation pages out the storage that holds the range the request
 // fits in, not the least recently used one: X (12 MiB, used longest ago) has
 // a segment of its own; Z (4 MiB) sits at the start of an 18 MiB segment whose
-// other 14 MiB are free. A 15 MiB request fits in Z's segment once Z is out.
-// It is below the size placed before the allocator tries it (the next test),
-// so the allocator fails first.
+// other 14 MiB are free. A 15 MiB request (31 MiB of tensors, 45 MiB of
+// segments) fits in Z's segment once Z is out. It is below the size placed
+// before the allocator tries it (the next test), so the allocator fails first.
 TEST_CASE(a_failed_allocation_pages_out_the_storage_in_its_way) {
   Env env(40 * kMiB);
   {
     const CapAboveBaseline cap(40 * kMiB);
-    auto [x, z] = storageBeforeAFreeRun(12 * kMiB, 18 * kMiB, 4 * kMiB);
-    const auto before = lms::getStats(0);
-    auto d = newStorage(15 * kMiB); // 31 MiB of tensors, 45 MiB of segments
-    write(*d, 3);
-    const auto after = lms::getStats(0);
-    CHECK_EQ(after.fragment_reclaims, before.fragment_reclaims + 1);
-    CHECK_EQ(after.fragment_placements, before.fragment_placements);
-    CHECK_EQ(after.pageout_bytes - before.pageout_bytes, int64_t(4 * kMiB));
-    CHECK(lms::getState(*z) == lms::StorageState::PagedOut);
-    CHECK(lms::getState(*x) == lms::StorageState::Inactive);
-    CHECK(matches(*x, 1));
-    CHECK(matches(*z, 2));
-    CHECK(matches(*d, 3));
+    const RunCase c =
+        requestBesideARun(12 * kMiB, 18 * kMiB, 4 * kMiB, 15 * kMiB);
+    CHECK_EQ(c.after.fragment_reclaims, c.before.fragment_reclaims + 1);
+    CHECK_EQ(c.after.fragment_placements, c.before.fragment_placements);
+    CHECK_EQ(c.after.pageout_bytes - c.before.pageout_bytes, int64_t(4 * kMiB));
+    CHECK(lms::getState(*c.z) == lms::StorageState::PagedOut);
+    CHECK(lms::getState(*c.x) == lms::StorageState::Inactive);
+    CHECK(c.contentsKept());
   }
   env.checkBaseline();
 }
@@ -1369,28 +1383,23 @@ TEST_CASE(a_failed_allocation_pages_out_the_storage_in_its_way) {
 // the allocator tries it: the storage in the way of the run it fits in is
 // paged out first, and the allocator never fails (failing, it would return its
 // whole cache to the device, synchronizing it). The layout of the test above
-// at twice the size: X (24 MiB) in a segment of its own, Z (4 MiB) at the
-// start of a 30 MiB segment, a 28 MiB request.
+// at about twice the size: X (24 MiB) in a segment of its own, Z (4 MiB) at
+// the start of a 30 MiB segment, a 28 MiB request (56 MiB of tensors, 78 MiB
+// of segments).
 TEST_CASE(a_large_request_on_a_full_device_is_placed_ahead) {
   Env env(64 * kMiB);
   {
     const CapAboveBaseline cap(64 * kMiB);
-    auto [x, z] = storageBeforeAFreeRun(24 * kMiB, 30 * kMiB, 4 * kMiB);
-    const auto before = lms::getStats(0);
-    auto d = newStorage(28 * kMiB); // 56 MiB of tensors, 78 MiB of segments
-    write(*d, 3);
-    const auto after = lms::getStats(0);
-    CHECK_EQ(after.fragment_placements, before.fragment_placements + 1);
-    CHECK_EQ(after.fragment_reclaims, before.fragment_reclaims);
-    CHECK_EQ(after.reclaim_alloc_failure, before.reclaim_alloc_failure);
-    CHECK_EQ(after.pageout_bytes - before.pageout_bytes, int64_t(4 * kMiB));
-    CHECK(lms::getState(*z) == lms::StorageState::PagedOut);
-    CHECK(lms::getState(*x) == lms::StorageState::Inactive);
-    CHECK(matches(*x, 1));
-    CHECK(matches(*z, 2));
-    CHECK(matches(*d, 3));
+    RunCase c = requestBesideARun(24 * kMiB, 30 * kMiB, 4 * kMiB, 28 * kMiB);
+    CHECK_EQ(c.after.fragment_placements, c.before.fragment_placements + 1);
+    CHECK_EQ(c.after.fragment_reclaims, c.before.fragment_reclaims);
+    CHECK_EQ(c.after.reclaim_alloc_failure, c.before.reclaim_alloc_failure);
+    CHECK_EQ(c.after.pageout_bytes - c.before.pageout_bytes, int64_t(4 * kMiB));
+    CHECK(lms::getState(*c.z) == lms::StorageState::PagedOut);
+    CHECK(lms::getState(*c.x) == lms::StorageState::Inactive);
+    CHECK(c.contentsKept());
     // A free run that holds the request: nothing is moved ahead.
-    d.reset();
+    c.d.reset();
     const auto again = lms::getStats(0);
     auto e = newStorage(28 * kMiB);
     write(*e, 4);
@@ -1405,33 +1414,26 @@ TEST_CASE(a_large_request_on_a_full_device_is_placed_ahead) {
 // A run that would move more than half the request beyond what the limit
 // needs is not vacated ahead: the allocator gets the request first. X (24
 // MiB, used longest ago) has a segment of its own; Z (20 MiB) sits at the
-// start of a 30 MiB segment. For a 28 MiB request the limit's reclaim pages X
-// out (least recently used); the only run is then Z's segment, 20 MiB to move
-// for a 28 MiB request, so nothing is placed ahead. The allocator fails, and
-// its failure path, which has no such bound, vacates the same run.
+// start of a 30 MiB segment. For a 28 MiB request (72 MiB of tensors) the
+// limit's reclaim pages X out (least recently used); the only run is then Z's
+// segment, 20 MiB to move for a 28 MiB request, so nothing is placed ahead.
+// The allocator fails, and its failure path, which has no such bound, vacates
+// the same run.
 TEST_CASE(a_run_dearer_than_half_the_request_is_not_vacated_ahead) {
   Env env(64 * kMiB);
   {
     const CapAboveBaseline cap(64 * kMiB);
-    auto [x, z] = storageBeforeAFreeRun(24 * kMiB, 30 * kMiB, 20 * kMiB);
-    const auto before = lms::getStats(0);
-    auto d = newStorage(28 * kMiB); // 72 MiB of tensors: X goes
-    write(*d, 3);
-    const auto after = lms::getStats(0);
-    CHECK_EQ(after.fragment_placements, before.fragment_placements);
-    CHECK_EQ(after.fragment_reclaims, before.fragment_reclaims + 1);
-    CHECK(lms::getState(*x) == lms::StorageState::PagedOut);
-    CHECK(lms::getState(*z) == lms::StorageState::PagedOut);
-    CHECK(matches(*x, 1));
-    CHECK(matches(*z, 2));
-    CHECK(matches(*d, 3));
+    const RunCase c =
+        requestBesideARun(24 * kMiB, 30 * kMiB, 20 * kMiB, 28 * kMiB);
+    CHECK_EQ(c.after.fragment_placements, c.before.fragment_placements);
+    CHECK_EQ(c.after.fragment_reclaims, c.before.fragment_reclaims + 1);
+    CHECK(lms::getState(*c.x) == lms::StorageState::PagedOut);
+    CHECK(lms::getState(*c.z) == lms::StorageState::PagedOut);
+    CHECK(c.contentsKept());
   }
   env.checkBaseline();
 }
 
-// An operator whose own inputs, outputs so far and next allocation pass the
-// allocator's cap: the error says that no page-out could help, with the
-// figures.
 // Whether `s` holds host memory (a paged-out storage's host copy, or an
 // allocation placed on the host).
 bool onHost(const StoragePtr& s) {
