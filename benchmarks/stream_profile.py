@@ -22,7 +22,9 @@ events) and answers, per iteration:
   gap is traced to the operator, the replay or the synchronizing call that held the launches
   back. The drop-in extension marks its part of an allocation (``lms::allocate``) and, inside
   it, the caching allocator's own malloc (``lms::caching_allocator_malloc``), so an
-  allocation's idle time splits into LMS's reclaim and the allocator's.
+  allocation's idle time splits into LMS's reclaim and the allocator's;
+- the longest stretches of an idle GPU, each with the host operator at its middle and the GPU
+  work that ended it.
 
 No torch is needed: ``benchmarks/compare.py --profile-iterations N`` runs the profiler and
 calls :func:`analyze`; it can also be run on a saved trace (``python -m
@@ -126,6 +128,9 @@ class StreamBreakdown:
     # over host threads: two threads in operators at once both count.
     gpu_idle_host_ops_ms: dict[str, float] = field(default_factory=dict)
     gpu_idle_runtime_calls_ms: dict[str, float] = field(default_factory=dict)
+    # The longest stretches of the whole GPU idle, longest first: their length (ms), the
+    # innermost host operator at their middle and the GPU work that ended them.
+    gpu_idle_gaps: list[dict[str, object]] = field(default_factory=list)
 
     def summary(self) -> str:
         """A few lines for a log."""
@@ -150,6 +155,12 @@ class StreamBreakdown:
         if self.gpu_idle_runtime_calls_ms:
             calls = ", ".join(f"{k} {v:.1f}" for k, v in self.gpu_idle_runtime_calls_ms.items())
             lines.append(f"while the GPU sat idle, in CUDA runtime calls (ms): {calls}")
+        if self.gpu_idle_gaps:
+            gaps = "; ".join(
+                f"{g['ms']:.1f} in {g['host_op']}, then {str(g['next'])[:48]}"
+                for g in self.gpu_idle_gaps
+            )
+            lines.append(f"longest GPU idle gaps (ms): {gaps}")
         return "\n".join(lines)
 
     def record(self) -> dict[str, object]:
@@ -235,7 +246,31 @@ def _direction(name: str) -> str:
     return ""
 
 
-def analyze(trace: dict[str, object], iterations: int, top_calls: int = 6) -> StreamBreakdown:
+def longest_gaps(
+    gaps: Sequence[Interval],
+    ops: Sequence[tuple[object, float, float, str]],
+    gpu_events: Sequence[tuple[float, str]],
+    count: int,
+) -> list[dict[str, object]]:
+    """The ``count`` longest of ``gaps`` (sorted, disjoint), longest first, each with its
+    length in ms, the innermost host operator at its middle (the shortest one there, on any
+    thread; ``OUTSIDE_OPERATORS`` when none) and the name of the first GPU work to start at
+    or after its end (``"end of trace"`` when none)."""
+    starts = sorted(gpu_events)
+    out: list[dict[str, object]] = []
+    for start, end in sorted(gaps, key=lambda g: g[0] - g[1])[:count]:
+        middle = (start + end) / 2
+        inside = [op for op in ops if op[1] <= middle <= op[2]]
+        host = min(inside, key=lambda op: op[2] - op[1])[3] if inside else OUTSIDE_OPERATORS
+        at = bisect.bisect_left(starts, (end, ""))
+        after = starts[at][1] if at < len(starts) else "end of trace"
+        out.append({"ms": (end - start) / 1000, "host_op": host, "next": after})
+    return out
+
+
+def analyze(
+    trace: dict[str, object], iterations: int, top_calls: int = 6, top_gaps: int = 5
+) -> StreamBreakdown:
     """The breakdown of a Chrome trace (``torch.profiler`` export) covering ``iterations``
     training iterations. Raises ValueError when the trace holds no GPU activity."""
     if iterations < 1:
@@ -249,6 +284,7 @@ def analyze(trace: dict[str, object], iterations: int, top_calls: int = 6) -> St
     calls: dict[str, float] = defaultdict(float)
     call_spans: list[tuple[object, float, float, str]] = []
     host_ops: list[tuple[object, float, float, str]] = []
+    gpu_events: list[tuple[float, str]] = []  # start, name
     for ev in events:
         if not isinstance(ev, dict) or ev.get("ph") != "X":
             continue
@@ -276,6 +312,7 @@ def analyze(trace: dict[str, object], iterations: int, top_calls: int = 6) -> St
         except (TypeError, ValueError):
             stream = -1
         by_stream[stream].append((start, end))
+        gpu_events.append((start, str(ev.get("name", "?"))))
         if cat == "kernel":
             kernel_time[stream] += end - start
         elif cat == "gpu_memcpy":
@@ -336,6 +373,7 @@ def analyze(trace: dict[str, object], iterations: int, top_calls: int = 6) -> St
         gpu_idle_runtime_calls_ms=_top(
             {k: v for k, v in idle_calls.items() if v > 0.0}, top_calls, iterations
         ),
+        gpu_idle_gaps=longest_gaps(gpu_idle, host_ops, gpu_events, top_gaps),
     )
 
 

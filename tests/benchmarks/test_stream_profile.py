@@ -129,6 +129,29 @@ def test_gpu_idle_time_is_traced_to_the_host_operator_and_call_it_was_in() -> No
     assert "cudaStreamSynchronize 0.0" in summary
 
 
+def test_the_longest_gaps_name_the_host_operator_and_what_ended_them() -> None:
+    # GPU: "fwd" 0-100, "loss" 400-500, "bwd" 550-600: idle 100-400 (300 us) and 500-550
+    # (50 us). The host: aten::linear 0-600, inside it aten::empty_strided 200-300 (at the
+    # first gap's middle, 250); nothing but aten::linear at the second's (525).
+    named = [
+        {**kernel(7, 0, 100), "name": "fwd"},
+        {**kernel(7, 400, 100), "name": "loss"},
+        {**kernel(7, 550, 50), "name": "bwd"},
+        op("aten::linear", 0, 600),
+        op("aten::empty_strided", 200, 100),
+    ]
+    b = analyze({"traceEvents": named}, iterations=1, top_gaps=1)
+    assert b.gpu_idle_gaps == [
+        {"ms": pytest.approx(0.3), "host_op": "aten::empty_strided", "next": "loss"}
+    ]
+    both = analyze({"traceEvents": named}, iterations=1).gpu_idle_gaps
+    assert [g["next"] for g in both] == ["loss", "bwd"]  # longest first
+    assert both[1]["host_op"] == "aten::linear"
+    assert "longest GPU idle gaps (ms): 0.3 in aten::empty_strided, then loss" in b.summary()
+    lone = analyze({"traceEvents": [kernel(7, 0, 10), kernel(7, 30, 10)]}, iterations=1)
+    assert lone.gpu_idle_gaps[0]["host_op"] == stream_profile.OUTSIDE_OPERATORS
+
+
 def test_coverage_of_an_interval() -> None:
     cover = stream_profile.Coverage([(0, 10), (20, 30), (40, 50)])
     assert cover.covered(5, 45) == pytest.approx(5 + 10 + 5)
