@@ -475,8 +475,8 @@ constexpr size_t kPlaceAheadMinBytes = 16 * kMiB;
 // left by others, or its cap): when no free run of its segments holds the
 // request, the allocator would return its whole cache to the device,
 // synchronizing with every stream, and map the request anew, page by page,
-// the device idle meanwhile (GPT at 1.5x the device on an H100: 268 ms of 967
-// an iteration, the host in the allocations of the loss, 3.3 allocator
+// the device idle meanwhile (GPT at 1.5x the device on an H100: 268 ms of a
+// 972 ms iteration, the host in the allocations of the loss, 3.3 allocator
 // retries an iteration). Vacating the cheapest run the request fits in costs
 // no synchronization: dropped storages and page-outs hand their memory to the
 // request's stream in the device's order. Only where the run moves at most
