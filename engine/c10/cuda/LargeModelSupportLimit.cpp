@@ -274,10 +274,9 @@ bool releaseOutside(DeviceEngine& e, size_t size) {
   return released;
 }
 
-// Makes room for an allocation of `size` bytes under the limit. Returns the
-// bytes paged out for it.
-size_t enforceLimit(DeviceEngine& e, size_t size) {
-  const size_t limit = effectiveLimit(e);
+// Makes room for an allocation of `size` bytes under `limit` (the limit in
+// force, effectiveLimit). Returns the bytes paged out for it.
+size_t enforceLimit(DeviceEngine& e, size_t size, size_t limit) {
   const size_t allocated = backend().allocatedBytes(e.device);
   const size_t wanted = allocated + size;
   if (wanted > limit / 2) {
@@ -455,7 +454,7 @@ bool waitForDevice(DeviceEngine& e, size_t size, DeviceWait& w) {
   std::this_thread::sleep_for(kDeviceWaitPoll);
   // An older waiting process may have been given part of this one's share:
   // page down to it, so that it goes on.
-  (void)enforceLimit(e, 0);
+  (void)enforceLimit(e, 0, effectiveLimit(e));
   return true;
 }
 
@@ -481,13 +480,13 @@ constexpr size_t kPlaceAheadMinBytes = 16 * kMiB;
 // no synchronization: dropped storages and page-outs hand their memory to the
 // request's stream in the device's order. Only where the run moves at most
 // half the request, storages to be dropped counting kDropCostShare less, plus
-// what is still over the limit. Returns the bytes freed.
-size_t placeAhead(DeviceEngine& e, size_t size, cudaStream_t stream) {
-  if (size < kPlaceAheadMinBytes) {
-    return 0;
-  }
-  const size_t limit = effectiveLimit(e);
-  if (size < limit / kPlaceAheadShare) {
+// what is still over `limit` (the limit in force). Returns the bytes freed.
+size_t placeAhead(
+    DeviceEngine& e,
+    size_t size,
+    cudaStream_t stream,
+    size_t limit) {
+  if (size < kPlaceAheadMinBytes || size < limit / kPlaceAheadShare) {
     return 0;
   }
   DeviceMemoryBackend& b = backend();
@@ -517,8 +516,10 @@ void* allocateDevice(
     cudaStream_t stream,
     bool or_null) {
   DeviceMemoryBackend& b = backend();
-  bool reclaimed = enforceLimit(e, size) > 0;
-  reclaimed = placeAhead(e, size, stream) > 0 || reclaimed;
+  // Read once for both: each read samples the device and takes the lock.
+  const size_t limit = effectiveLimit(e);
+  bool reclaimed = enforceLimit(e, size, limit) > 0;
+  reclaimed = placeAhead(e, size, stream, limit) > 0 || reclaimed;
   const size_t reserved_before = b.reservedBytes(e.device);
   void* ptr = nullptr;
   t_reclaimed_in_malloc = false;
@@ -580,7 +581,8 @@ size_t ensureHeadroom(c10::DeviceIndex device, size_t incoming_bytes) {
   if (!isEnabled() || g_backend.load() == nullptr) {
     return 0;
   }
-  return enforceLimit(engineFor(device), incoming_bytes);
+  DeviceEngine& e = engineFor(device);
+  return enforceLimit(e, incoming_bytes, effectiveLimit(e));
 }
 
 void setOutsideMemoryReleaser(OutsideMemoryReleaser releaser) {
