@@ -224,13 +224,11 @@ bool routedToPool(c10::DeviceIndex device) {
   return poolRouting(device).load(std::memory_order_relaxed) > 0;
 }
 
+// Of all devices: one load on the allocation path instead of one a device.
+std::atomic<int> g_pool_routing_total{0};
+
 bool anyPoolRouting() {
-  for (const auto& routing : g_pool_routing) {
-    if (routing.load(std::memory_order_relaxed) > 0) {
-      return true;
-    }
-  }
-  return false;
+  return g_pool_routing_total.load(std::memory_order_relaxed) > 0;
 }
 
 bool captureUnderway(c10::DeviceIndex device) {
@@ -299,6 +297,13 @@ class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
     }
     (void)data_ptr.release_context();
     stock_->raw_delete(ptr);
+  }
+
+  // PyTorch opens a routing to a private pool before every CUDA graph
+  // capture (CUDAGraph::capture_begin) and closes it after the capture ends,
+  // and the stock allocator relies on it to keep a capture's memory apart.
+  bool captureMayBeUnderway() override {
+    return anyPoolRouting();
   }
 
   bool adoptable(const c10::DataPtr& data_ptr) override {
@@ -486,12 +491,14 @@ class LmsAllocator final : public alloc::CUDAAllocator {
       std::function<bool(cudaStream_t)> filter) override {
     stock_->beginAllocateToPool(device, mempool_id, std::move(filter));
     poolRouting(device).fetch_add(1);
+    g_pool_routing_total.fetch_add(1);
   }
 
   void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id)
       override {
     stock_->endAllocateToPool(device, mempool_id);
     poolRouting(device).fetch_sub(1);
+    g_pool_routing_total.fetch_sub(1);
   }
 
   // --- Forwarded unchanged

@@ -61,6 +61,10 @@ DeviceMemoryBackend& backend() {
 }
 
 bool isCapturing(cudaStream_t stream) {
+  DeviceMemoryBackend* b = g_backend.load(std::memory_order_relaxed);
+  if (b != nullptr && !b->captureMayBeUnderway()) {
+    return false;
+  }
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
   return status != cudaStreamCaptureStatusNone;
