@@ -396,6 +396,10 @@ class Measurement:
     # The first step's time (time to the first step: LMS pins its host memory in it) and the
     # other untimed steps'; the whole row's wall time (build, steps, profile, clean-up).
     first_iteration_s: float | None = None
+    # LMS rows: where the first step's time went, from the statistics around it alone
+    # (first_iteration_account): what settling costs before the learned schedule and the
+    # recipes' prices exist.
+    first_iteration: dict[str, float] | None = None
     warmup_times: list[float] = field(default_factory=list)
     row_s: float | None = None
     # The caching allocator's retries (num_alloc_retries: cache released after a failed
@@ -2486,7 +2490,13 @@ def train_measure(
                 torch.cuda.synchronize()
 
             step = 0
+            zero_stats: dict[str, Any] | None = None
+            zero_allocator: dict[str, Any] = {}
             while step < warmup + iterations:
+                if step == 0 and lms is not None:
+                    torch.cuda.synchronize()
+                    zero_stats = lms_stats()
+                    zero_allocator = torch.cuda.memory_stats()
                 if step == warmup:
                     torch.cuda.synchronize()
                     before = lms_stats()
@@ -2512,6 +2522,15 @@ def train_measure(
                 if step == 0:
                     m.static_bytes = torch.cuda.memory_allocated() - base
                     m.first_iteration_s = elapsed
+                    if zero_stats is not None:
+                        m.first_iteration = first_iteration_account(
+                            zero_stats,
+                            lms_stats(),
+                            zero_allocator,
+                            torch.cuda.memory_stats(),
+                        )
+                        line = describe_first_iteration(m.method, elapsed, m.first_iteration)
+                        log(f"      {line}")
                 if step >= warmup:
                     m.iteration_times.append(elapsed)
                 else:
@@ -2660,6 +2679,52 @@ def measure_saved_bytes(
         model = None
         settle()
     return total
+
+
+def first_iteration_account(
+    lms_before: dict[str, Any],
+    lms_after: dict[str, Any],
+    allocator_before: dict[str, Any],
+    allocator_after: dict[str, Any],
+) -> dict[str, float]:
+    """What the LMS statistics and the caching allocator's count of one step: milliseconds of
+    pinning new host buffers, stalls, replays and waits for other processes; gibibytes paged
+    and dropped; page-ins on demand; the allocator's retries (its cache returned to the device
+    after a failed allocation) and failures. Keys a build's statistics lack count 0."""
+
+    def lms_delta(key: str) -> float:
+        return float(lms_after.get(key, 0) or 0) - float(lms_before.get(key, 0) or 0)
+
+    def allocator_delta(key: str) -> float:
+        return float(allocator_after.get(key, 0) or 0) - float(allocator_before.get(key, 0) or 0)
+
+    return {
+        "host_pin_ms": lms_delta("host_pin_ms"),
+        "host_pins": lms_delta("host_pin_count"),
+        "stall_ms": lms_delta("stall_ms"),
+        "recompute_ms": lms_delta("recompute_ms"),
+        "wait_ms": lms_delta("host_wait_ms") + lms_delta("device_wait_ms"),
+        "out_gib": lms_delta("pageout_bytes") / GiB,
+        "in_gib": lms_delta("pagein_bytes") / GiB,
+        "dropped_gib": lms_delta("drop_bytes") / GiB,
+        "demand_pageins": lms_delta("pagein_demand_count"),
+        "allocator_retries": allocator_delta("num_alloc_retries"),
+        "allocator_failures": allocator_delta("num_ooms"),
+        "cache_releases": lms_delta("cache_releases"),
+    }
+
+
+def describe_first_iteration(method: str, seconds: float, account: dict[str, float]) -> str:
+    """One log line of first_iteration_account's figures for the step that took ``seconds``."""
+    a = account
+    return (
+        f"iteration 0 of {method}: {seconds:.2f} s; pinning host memory "
+        f"{a['host_pin_ms']:.0f} ms ({a['host_pins']:.0f} buffers), stalls {a['stall_ms']:.0f} ms, "
+        f"recompute {a['recompute_ms']:.0f} ms, waits {a['wait_ms']:.0f} ms; paged out "
+        f"{a['out_gib']:.2f} / in {a['in_gib']:.2f} GiB ({a['demand_pageins']:.0f} on demand), "
+        f"dropped {a['dropped_gib']:.2f} GiB; allocator {a['allocator_retries']:.0f} retries, "
+        f"{a['allocator_failures']:.0f} failures; cache returned {a['cache_releases']:.0f} times"
+    )
 
 
 def record_host_memory(m: Measurement, lms_after: dict[str, Any] | None, rss_reset: bool) -> None:

@@ -1170,3 +1170,41 @@ def test_nocap_row_estimate_of_compile_budget_adds_the_compile() -> None:
     compiled = compare.nocap_row_estimate("compile_budget", plan, GiB, 0.01, bw, 13)
     assert compiled == pytest.approx(ckpt + compare.COMPILE_ESTIMATE_S)
     assert compare.nocap_host_bytes("compile_budget", plan, GiB) == 0
+
+
+def test_first_iteration_account_takes_the_step_s_deltas() -> None:
+    before = {"host_pin_ms": 10.0, "host_pin_count": 2, "stall_ms": 5.0, "pageout_bytes": 0}
+    after = {
+        "host_pin_ms": 2110.0,
+        "host_pin_count": 37,
+        "stall_ms": 305.0,
+        "recompute_ms": 40.0,
+        "pageout_bytes": 6 * GiB,
+        "pagein_bytes": 3 * GiB,
+        "drop_bytes": GiB // 2,
+        "pagein_demand_count": 43,
+        "cache_releases": 1,
+        "device_wait_ms": 7.0,
+    }
+    account = compare.first_iteration_account(
+        before, after, {"num_alloc_retries": 1}, {"num_alloc_retries": 13, "num_ooms": 6}
+    )
+    assert account["host_pin_ms"] == 2100.0
+    assert account["host_pins"] == 35
+    assert account["stall_ms"] == 300.0
+    assert account["recompute_ms"] == 40.0
+    assert account["wait_ms"] == 7.0
+    assert account["out_gib"] == 6.0 and account["in_gib"] == 3.0
+    assert account["dropped_gib"] == 0.5
+    assert account["demand_pageins"] == 43
+    assert account["allocator_retries"] == 12 and account["allocator_failures"] == 6
+    line = compare.describe_first_iteration("lms", 4.4, account)
+    assert line.startswith("iteration 0 of lms: 4.40 s; pinning host memory 2100 ms (35 buffers)")
+    assert "stalls 300 ms" in line and "(43 on demand)" in line
+    assert "allocator 12 retries, 6 failures" in line
+
+
+def test_first_iteration_account_of_a_build_without_the_keys_counts_zero() -> None:
+    account = compare.first_iteration_account({}, {"stall_ms": 1.5}, {}, {})
+    assert account["stall_ms"] == 1.5
+    assert account["host_pin_ms"] == 0 and account["allocator_retries"] == 0

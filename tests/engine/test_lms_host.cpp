@@ -687,6 +687,29 @@ TEST_CASE(large_registered_buffers_are_counted_and_returned) {
   env.checkBaseline();
 }
 
+// A page-out that needs a new pinned buffer counts it and the time pinning it
+// took; one that reuses a cached buffer counts neither.
+TEST_CASE(new_pinned_buffers_and_their_time_are_counted) {
+  HostEnv env(80 * kMiB);
+  {
+    const lms::LmsStats before = lms::getStats(0);
+    auto a = newStorage(64 * kMiB);
+    write(*a, 7);
+    CHECK_EQ(lms::reclaimInactive(0), 64 * kMiB);
+    const lms::LmsStats pinned = lms::getStats(0);
+    CHECK_EQ(pinned.host_pin_count - before.host_pin_count, 1);
+    CHECK(pinned.host_pin_ms > before.host_pin_ms);
+    CHECK(matches(*a, 7)); // paged in: its buffer goes back to the cache
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    CHECK_EQ(lms::reclaimInactive(0), 64 * kMiB);
+    const lms::LmsStats reused = lms::getStats(0);
+    CHECK_EQ(reused.host_pin_count, pinned.host_pin_count);
+    CHECK_EQ(reused.host_pin_ms, pinned.host_pin_ms);
+    CHECK(matches(*a, 7));
+  }
+  env.checkBaseline();
+}
+
 // A loop of page-outs needs more pinned memory than the budget: the
 // allocation that needs the room raises OutOfMemoryError naming host memory,
 // nothing is lost, and once memory is freed allocations succeed again.

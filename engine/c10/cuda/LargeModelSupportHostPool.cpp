@@ -620,11 +620,16 @@ HostBuffer HostPool::allocateNew(size_t rounded) {
       continue;
     }
     bool registered = false;
+    const auto began = std::chrono::steady_clock::now();
     void* ptr = allocatePinned(rounded, registered);
     if (ptr != nullptr) {
+      const std::chrono::duration<double, std::milli> took =
+          std::chrono::steady_clock::now() - began;
       room.keep();
       std::lock_guard<std::mutex> lock(mutex_);
       capacity_.emplace(ptr, Pinned{rounded, registered});
+      ++usage_.pins;
+      usage_.pin_ms += took.count();
       usage_.held_bytes += static_cast<int64_t>(rounded);
       usage_.in_use_bytes += static_cast<int64_t>(rounded);
       usage_.peak_held_bytes =

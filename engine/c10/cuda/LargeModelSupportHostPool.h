@@ -471,6 +471,8 @@ class C10_CUDA_API HostPool {
     int64_t in_use_bytes = 0;
     int64_t alloc_failures = 0;
     int64_t budget_refusals = 0; // allocations the host budget refused
+    int64_t pins = 0; // new pinned buffers
+    double pin_ms = 0; // time spent pinning them
     int64_t waits = 0; // waits for other processes to release (setHostWait)
     double wait_ms = 0; // time spent in them
   };

@@ -324,6 +324,8 @@ struct DeviceEngine {
   int64_t detections_base = 0;
   int64_t fallbacks_base = 0;
   int64_t host_refusals_base = 0;
+  int64_t host_pins_base = 0;
+  double host_pin_ms_base = 0;
   int64_t host_waits_base = 0;
   double host_wait_ms_base = 0;
   size_t user_limit = 0;

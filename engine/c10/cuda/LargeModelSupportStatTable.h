@@ -122,6 +122,11 @@ C10_LMS_COUNTER(int64_t, cache_releases)
 C10_LMS_COUNTER(int64_t, host_budget_bytes)
 C10_LMS_COUNTER(int64_t, host_ledger_bytes)
 C10_LMS_COUNTER(int64_t, host_refusals)
+// New pinned buffers and the milliseconds pinning them took (mapping, faulting
+// in and registering, or cudaHostAlloc): what a page-out waits for the first
+// time the pool grows to a size, before any copy starts.
+C10_LMS_COUNTER(int64_t, host_pin_count)
+C10_LMS_COUNTER(double, host_pin_ms)
 // Waits of refused allocations for other LMS processes of the host to
 // release pinned memory (setHostWait), and the milliseconds they took.
 C10_LMS_COUNTER(int64_t, host_wait_count)

@@ -43,6 +43,8 @@ LmsStats getStats(c10::DeviceIndex device) {
   {
     std::lock_guard<std::mutex> lock(e.mutex);
     s.host_refusals = host.budget_refusals - e.host_refusals_base;
+    s.host_pin_count = host.pins - e.host_pins_base;
+    s.host_pin_ms = host.pin_ms - e.host_pin_ms_base;
     s.host_wait_count = host.waits - e.host_waits_base;
     s.host_wait_ms = host.wait_ms - e.host_wait_ms_base;
   }
@@ -103,6 +105,8 @@ void resetAccumulatedStats(c10::DeviceIndex device) {
     e.stats = fresh;
     const HostPool::Usage host = hostPool().usage();
     e.host_refusals_base = host.budget_refusals;
+    e.host_pins_base = host.pins;
+    e.host_pin_ms_base = host.pin_ms;
     e.host_waits_base = host.waits;
     e.host_wait_ms_base = host.wait_ms;
     std::lock_guard<std::mutex> schedule_lock(g_schedule_mutex);

@@ -192,6 +192,8 @@ _COUNTER_KEYS = (
     "host_budget_bytes",
     "host_ledger_bytes",
     "host_refusals",
+    "host_pin_count",
+    "host_pin_ms",
     "host_wait_count",
     "host_wait_ms",
     "device_wait_count",
@@ -1082,8 +1084,8 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     r"""Return the Large Model Support statistics of a device.
 
     The counters are ints except ``stall_ms``, ``copy_out_ms``, ``copy_in_ms``,
-    ``recompute_ms``, ``host_wait_ms``, ``device_wait_ms``, ``spill_out_ms`` and
-    ``spill_in_ms`` (floats):
+    ``recompute_ms``, ``host_pin_ms``, ``host_wait_ms``, ``device_wait_ms``,
+    ``spill_out_ms`` and ``spill_in_ms`` (floats):
 
     - ``pageout_count``, ``pageout_bytes``, ``pagein_count``, ``pagein_bytes``:
       copies to and from host memory.
@@ -1170,6 +1172,9 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       when none could be derived), ``host_ledger_bytes`` (the pinned host
       memory all LMS processes of the host hold, as their shared ledger
       says), ``host_refusals`` (pinned allocations the budget refused),
+      ``host_pin_count`` and ``host_pin_ms`` (new pinned buffers and the
+      time pinning them took, which the page-outs that needed them waited
+      for),
       ``host_wait_count`` (refused allocations that waited for other LMS
       processes of the host to release pinned memory, see
       :func:`set_host_wait_lms`) and ``host_wait_ms`` (the time they waited).
@@ -1446,6 +1451,10 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
         f" Host budget: {_format_size(counters['host_budget_bytes']).strip()}, "
         f"LMS processes hold {_format_size(counters['host_ledger_bytes']).strip()}, "
         f"refused {counters['host_refusals']}".ljust(_WIDTH)
+    )
+    lines.append(
+        f" Host buffers pinned: {counters['host_pin_count']} in "
+        f"{float(counters['host_pin_ms']):.1f} ms".ljust(_WIDTH)
     )
     lines.append(
         f" LMS OOMs: {counters['oom_count']} | "
