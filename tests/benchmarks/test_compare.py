@@ -933,7 +933,8 @@ def fake_cuda_training(
         monkeypatch.setattr(torch.cuda, "get_recompute_lms", cuda.get_recompute_lms, raising=False)
     else:
         monkeypatch.delattr(torch.cuda, "set_recompute_lms", raising=False)
-    stats = iter([STATS_BEFORE, STATS_AFTER])
+    # Read around iteration 0 (its account), then around the timed iterations.
+    stats = iter([STATS_BEFORE, STATS_BEFORE, STATS_BEFORE, STATS_AFTER])
     monkeypatch.setattr(lms_setup, "lms_stats", lambda: dict(next(stats)))
     monkeypatch.setattr(
         lms_setup, "apply_lms", lambda s: events.append(("apply_lms", s.enabled, cuda.state))
@@ -960,6 +961,8 @@ def test_train_measure_sets_recompute_up_for_lms_hybrid_and_puts_it_back(
         log=lines.append,
     )
     assert m.status == "ok", (m.detail, lines)
+    assert m.first_iteration is not None and m.first_iteration["stall_ms"] == 0
+    assert any(line.strip().startswith("iteration 0 of lms_hybrid: ") for line in lines)
     # Recompute on before LMS is applied and the model built; LMS off, then recompute off.
     assert events == [
         ("set_recompute_lms", True),

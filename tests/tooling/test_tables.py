@@ -40,6 +40,7 @@ def test_the_tables_read_whole() -> None:
         "copy_out_ms",
         "copy_in_ms",
         "recompute_ms",
+        "host_pin_ms",
         "host_wait_ms",
         "device_wait_ms",
         "spill_out_ms",
