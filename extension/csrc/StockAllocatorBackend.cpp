@@ -231,6 +231,16 @@ bool anyPoolRouting() {
   return g_pool_routing_total.load(std::memory_order_relaxed) > 0;
 }
 
+// Counts a routing's end. One that began before this allocator was installed
+// (inside torch.cuda.use_mem_pool, say) was never counted: its end must not
+// take the count below zero, or a later capture's routing would read as none
+// (its allocations would reach LMS, and the capture check be skipped).
+void endRouting(std::atomic<int>& count) {
+  int open = count.load();
+  while (open > 0 && !count.compare_exchange_weak(open, open - 1)) {
+  }
+}
+
 bool captureUnderway(c10::DeviceIndex device) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   const cudaError_t err = cudaStreamIsCapturing(
@@ -497,8 +507,8 @@ class LmsAllocator final : public alloc::CUDAAllocator {
   void endAllocateToPool(c10::DeviceIndex device, c10::MempoolId_t mempool_id)
       override {
     stock_->endAllocateToPool(device, mempool_id);
-    poolRouting(device).fetch_sub(1);
-    g_pool_routing_total.fetch_sub(1);
+    endRouting(poolRouting(device));
+    endRouting(g_pool_routing_total);
   }
 
   // --- Forwarded unchanged

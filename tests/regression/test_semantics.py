@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from typing import Any, Callable
 
@@ -11,6 +13,7 @@ import pytest
 pytest.importorskip("torch.nn", reason="PyTorch is not installed")
 import torch
 
+from lmsbench.harness import worker_env
 from tests.regression.lms_regression_harness import (
     MiB,
     deterministic,
@@ -246,6 +249,53 @@ def test_cuda_graph_capture_with_lms() -> None:
             _ = other * 2
     del graph, graph2, static_x, static_y, w, other
     settle()
+
+
+# A child process that imports the drop-in while a routing to a private pool is open (inside
+# torch.cuda.use_mem_pool), so that the routing's end reaches an allocator that never saw its
+# beginning, then captures a CUDA graph with LMS on. The graph's output must be allocated in
+# the capture's private pool, never managed by LMS: reclaim_inactive() would page a managed one
+# out, and the replay would write where it no longer is.
+_ROUTING_BEFORE_IMPORT = """
+import torch
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    kept = torch.ones(1 << 20, device="cuda")
+    import torch_lms  # noqa: F401  (its allocator is installed inside the routing)
+torch.cuda.set_enabled_lms(True)
+static_x = torch.arange(1 << 22, device="cuda", dtype=torch.float32)
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    static_y = static_x * 3 + 1
+torch.cuda.current_stream().wait_stream(side)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    static_y = static_x * 3 + 1
+for step in range(2):
+    static_x.add_(1)
+    torch.cuda.reclaim_inactive()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_y.cpu(), static_x.cpu() * 3 + 1), step
+print("managed", torch.cuda.lms_stats()["managed_bytes"]["current"])
+"""
+
+
+def test_a_capture_after_importing_inside_a_pool_routing_uses_its_pool() -> None:
+    if "torch_lms" not in sys.modules:
+        pytest.skip("the drop-in's allocator routing: a patched build installs no allocator")
+    done = subprocess.run(
+        [sys.executable, "-c", _ROUTING_BEFORE_IMPORT],
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The 16 MiB output lives in the graph's pool: LMS manages static_x alone.
+    managed = int(done.stdout.split("managed", 1)[1])
+    assert managed < 24 * MiB, done.stdout
 
 
 def test_memory_returns_to_baseline() -> None:
