@@ -680,7 +680,8 @@ def cell_text(
 ) -> str:
     """A method's cell: its steady median (s/iter, marked where of fewer than
     MIN_STEADY_ITERATIONS), its ratio to checkpointing's, its throughput as a share of the
-    in-memory one (``in_memory_per_sample_s``), its warm-up iterations, its own batch where it
+    in-memory one (``in_memory_per_sample_s``), its warm-up iterations (with, for LMS rows that
+    have it, iteration 0's pinning, stalls and allocator retries), its own batch where it
     is not the row's ``row_batch``; or why it has none."""
     if row is None:
         return "not measured"
@@ -707,6 +708,13 @@ def cell_text(
     warm = warmup_times(row)
     if warm:
         parts.append("warm-up " + ", ".join(_seconds(w) for w in warm))
+    first = row.get("first_iteration")
+    if first:
+        parts.append(
+            f"iteration 0 pinned host memory {float(first['host_pin_ms']):.0f} ms, "
+            f"stalled {float(first['stall_ms']):.0f} ms, "
+            f"{float(first['allocator_retries']):.0f} allocator retries"
+        )
     if row.get("recompute_on") is not None and row.get("method") == "lms":
         parts.append(f"recompute {'on' if row['recompute_on'] else 'off'}")
     if row.get("activation_budget") is not None:

@@ -468,6 +468,14 @@ def test_median_and_warmup_bookkeeping() -> None:
     assert text == "**1.00** (median of 3); warm-up 5.00"
     text = speed.cell_text(row("lms", 1.5, 4, **timed([1.0] * 3, [5.0])), None, 4, 0.2)
     assert text == "**1.00** (median of 3); 80% of in-memory; warm-up 5.00"
+    first = {"host_pin_ms": 1234.4, "stall_ms": 310.0, "allocator_retries": 12.0}
+    text = speed.cell_text(
+        row("lms", 1.5, 4, first_iteration=first, **timed([1.0] * 3, [5.0])), None
+    )
+    assert text == (
+        "**1.00** (median of 3); warm-up 5.00; iteration 0 pinned host memory 1234 ms, "
+        "stalled 310 ms, 12 allocator retries"
+    )
 
 
 def test_table_merges_folders_into_rows_with_ratios_and_in_memory_figures(tmp_path: Path) -> None:
