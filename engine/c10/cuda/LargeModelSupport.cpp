@@ -133,7 +133,7 @@ c10::DataPtr allocate(
     cudaStream_t stream) {
   raisePendingError(size);
   DeviceEngine& e = engineFor(device);
-  pollTimings(e, /*wait=*/false);
+  pollTimingsSometimes(e);
   if (isCapturing(stream)) {
     // Graph-private memory: the captured graph bakes in its address.
     void* ptr = backend().malloc(device, size, stream);

@@ -361,6 +361,8 @@ struct DeviceEngine {
   EventPool events;
   std::mutex timing_mutex;
   std::deque<PendingTiming> timings;
+  // When the allocation path last polled them (pollTimingsSometimes).
+  std::chrono::steady_clock::time_point timings_polled;
   double stall_ms = 0.0;
   // Copies timed so far, each way: milliseconds and bytes.
   double copy_out_ms = 0.0;
@@ -452,6 +454,7 @@ Record* adopt(c10::StorageImpl& storage);
 
 // LargeModelSupportTiming.cpp: copy and stall timing, paging costs
 void pollTimings(DeviceEngine& e, bool wait);
+void pollTimingsSometimes(DeviceEngine& e);
 void addTiming(
     DeviceEngine& e,
     Timed what,
