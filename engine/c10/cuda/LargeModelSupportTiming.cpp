@@ -98,10 +98,13 @@ void addTiming(
 constexpr std::chrono::microseconds kAllocationPollInterval{200};
 
 void pollTimingsSometimes(DeviceEngine& e) {
-  const auto now = std::chrono::steady_clock::now();
   {
     std::lock_guard<std::mutex> lock(e.timing_mutex);
-    if (e.timings.empty() || now - e.timings_polled < kAllocationPollInterval) {
+    if (e.timings.empty()) {
+      return; // the common case, with no clock read
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (now - e.timings_polled < kAllocationPollInterval) {
       return;
     }
     e.timings_polled = now;
