@@ -2692,11 +2692,11 @@ def first_iteration_account(
     and dropped; page-ins on demand; the allocator's retries (its cache returned to the device
     after a failed allocation) and failures. Keys a build's statistics lack count 0."""
 
-    def lms_delta(key: str) -> float:
-        return float(lms_after.get(key, 0) or 0) - float(lms_before.get(key, 0) or 0)
+    def delta(before: dict[str, Any], after: dict[str, Any], key: str) -> float:
+        return float(after.get(key, 0) or 0) - float(before.get(key, 0) or 0)
 
-    def allocator_delta(key: str) -> float:
-        return float(allocator_after.get(key, 0) or 0) - float(allocator_before.get(key, 0) or 0)
+    def lms_delta(key: str) -> float:
+        return delta(lms_before, lms_after, key)
 
     return {
         "host_pin_ms": lms_delta("host_pin_ms"),
@@ -2708,8 +2708,8 @@ def first_iteration_account(
         "in_gib": lms_delta("pagein_bytes") / GiB,
         "dropped_gib": lms_delta("drop_bytes") / GiB,
         "demand_pageins": lms_delta("pagein_demand_count"),
-        "allocator_retries": allocator_delta("num_alloc_retries"),
-        "allocator_failures": allocator_delta("num_ooms"),
+        "allocator_retries": delta(allocator_before, allocator_after, "num_alloc_retries"),
+        "allocator_failures": delta(allocator_before, allocator_after, "num_ooms"),
         "cache_releases": lms_delta("cache_releases"),
     }
 
