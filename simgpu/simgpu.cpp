@@ -926,6 +926,56 @@ MemPool* lookup_pool(cudaMemPool_t h) {
 
 std::string cuda_error_text(cudaError_t e, bool name);
 
+// ---------------------------------------------------------------------------
+// Runtime calls by function (simgpu_call_count): what a caller's host time
+// per operation is made of, countable on a machine without a GPU. Only the
+// outermost exported call of a thread counts: cudaEventRecord is one call,
+// not also one of the cudaEventRecordWithFlags it is made of.
+
+struct CallSite {
+  const char* function;
+  std::atomic<size_t> calls{0};
+};
+
+std::mutex& call_sites_mutex() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+
+// Leaked, like the interned strings: counts stay readable at exit.
+std::vector<CallSite*>& call_sites() {
+  static std::vector<CallSite*>* sites = new std::vector<CallSite*>;
+  return *sites;
+}
+
+CallSite& register_call_site(const char* function) {
+  std::lock_guard<std::mutex> lock(call_sites_mutex());
+  CallSite* site = new CallSite;
+  site->function = function;
+  call_sites().push_back(site);
+  return *site;
+}
+
+thread_local int tl_call_depth = 0;
+
+class CountedCall {
+ public:
+  explicit CountedCall(CallSite& site) {
+    if (tl_call_depth++ == 0) {
+      site.calls.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  ~CountedCall() {
+    --tl_call_depth;
+  }
+  CountedCall(const CountedCall&) = delete;
+  CountedCall& operator=(const CountedCall&) = delete;
+};
+
+#define SIMGPU_COUNT_CALL()                                         \
+  static CallSite& simgpu_call_site = register_call_site(__func__); \
+  const CountedCall simgpu_counted_call(simgpu_call_site)
+
 } // namespace
 
 // ===========================================================================
@@ -936,16 +986,19 @@ extern "C" {
 // ---- errors and versions ---------------------------------------------------
 
 cudaError_t cudaGetLastError(void) {
+  SIMGPU_COUNT_CALL();
   cudaError_t e = tl_last_error;
   tl_last_error = cudaSuccess;
   return e;
 }
 
 cudaError_t cudaPeekAtLastError(void) {
+  SIMGPU_COUNT_CALL();
   return tl_last_error;
 }
 
 const char* cudaGetErrorString(cudaError_t error) {
+  SIMGPU_COUNT_CALL();
   // Interned so the pointer outlives the call, as CUDA's does.
   static std::mutex mu;
   static std::map<int, std::string>* strings = new std::map<int, std::string>;
@@ -958,6 +1011,7 @@ const char* cudaGetErrorString(cudaError_t error) {
 }
 
 const char* cudaGetErrorName(cudaError_t error) {
+  SIMGPU_COUNT_CALL();
   static std::mutex mu;
   static std::map<int, std::string>* names = new std::map<int, std::string>;
   std::lock_guard<std::mutex> lock(mu);
@@ -969,6 +1023,7 @@ const char* cudaGetErrorName(cudaError_t error) {
 }
 
 cudaError_t cudaDriverGetVersion(int* driverVersion) {
+  SIMGPU_COUNT_CALL();
   if (driverVersion == nullptr) {
     return fail(cudaErrorInvalidValue, "driverVersion is NULL");
   }
@@ -977,6 +1032,7 @@ cudaError_t cudaDriverGetVersion(int* driverVersion) {
 }
 
 cudaError_t cudaRuntimeGetVersion(int* runtimeVersion) {
+  SIMGPU_COUNT_CALL();
   if (runtimeVersion == nullptr) {
     return fail(cudaErrorInvalidValue, "runtimeVersion is NULL");
   }
@@ -987,6 +1043,7 @@ cudaError_t cudaRuntimeGetVersion(int* runtimeVersion) {
 // ---- devices ---------------------------------------------------------------
 
 cudaError_t cudaGetDeviceCount(int* count) {
+  SIMGPU_COUNT_CALL();
   if (count == nullptr) {
     return fail(cudaErrorInvalidValue, "count is NULL");
   }
@@ -999,6 +1056,7 @@ cudaError_t cudaGetDeviceCount(int* count) {
 }
 
 cudaError_t cudaGetDevice(int* device) {
+  SIMGPU_COUNT_CALL();
   if (device == nullptr) {
     return fail(cudaErrorInvalidValue, "device is NULL");
   }
@@ -1007,6 +1065,7 @@ cudaError_t cudaGetDevice(int* device) {
 }
 
 cudaError_t cudaSetDevice(int device) {
+  SIMGPU_COUNT_CALL();
   if (!valid_device(device)) {
     return bad_device(device);
   }
@@ -1015,6 +1074,7 @@ cudaError_t cudaSetDevice(int device) {
 }
 
 cudaError_t cudaInitDevice(int device, unsigned int deviceFlags, unsigned int) {
+  SIMGPU_COUNT_CALL();
   if (!valid_device(device)) {
     return bad_device(device);
   }
@@ -1025,6 +1085,7 @@ cudaError_t cudaInitDevice(int device, unsigned int deviceFlags, unsigned int) {
 }
 
 cudaError_t cudaSetDeviceFlags(unsigned int flags) {
+  SIMGPU_COUNT_CALL();
   if (cudaError_t err = check_current_device()) {
     return err;
   }
@@ -1035,6 +1096,7 @@ cudaError_t cudaSetDeviceFlags(unsigned int flags) {
 }
 
 cudaError_t cudaGetDeviceFlags(unsigned int* flags) {
+  SIMGPU_COUNT_CALL();
   if (flags == nullptr) {
     return fail(cudaErrorInvalidValue, "flags is NULL");
   }
@@ -1048,6 +1110,7 @@ cudaError_t cudaGetDeviceFlags(unsigned int* flags) {
 }
 
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* prop, int device) {
+  SIMGPU_COUNT_CALL();
   if (prop == nullptr) {
     return fail(cudaErrorInvalidValue, "prop is NULL");
   }
@@ -1064,6 +1127,7 @@ cudaError_t cudaDeviceGetAttribute(
     int* value,
     cudaDeviceAttr attr,
     int device) {
+  SIMGPU_COUNT_CALL();
   if (value == nullptr) {
     return fail(cudaErrorInvalidValue, "value is NULL");
   }
@@ -1181,6 +1245,7 @@ cudaError_t cudaDeviceGetAttribute(
 }
 
 cudaError_t cudaDeviceGetPCIBusId(char* pciBusId, int len, int device) {
+  SIMGPU_COUNT_CALL();
   if (pciBusId == nullptr || len <= 0) {
     return fail(cudaErrorInvalidValue, "pciBusId buffer is empty");
   }
@@ -1192,6 +1257,7 @@ cudaError_t cudaDeviceGetPCIBusId(char* pciBusId, int len, int device) {
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
+  SIMGPU_COUNT_CALL();
   if (cudaError_t err = check_current_device()) {
     return err;
   }
@@ -1202,6 +1268,7 @@ cudaError_t cudaDeviceSynchronize(void) {
 cudaError_t cudaDeviceGetStreamPriorityRange(
     int* leastPriority,
     int* greatestPriority) {
+  SIMGPU_COUNT_CALL();
   if (leastPriority != nullptr) {
     *leastPriority = kLeastPriority;
   }
@@ -1212,6 +1279,7 @@ cudaError_t cudaDeviceGetStreamPriorityRange(
 }
 
 cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
+  SIMGPU_COUNT_CALL();
   if (free == nullptr || total == nullptr) {
     return fail(cudaErrorInvalidValue, "free or total is NULL");
   }
@@ -1230,6 +1298,7 @@ cudaError_t cudaMemGetInfo(size_t* free, size_t* total) {
 // ---- peers (simulated devices are never peers) ------------------------------
 
 cudaError_t cudaDeviceCanAccessPeer(int* canAccessPeer, int device, int peer) {
+  SIMGPU_COUNT_CALL();
   if (canAccessPeer == nullptr) {
     return fail(cudaErrorInvalidValue, "canAccessPeer is NULL");
   }
@@ -1244,6 +1313,7 @@ cudaError_t cudaDeviceCanAccessPeer(int* canAccessPeer, int device, int peer) {
 }
 
 cudaError_t cudaDeviceEnablePeerAccess(int peerDevice, unsigned int flags) {
+  SIMGPU_COUNT_CALL();
   if (flags != 0) {
     return fail(cudaErrorInvalidValue, "flags must be 0");
   }
@@ -1257,6 +1327,7 @@ cudaError_t cudaDeviceEnablePeerAccess(int peerDevice, unsigned int flags) {
 }
 
 cudaError_t cudaDeviceDisablePeerAccess(int peerDevice) {
+  SIMGPU_COUNT_CALL();
   if (!valid_device(peerDevice)) {
     return bad_device(peerDevice);
   }
@@ -1269,10 +1340,12 @@ cudaError_t cudaDeviceDisablePeerAccess(int peerDevice) {
 // ---- IPC (not possible across processes) -----------------------------------
 
 cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t*, void*) {
+  SIMGPU_COUNT_CALL();
   return fail(cudaErrorNotSupported, ipc_reason());
 }
 
 cudaError_t cudaIpcOpenMemHandle(void** devPtr, cudaIpcMemHandle_t, unsigned) {
+  SIMGPU_COUNT_CALL();
   if (devPtr != nullptr) {
     *devPtr = nullptr;
   }
@@ -1280,14 +1353,17 @@ cudaError_t cudaIpcOpenMemHandle(void** devPtr, cudaIpcMemHandle_t, unsigned) {
 }
 
 cudaError_t cudaIpcCloseMemHandle(void*) {
+  SIMGPU_COUNT_CALL();
   return fail(cudaErrorNotSupported, ipc_reason());
 }
 
 cudaError_t cudaIpcGetEventHandle(cudaIpcEventHandle_t*, cudaEvent_t) {
+  SIMGPU_COUNT_CALL();
   return fail(cudaErrorNotSupported, ipc_reason());
 }
 
 cudaError_t cudaIpcOpenEventHandle(cudaEvent_t* event, cudaIpcEventHandle_t) {
+  SIMGPU_COUNT_CALL();
   if (event != nullptr) {
     *event = nullptr;
   }
@@ -1297,6 +1373,7 @@ cudaError_t cudaIpcOpenEventHandle(cudaEvent_t* event, cudaIpcEventHandle_t) {
 // ---- device memory ---------------------------------------------------------
 
 cudaError_t cudaMalloc(void** devPtr, size_t size) {
+  SIMGPU_COUNT_CALL();
   if (cudaError_t err = check_current_device()) {
     return err;
   }
@@ -1304,6 +1381,7 @@ cudaError_t cudaMalloc(void** devPtr, size_t size) {
 }
 
 cudaError_t cudaMallocManaged(void** devPtr, size_t size, unsigned int flags) {
+  SIMGPU_COUNT_CALL();
   if (flags != cudaMemAttachGlobal && flags != cudaMemAttachHost) {
     return fail(
         cudaErrorInvalidValue,
@@ -1317,6 +1395,7 @@ cudaError_t cudaMallocManaged(void** devPtr, size_t size, unsigned int flags) {
 }
 
 cudaError_t cudaFree(void* devPtr) {
+  SIMGPU_COUNT_CALL();
   if (devPtr == nullptr) {
     return ok();
   }
@@ -1350,6 +1429,7 @@ cudaError_t cudaFree(void* devPtr) {
 }
 
 cudaError_t cudaMallocAsync(void** devPtr, size_t size, cudaStream_t hStream) {
+  SIMGPU_COUNT_CALL();
   StreamPtr st;
   {
     Sim& s = sim();
@@ -1364,6 +1444,7 @@ cudaError_t cudaMallocAsync(void** devPtr, size_t size, cudaStream_t hStream) {
 }
 
 cudaError_t cudaFreeAsync(void* devPtr, cudaStream_t hStream) {
+  SIMGPU_COUNT_CALL();
   if (devPtr == nullptr) {
     return ok();
   }
@@ -1396,6 +1477,7 @@ cudaError_t cudaFreeAsync(void* devPtr, cudaStream_t hStream) {
 // ---- memory pools (one default pool per device, no caching) ----------------
 
 cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* memPool, int device) {
+  SIMGPU_COUNT_CALL();
   if (memPool == nullptr) {
     return fail(cudaErrorInvalidValue, "memPool is NULL");
   }
@@ -1407,6 +1489,7 @@ cudaError_t cudaDeviceGetDefaultMemPool(cudaMemPool_t* memPool, int device) {
 }
 
 cudaError_t cudaDeviceGetMemPool(cudaMemPool_t* memPool, int device) {
+  SIMGPU_COUNT_CALL();
   return cudaDeviceGetDefaultMemPool(memPool, device);
 }
 
@@ -1414,6 +1497,7 @@ cudaError_t cudaMemPoolSetAttribute(
     cudaMemPool_t memPool,
     cudaMemPoolAttr attr,
     void* value) {
+  SIMGPU_COUNT_CALL();
   if (value == nullptr) {
     return fail(cudaErrorInvalidValue, "value is NULL");
   }
@@ -1458,6 +1542,7 @@ cudaError_t cudaMemPoolGetAttribute(
     cudaMemPool_t memPool,
     cudaMemPoolAttr attr,
     void* value) {
+  SIMGPU_COUNT_CALL();
   if (value == nullptr) {
     return fail(cudaErrorInvalidValue, "value is NULL");
   }
@@ -1498,6 +1583,7 @@ cudaError_t cudaMemPoolGetAttribute(
 }
 
 cudaError_t cudaMemPoolTrimTo(cudaMemPool_t memPool, size_t) {
+  SIMGPU_COUNT_CALL();
   Sim& s = sim();
   std::lock_guard<std::mutex> lock(s.mu);
   if (lookup_pool(memPool) == nullptr) {
@@ -1510,6 +1596,7 @@ cudaError_t cudaMemPoolSetAccess(
     cudaMemPool_t memPool,
     const cudaMemAccessDesc* descList,
     size_t count) {
+  SIMGPU_COUNT_CALL();
   Sim& s = sim();
   std::lock_guard<std::mutex> lock(s.mu);
   MemPool* p = lookup_pool(memPool);
@@ -1540,14 +1627,17 @@ cudaError_t cudaMemPoolSetAccess(
 // ---- pinned and registered host memory -------------------------------------
 
 cudaError_t cudaHostAlloc(void** pHost, size_t size, unsigned int flags) {
+  SIMGPU_COUNT_CALL();
   return host_alloc(pHost, size, flags);
 }
 
 cudaError_t cudaMallocHost(void** ptr, size_t size) {
+  SIMGPU_COUNT_CALL();
   return host_alloc(ptr, size, cudaHostAllocDefault);
 }
 
 cudaError_t cudaFreeHost(void* ptr) {
+  SIMGPU_COUNT_CALL();
   if (ptr == nullptr) {
     return ok();
   }
@@ -1578,6 +1668,7 @@ cudaError_t cudaFreeHost(void* ptr) {
 }
 
 cudaError_t cudaHostRegister(void* ptr, size_t size, unsigned int flags) {
+  SIMGPU_COUNT_CALL();
   if (ptr == nullptr || size == 0) {
     return fail(cudaErrorInvalidValue, "empty range");
   }
@@ -1606,6 +1697,7 @@ cudaError_t cudaHostRegister(void* ptr, size_t size, unsigned int flags) {
 }
 
 cudaError_t cudaHostUnregister(void* ptr) {
+  SIMGPU_COUNT_CALL();
   {
     Sim& s = sim();
     std::lock_guard<std::mutex> lock(s.mu);
@@ -1632,6 +1724,7 @@ cudaError_t cudaHostGetDevicePointer(
     void** pDevice,
     void* pHost,
     unsigned int flags) {
+  SIMGPU_COUNT_CALL();
   if (pDevice == nullptr || flags != 0) {
     return fail(cudaErrorInvalidValue, "pDevice is NULL or flags are not 0");
   }
@@ -1647,6 +1740,7 @@ cudaError_t cudaHostGetDevicePointer(
 }
 
 cudaError_t cudaHostGetFlags(unsigned int* pFlags, void* pHost) {
+  SIMGPU_COUNT_CALL();
   if (pFlags == nullptr) {
     return fail(cudaErrorInvalidValue, "pFlags is NULL");
   }
@@ -1665,6 +1759,7 @@ cudaError_t cudaHostGetFlags(unsigned int* pFlags, void* pHost) {
 cudaError_t cudaPointerGetAttributes(
     cudaPointerAttributes* attributes,
     const void* ptr) {
+  SIMGPU_COUNT_CALL();
   if (attributes == nullptr) {
     return fail(cudaErrorInvalidValue, "attributes is NULL");
   }
@@ -1700,6 +1795,7 @@ cudaError_t cudaMemcpy(
     const void* src,
     size_t count,
     cudaMemcpyKind kind) {
+  SIMGPU_COUNT_CALL();
   return copy(dst, src, count, kind, nullptr, true, -1, -1);
 }
 
@@ -1709,6 +1805,7 @@ cudaError_t cudaMemcpyAsync(
     size_t count,
     cudaMemcpyKind kind,
     cudaStream_t stream) {
+  SIMGPU_COUNT_CALL();
   return copy(dst, src, count, kind, stream, false, -1, -1);
 }
 
@@ -1718,6 +1815,7 @@ cudaError_t cudaMemcpyPeer(
     const void* src,
     int srcDevice,
     size_t count) {
+  SIMGPU_COUNT_CALL();
   if (!valid_device(dstDevice) || !valid_device(srcDevice)) {
     return bad_device(valid_device(dstDevice) ? srcDevice : dstDevice);
   }
@@ -1739,6 +1837,7 @@ cudaError_t cudaMemcpyPeerAsync(
     int srcDevice,
     size_t count,
     cudaStream_t stream) {
+  SIMGPU_COUNT_CALL();
   if (!valid_device(dstDevice) || !valid_device(srcDevice)) {
     return bad_device(valid_device(dstDevice) ? srcDevice : dstDevice);
   }
@@ -1754,6 +1853,7 @@ cudaError_t cudaMemcpyPeerAsync(
 }
 
 cudaError_t cudaMemset(void* devPtr, int value, size_t count) {
+  SIMGPU_COUNT_CALL();
   return memset_impl(devPtr, value, count, nullptr, true);
 }
 
@@ -1762,16 +1862,19 @@ cudaError_t cudaMemsetAsync(
     int value,
     size_t count,
     cudaStream_t stream) {
+  SIMGPU_COUNT_CALL();
   return memset_impl(devPtr, value, count, stream, false);
 }
 
 // ---- streams ---------------------------------------------------------------
 
 cudaError_t cudaStreamCreate(cudaStream_t* pStream) {
+  SIMGPU_COUNT_CALL();
   return create_stream(pStream, cudaStreamDefault, 0);
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* pStream, unsigned flags) {
+  SIMGPU_COUNT_CALL();
   return create_stream(pStream, flags, 0);
 }
 
@@ -1779,10 +1882,12 @@ cudaError_t cudaStreamCreateWithPriority(
     cudaStream_t* pStream,
     unsigned int flags,
     int priority) {
+  SIMGPU_COUNT_CALL();
   return create_stream(pStream, flags, priority);
 }
 
 cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  SIMGPU_COUNT_CALL();
   Sim& s = sim();
   std::lock_guard<std::mutex> lock(s.mu);
   auto it = s.streams.find(static_cast<void*>(stream));
@@ -1801,6 +1906,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
 }
 
 cudaError_t cudaStreamQuery(cudaStream_t stream) {
+  SIMGPU_COUNT_CALL();
   StreamPtr st;
   {
     Sim& s = sim();
@@ -1814,6 +1920,7 @@ cudaError_t cudaStreamQuery(cudaStream_t stream) {
 }
 
 cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
+  SIMGPU_COUNT_CALL();
   StreamPtr st;
   {
     Sim& s = sim();
@@ -1830,6 +1937,7 @@ cudaError_t cudaStreamWaitEvent(
     cudaStream_t stream,
     cudaEvent_t event,
     unsigned int flags) {
+  SIMGPU_COUNT_CALL();
   if (flags != cudaEventWaitDefault && flags != cudaEventWaitExternal) {
     return fail(cudaErrorInvalidValue, "unknown cudaStreamWaitEvent flags");
   }
@@ -1864,6 +1972,7 @@ cudaError_t cudaLaunchHostFunc(
     cudaStream_t stream,
     cudaHostFn_t fn,
     void* userData) {
+  SIMGPU_COUNT_CALL();
   if (fn == nullptr) {
     return fail(cudaErrorInvalidValue, "fn is NULL");
   }
@@ -1882,6 +1991,7 @@ cudaError_t cudaStreamAddCallback(
     cudaStreamCallback_t callback,
     void* userData,
     unsigned int flags) {
+  SIMGPU_COUNT_CALL();
   if (callback == nullptr || flags != 0) {
     return fail(cudaErrorInvalidValue, "callback is NULL or flags are not 0");
   }
@@ -1898,6 +2008,7 @@ cudaError_t cudaStreamAddCallback(
 }
 
 cudaError_t cudaStreamGetPriority(cudaStream_t hStream, int* priority) {
+  SIMGPU_COUNT_CALL();
   if (priority == nullptr) {
     return fail(cudaErrorInvalidValue, "priority is NULL");
   }
@@ -1912,6 +2023,7 @@ cudaError_t cudaStreamGetPriority(cudaStream_t hStream, int* priority) {
 }
 
 cudaError_t cudaStreamGetFlags(cudaStream_t hStream, unsigned int* flags) {
+  SIMGPU_COUNT_CALL();
   if (flags == nullptr) {
     return fail(cudaErrorInvalidValue, "flags is NULL");
   }
@@ -1926,6 +2038,7 @@ cudaError_t cudaStreamGetFlags(cudaStream_t hStream, unsigned int* flags) {
 }
 
 cudaError_t cudaStreamGetDevice(cudaStream_t hStream, int* device) {
+  SIMGPU_COUNT_CALL();
   if (device == nullptr) {
     return fail(cudaErrorInvalidValue, "device is NULL");
   }
@@ -1940,6 +2053,7 @@ cudaError_t cudaStreamGetDevice(cudaStream_t hStream, int* device) {
 }
 
 cudaError_t cudaStreamGetId(cudaStream_t hStream, unsigned long long* id) {
+  SIMGPU_COUNT_CALL();
   if (id == nullptr) {
     return fail(cudaErrorInvalidValue, "streamId is NULL");
   }
@@ -1959,6 +2073,7 @@ cudaError_t cudaStreamGetId(cudaStream_t hStream, unsigned long long* id) {
 cudaError_t cudaStreamIsCapturing(
     cudaStream_t stream,
     cudaStreamCaptureStatus* pCaptureStatus) {
+  SIMGPU_COUNT_CALL();
   if (pCaptureStatus == nullptr) {
     return fail(cudaErrorInvalidValue, "pCaptureStatus is NULL");
   }
@@ -1981,6 +2096,7 @@ cudaError_t cudaStreamGetCaptureInfo(
     const cudaGraphNode_t** dependencies_out,
     const cudaGraphEdgeData** edgeData_out,
     size_t* numDependencies_out) {
+  SIMGPU_COUNT_CALL();
   if (captureStatus_out == nullptr) {
     return fail(cudaErrorInvalidValue, "captureStatus_out is NULL");
   }
@@ -2011,6 +2127,7 @@ cudaError_t cudaStreamGetCaptureInfo(
 }
 
 cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
+  SIMGPU_COUNT_CALL();
   if (mode == nullptr) {
     return fail(cudaErrorInvalidValue, "mode is NULL");
   }
@@ -2019,6 +2136,7 @@ cudaError_t cudaThreadExchangeStreamCaptureMode(cudaStreamCaptureMode* mode) {
 }
 
 cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) {
+  SIMGPU_COUNT_CALL();
   return fail(
       cudaErrorNotSupported,
       "CUDA graphs are not simulated: stream capture cannot begin");
@@ -2027,6 +2145,7 @@ cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) {
 // ---- events ----------------------------------------------------------------
 
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
+  SIMGPU_COUNT_CALL();
   if (event == nullptr) {
     return fail(cudaErrorInvalidValue, "event is NULL");
   }
@@ -2052,10 +2171,12 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned int flags) {
 }
 
 cudaError_t cudaEventCreate(cudaEvent_t* event) {
+  SIMGPU_COUNT_CALL();
   return cudaEventCreateWithFlags(event, cudaEventDefault);
 }
 
 cudaError_t cudaEventDestroy(cudaEvent_t event) {
+  SIMGPU_COUNT_CALL();
   Sim& s = sim();
   std::lock_guard<std::mutex> lock(s.mu);
   auto it = s.events.find(static_cast<void*>(event));
@@ -2073,6 +2194,7 @@ cudaError_t cudaEventRecordWithFlags(
     cudaEvent_t event,
     cudaStream_t stream,
     unsigned int flags) {
+  SIMGPU_COUNT_CALL();
   if (flags != cudaEventRecordDefault && flags != cudaEventRecordExternal) {
     return fail(cudaErrorInvalidValue, "unknown cudaEventRecord flags");
   }
@@ -2110,10 +2232,12 @@ cudaError_t cudaEventRecordWithFlags(
 }
 
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
+  SIMGPU_COUNT_CALL();
   return cudaEventRecordWithFlags(event, stream, cudaEventRecordDefault);
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t event) {
+  SIMGPU_COUNT_CALL();
   EventPtr e;
   {
     Sim& s = sim();
@@ -2127,6 +2251,7 @@ cudaError_t cudaEventQuery(cudaEvent_t event) {
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t event) {
+  SIMGPU_COUNT_CALL();
   EventPtr e;
   {
     Sim& s = sim();
@@ -2145,6 +2270,7 @@ cudaError_t cudaEventElapsedTime(
     float* ms,
     cudaEvent_t start,
     cudaEvent_t end) {
+  SIMGPU_COUNT_CALL();
   if (ms == nullptr) {
     return fail(cudaErrorInvalidValue, "ms is NULL");
   }
@@ -2384,6 +2510,47 @@ void simgpu_reset_counters(void) {
   s.host_stats.bytes_peak = host_in_use;
   s.host_stats.registered_bytes = registered;
   s.faults_fired = 0;
+  std::lock_guard<std::mutex> calls_lock(call_sites_mutex());
+  for (CallSite* site : call_sites()) {
+    site->calls.store(0, std::memory_order_relaxed);
+  }
+}
+
+size_t simgpu_call_count(const char* function) {
+  if (function == nullptr) {
+    return 0;
+  }
+  std::lock_guard<std::mutex> lock(call_sites_mutex());
+  for (const CallSite* site : call_sites()) {
+    if (std::strcmp(site->function, function) == 0) {
+      return site->calls.load(std::memory_order_relaxed);
+    }
+  }
+  return 0;
+}
+
+size_t simgpu_call_counts(simgpu_call_entry* out, size_t capacity) {
+  std::vector<simgpu_call_entry> called;
+  {
+    std::lock_guard<std::mutex> lock(call_sites_mutex());
+    for (const CallSite* site : call_sites()) {
+      const size_t calls = site->calls.load(std::memory_order_relaxed);
+      if (calls > 0) {
+        called.push_back(simgpu_call_entry{site->function, calls});
+      }
+    }
+  }
+  std::sort(
+      called.begin(),
+      called.end(),
+      [](const simgpu_call_entry& a, const simgpu_call_entry& b) {
+        return a.calls != b.calls ? a.calls > b.calls
+                                  : std::strcmp(a.function, b.function) < 0;
+      });
+  if (out != nullptr) {
+    std::copy_n(called.begin(), std::min(capacity, called.size()), out);
+  }
+  return called.size();
 }
 
 void simgpu_set_copy_bandwidth(double bytes_per_second) {

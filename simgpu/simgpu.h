@@ -116,9 +116,25 @@ size_t simgpu_device_bytes_peak(int device);
 size_t simgpu_host_bytes_in_use(void);
 size_t simgpu_host_bytes_peak(void);
 
-// Sets every peak to the current in-use value and zeroes every count and the
-// fired-fault count. In-use bytes and capacities are unchanged.
+// Sets every peak to the current in-use value and zeroes every count (the
+// runtime calls' too) and the fired-fault count. In-use bytes and capacities
+// are unchanged.
 void simgpu_reset_counters(void);
+
+// Runtime calls the program made to `function` (e.g. "cudaEventQuery") since
+// the last reset, on every thread; 0 for one never called. A call the library
+// makes to itself is not counted (cudaEventRecord is one call).
+size_t simgpu_call_count(const char* function);
+
+// One runtime function and its calls since the last reset.
+typedef struct simgpu_call_entry {
+  const char* function;
+  size_t calls;
+} simgpu_call_entry;
+
+// Fills `out` with up to `capacity` functions called since the last reset,
+// most called first; returns how many functions were called.
+size_t simgpu_call_counts(simgpu_call_entry* out, size_t capacity);
 
 // Simulated copy bandwidth in bytes per second; 0 turns the simulation off.
 // A copy of n bytes then takes at least n / bandwidth seconds on its stream.

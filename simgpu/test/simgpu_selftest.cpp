@@ -10,6 +10,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -349,6 +350,35 @@ TEST_CASE(statistics) {
   CHECK_CUDA(cudaMemcpy(buf, d1, 100, cudaMemcpyDeviceToHost)); // pageable
   CHECK_CUDA(cudaFree(d1));
   (void)cudaGetLastError();
+}
+
+TEST_CASE(runtime_calls_are_counted_once_each) {
+  Reset reset;
+  cudaEvent_t event = nullptr;
+  CHECK_CUDA(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  simgpu_reset_counters();
+  CHECK(simgpu_call_count("cudaEventRecord") == 0);
+  for (int i = 0; i < 3; ++i) {
+    CHECK_CUDA(cudaEventRecord(event, nullptr));
+  }
+  CHECK_CUDA(cudaEventSynchronize(event));
+  CHECK_CUDA(cudaEventQuery(event));
+  // cudaEventRecord is made of cudaEventRecordWithFlags: counted once.
+  CHECK(simgpu_call_count("cudaEventRecord") == 3);
+  CHECK(simgpu_call_count("cudaEventRecordWithFlags") == 0);
+  CHECK(simgpu_call_count("cudaEventQuery") == 1);
+  CHECK(simgpu_call_count("cudaNoSuchFunction") == 0);
+  CHECK(simgpu_call_count(nullptr) == 0);
+  simgpu_call_entry entries[2];
+  CHECK(simgpu_call_counts(entries, 2) == 3);
+  CHECK(std::string(entries[0].function) == "cudaEventRecord");
+  CHECK(entries[0].calls == 3);
+  CHECK(entries[1].calls == 1);
+  CHECK(simgpu_call_counts(nullptr, 0) == 3);
+  simgpu_reset_counters();
+  CHECK(simgpu_call_count("cudaEventRecord") == 0);
+  CHECK(simgpu_call_counts(nullptr, 0) == 0);
+  CHECK_CUDA(cudaEventDestroy(event));
 }
 
 TEST_CASE(pointer_attributes_and_registration) {
