@@ -7,8 +7,13 @@
 
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/util/Exception.h>
 
+#include <cuda_runtime_api.h>
+
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -125,6 +130,64 @@ class WarningCollector : public c10::WarningHandler {
   c10::WarningHandler* previous_;
   mutable std::mutex mutex_;
   std::vector<std::string> messages_;
+};
+
+// A CUDA graph capture of `stream` for a scope, as the caching allocator
+// sees one: what the release's CUDAGraph::capture_begin tells the allocator,
+// in its order around beginning the capture, and what capture_end tells it
+// around ending it. Releases with beginAllocateToPool route the stream's
+// allocations to a private pool from before the capture begins to after it
+// ends; earlier ones are told of the capture (notifyCaptureBegin) right after
+// it begins and of its end right before. `set_capturing` begins and ends the
+// capture itself (the simulated GPU's simgpu_set_capturing).
+class CaptureScope {
+ public:
+  using SetCapturing = cudaError_t (*)(cudaStream_t, int);
+
+  CaptureScope(
+      c10::DeviceIndex device,
+      cudaStream_t stream,
+      SetCapturing set_capturing)
+      : device_(device), stream_(stream), set_capturing_(set_capturing) {
+    // A pool of its own each time, as graph_pool_handle() makes one (the
+    // simulated GPU's capture ids repeat: they are the stream's).
+    static std::atomic<c10::cuda::CaptureId_t> next{1};
+    pool_ = {0, next.fetch_add(1)};
+#if LMS_C10_HAS_ALLOCATE_TO_POOL
+    cca::beginAllocateToPool(
+        device_, pool_, [stream](cudaStream_t s) { return s == stream; });
+    C10_CUDA_CHECK(set_capturing_(stream_, 1));
+#else
+    C10_CUDA_CHECK(set_capturing_(stream_, 1));
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream_, &status, &graph_));
+    cca::notifyCaptureBegin(device_, graph_, pool_);
+#endif
+  }
+
+  ~CaptureScope() {
+#if LMS_C10_HAS_ALLOCATE_TO_POOL
+    C10_CUDA_CHECK_WARN(set_capturing_(stream_, 0));
+    cca::endAllocateToPool(device_, pool_);
+    cca::releasePool(device_, pool_);
+#else
+    cca::notifyCaptureEnd(device_, graph_);
+    C10_CUDA_CHECK_WARN(set_capturing_(stream_, 0));
+    cca::notifyCaptureDestroy(device_, pool_);
+#endif
+  }
+
+  CaptureScope(const CaptureScope&) = delete;
+  CaptureScope& operator=(const CaptureScope&) = delete;
+
+ private:
+  c10::DeviceIndex device_;
+  cudaStream_t stream_;
+  SetCapturing set_capturing_;
+  c10::cuda::MempoolId_t pool_{0, 0};
+#if !LMS_C10_HAS_ALLOCATE_TO_POOL
+  c10::cuda::CaptureId_t graph_ = 0;
+#endif
 };
 
 } // namespace lms_compat

@@ -1532,17 +1532,15 @@ class HostPlacementOff {
 };
 
 // The simulated GPU reports a CUDA graph capture under way on the current
-// stream for a scope.
+// stream for a scope, and the caching allocator is told of it as PyTorch's
+// CUDA graphs tell it (the engine asks CUDA only while a capture may be
+// underway: DeviceMemoryBackend::captureMayBeUnderway).
 class SimulatedCapture {
  public:
-  SimulatedCapture() {
-    C10_CUDA_CHECK(simgpu_set_capturing(stream(), 1));
-  }
-  ~SimulatedCapture() {
-    C10_CUDA_CHECK_WARN(simgpu_set_capturing(stream(), 0));
-  }
-  SimulatedCapture(const SimulatedCapture&) = delete;
-  SimulatedCapture& operator=(const SimulatedCapture&) = delete;
+  SimulatedCapture() : scope_(0, stream(), &simgpu_set_capturing) {}
+
+ private:
+  lms_compat::CaptureScope scope_;
 };
 
 // An operator whose inputs cannot all be resident under the cap runs with the

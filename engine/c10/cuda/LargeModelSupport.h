@@ -438,7 +438,8 @@ class C10_CUDA_API DeviceMemoryBackend {
   // unpin (about 0.5 us a call; GPT at 1.5x the device: 26 ms of host time an
   // iteration) unless this says no. An allocator that routes every capture's
   // allocations to a private pool, as PyTorch's CUDA graphs do, knows: true
-  // from before a capture begins until after it ends.
+  // from before a capture begins until after it ends. The patched caching
+  // allocators and the drop-in's answer it; the default keeps the question.
   virtual bool captureMayBeUnderway() {
     return true;
   }
