@@ -1,4 +1,4 @@
-// The engine's host time per operator when everything fits.
+// The engine's host time per operator, and the CUDA runtime calls it makes.
 //
 // A training loop over a stack of layers is driven through the engine the
 // way the operator observer drives it (LmsPinning.cpp): every operator
@@ -7,18 +7,34 @@
 // it, ends its working set (what packing learns) and unpins its inputs. The
 // forward pass reads the previous activation and the layer's weight, the
 // backward pass the gradient, the saved activation and the weight, and an
-// optimizer operator updates each weight in place. The limit is far above
-// what the loop uses, so nothing is ever paged out: what is measured is the
-// bookkeeping alone, in nanoseconds per operator, for
+// optimizer operator updates each weight in place. In the first four
+// configurations the limit is far above what the loop uses, so nothing is
+// ever paged out: what is measured is the bookkeeping alone, in nanoseconds
+// per operator, for
 //   off:      LMS disabled (the allocator's own path; no engine calls);
 //   reactive: LMS on, learned schedule off;
 //   no-pack:  LMS on with its defaults but packing off (setPackingEnabled):
 //             the working set is still counted, no operator is weighed;
-//   schedule: LMS on with its defaults.
+//   schedule: LMS on with its defaults;
+// and then
+//   paging:   LMS on with its defaults, storages of --paging-bytes (4 MiB:
+//             the allocator's large pool) under a limit of twice the
+//             weights' bytes, which the activations saved for the backward
+//             pass take past: every iteration pages storages out and in,
+//             and its time includes the simulated copies. Each iteration
+//             ends with a synchronization, as a loop that reads its loss
+//             does: without one the host, which launches no kernels here,
+//             runs iterations ahead of the copies, and every page-out finds
+//             the host buffers of the earlier ones still in flight.
+// On simgpu (the CUDA runtime on host memory) each row also gives the CUDA
+// runtime calls per operator, the most frequent by name: on a GPU each costs
+// host time (0.1 to a few microseconds), which the simulated runtime does
+// not show. On a real GPU those columns are empty.
 // What the dispatcher costs to call the observer is not in these figures
 // (benchmarks/host_overhead.py measures everything on a GPU host).
 //
 // Usage: bench_lms_host [--layers N] [--iterations N] [--bytes B] [--repeat N]
+//                       [--paging-bytes B]
 
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -31,6 +47,7 @@
 #pragma GCC diagnostic pop
 
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -51,6 +68,11 @@ struct Options {
   int iterations = 50;
   size_t bytes = 128 * 1024; // activations and weights
   int repeat = 5; // best of
+  // The paging row's storages. Its limit must leave packing's margin (200
+  // MiB, LargeModelSupportPacking.cpp) beside an operator: below it every
+  // operator is tight and packed.
+  size_t paging_bytes = 4 * 1024 * 1024;
+  bool sync_each_iteration = false; // the paging row's
 };
 
 Options parse(int argc, char** argv) {
@@ -75,10 +97,13 @@ Options parse(int argc, char** argv) {
       o.bytes = static_cast<size_t>(v);
     } else if (arg == "--repeat") {
       o.repeat = static_cast<int>(v);
+    } else if (arg == "--paging-bytes") {
+      o.paging_bytes = static_cast<size_t>(v);
     } else {
       std::fprintf(
           stderr,
-          "unknown option %s (--layers, --iterations, --bytes, --repeat)\n",
+          "unknown option %s (--layers, --iterations, --bytes, --repeat, "
+          "--paging-bytes)\n",
           arg.c_str());
       std::exit(2);
     }
@@ -126,6 +151,9 @@ class Loop {
       weight_grads[i].reset();
       ++ops;
     }
+    if (o_.sync_each_iteration) {
+      C10_CUDA_CHECK(cudaDeviceSynchronize());
+    }
     return ops;
   }
 
@@ -171,13 +199,55 @@ class Loop {
   std::vector<StoragePtr> weights_;
 };
 
-// Best nanoseconds per operator over `repeat` rounds of `iterations`.
-double measure(const Options& o, bool engine) {
+// simgpu's runtime call counts (simgpu.h), found at run time so that the
+// same binary runs on a real GPU, which has none.
+struct CallEntry {
+  const char* function;
+  size_t calls;
+};
+using CallCountsFn = size_t (*)(CallEntry*, size_t);
+using ResetCountersFn = void (*)();
+
+struct CallCounter {
+  CallCountsFn counts = nullptr;
+  ResetCountersFn reset = nullptr;
+
+  CallCounter() {
+    counts = reinterpret_cast<CallCountsFn>(
+        dlsym(RTLD_DEFAULT, "simgpu_call_counts"));
+    reset = reinterpret_cast<ResetCountersFn>(
+        dlsym(RTLD_DEFAULT, "simgpu_reset_counters"));
+    if (counts == nullptr || reset == nullptr) {
+      counts = nullptr;
+      reset = nullptr;
+    }
+  }
+  bool available() const {
+    return counts != nullptr;
+  }
+};
+
+struct Row {
+  double ns_per_op = 0.0;
+  double calls_per_op = -1.0; // -1: not counted (a real GPU)
+  std::vector<CallEntry> calls; // most called first, per all rounds
+  int64_t ops = 0; // in all rounds
+  int64_t iterations = 0; // in all rounds
+};
+
+// Best nanoseconds per operator over `repeat` rounds of `iterations`, and the
+// runtime calls of all rounds.
+Row measure(const Options& o, bool engine, const CallCounter& counter) {
   Loop loop(o, engine);
   for (int i = 0; i < 4; ++i) { // the schedule confirms its period
     loop.iteration();
   }
-  double best = 1e300;
+  C10_CUDA_CHECK(cudaDeviceSynchronize());
+  if (counter.available()) {
+    counter.reset();
+  }
+  Row row;
+  row.ns_per_op = 1e300;
   for (int r = 0; r < o.repeat; ++r) {
     C10_CUDA_CHECK(cudaDeviceSynchronize());
     int64_t ops = 0;
@@ -188,9 +258,54 @@ double measure(const Options& o, bool engine) {
     C10_CUDA_CHECK(cudaDeviceSynchronize());
     const double ns =
         std::chrono::duration<double, std::nano>(Clock::now() - begin).count();
-    best = std::min(best, ns / static_cast<double>(ops));
+    row.ns_per_op = std::min(row.ns_per_op, ns / static_cast<double>(ops));
+    row.ops += ops;
+    row.iterations += o.iterations;
   }
-  return best;
+  if (counter.available()) {
+    row.calls.resize(counter.counts(nullptr, 0));
+    row.calls.resize(counter.counts(row.calls.data(), row.calls.size()));
+    size_t total = 0;
+    for (const CallEntry& entry : row.calls) {
+      // The synchronizations around the rounds are the benchmark's own.
+      if (std::string(entry.function) != "cudaDeviceSynchronize") {
+        total += entry.calls;
+      }
+    }
+    row.calls_per_op =
+        static_cast<double>(total) / static_cast<double>(row.ops);
+  }
+  return row;
+}
+
+void printRow(const char* config, const Row& row, const Row* off) {
+  std::printf("%-9s %10.0f ", config, row.ns_per_op);
+  if (off == nullptr) {
+    std::printf("%12s", "-");
+  } else {
+    std::printf("%12.0f", row.ns_per_op - off->ns_per_op);
+  }
+  if (row.calls_per_op < 0.0) {
+    std::printf(" %10s\n", "-");
+    return;
+  }
+  std::printf(" %10.2f ", row.calls_per_op);
+  int shown = 0;
+  for (const CallEntry& entry : row.calls) {
+    if (std::string(entry.function) == "cudaDeviceSynchronize") {
+      continue;
+    }
+    if (shown == 4) {
+      break;
+    }
+    std::printf(
+        "%s%s %.2f",
+        shown > 0 ? ", " : " ",
+        entry.function,
+        static_cast<double>(entry.calls) / static_cast<double>(row.ops));
+    ++shown;
+  }
+  std::printf("\n");
 }
 
 } // namespace
@@ -209,33 +324,54 @@ int main(int argc, char** argv) {
       o.bytes,
       o.repeat,
       o.iterations);
+  const CallCounter counter;
 
   lms::setEnabled(false);
-  const double off = measure(o, /*engine=*/false);
+  const Row off = measure(o, /*engine=*/false, counter);
 
   lms::setEnabled(true);
   lms::setSizeThreshold(std::min<size_t>(o.bytes, 64 * 1024));
   lms::setLimit(0, size_t(1) << 50); // everything fits
   lms::setScheduleEnabled(false);
-  const double reactive = measure(o, /*engine=*/true);
+  const Row reactive = measure(o, /*engine=*/true, counter);
   lms::setScheduleEnabled(true);
   lms::resetSchedule();
   lms::setPackingEnabled(false);
-  const double no_pack = measure(o, /*engine=*/true);
+  const Row no_pack = measure(o, /*engine=*/true, counter);
   lms::setPackingEnabled(true);
   lms::resetSchedule();
-  const double schedule = measure(o, /*engine=*/true);
-  const lms::LmsStats stats = lms::getStats(0);
+  const Row schedule = measure(o, /*engine=*/true, counter);
+  const lms::LmsStats fits = lms::getStats(0);
+
+  Options large = o;
+  large.bytes = o.paging_bytes;
+  large.sync_each_iteration = true;
+  lms::resetSchedule();
+  lms::setLimit(0, 2 * static_cast<size_t>(o.layers) * large.bytes);
+  const Row paging = measure(large, /*engine=*/true, counter);
+  const lms::LmsStats paged = lms::getStats(0);
   lms::setEnabled(false);
 
-  std::printf("%-9s %10s %12s\n", "config", "ns/op", "engine ns/op");
-  std::printf("%-9s %10.0f %12s\n", "off", off, "-");
-  std::printf("%-9s %10.0f %12.0f\n", "reactive", reactive, reactive - off);
-  std::printf("%-9s %10.0f %12.0f\n", "no-pack", no_pack, no_pack - off);
-  std::printf("%-9s %10.0f %12.0f\n", "schedule", schedule, schedule - off);
   std::printf(
-      "schedule period %lld operators, %lld page-outs\n",
-      static_cast<long long>(stats.schedule_period),
-      static_cast<long long>(stats.pageout_count));
-  return stats.pageout_count == 0 ? 0 : 1;
+      "%-9s %10s %12s %10s  %s\n",
+      "config",
+      "ns/op",
+      "engine ns/op",
+      "CUDA calls/op",
+      counter.available() ? "most called, per op" : "(counted on simgpu only)");
+  printRow("off", off, nullptr);
+  printRow("reactive", reactive, &off);
+  printRow("no-pack", no_pack, &off);
+  printRow("schedule", schedule, &off);
+  printRow("paging", paging, &off);
+  const int64_t paged_out = paged.pageout_count - fits.pageout_count;
+  std::printf(
+      "schedule period %lld operators, %lld page-outs; paging: %.1f "
+      "page-outs per iteration\n",
+      static_cast<long long>(fits.schedule_period),
+      static_cast<long long>(fits.pageout_count),
+      static_cast<double>(paged_out) /
+          static_cast<double>(paging.iterations + 4));
+  // The rows that fit must not page, and the paging row must.
+  return fits.pageout_count == 0 && paged_out > 0 ? 0 : 1;
 }

@@ -153,13 +153,16 @@ def test_simgpu_selftest_and_unpatched_allocator_smoke(sim_build: Path) -> None:
         assert failed == 0, out[-8000:]
 
 
-def run_benchmark(sim_build: Path, name: str, *args: str) -> subprocess.CompletedProcess[str]:
+def run_benchmark(
+    sim_build: Path, name: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """Runs one of benchmarks/engine's programs of the build."""
     return subprocess.run(
         [str(executable(sim_build, name)), *args],
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -182,12 +185,34 @@ def test_copy_benchmark_runs(sim_build: Path) -> None:
     assert "LMS totals:" in proc.stdout
 
 
-def test_host_time_benchmark_runs_with_nothing_paged_out(sim_build: Path) -> None:
-    """The host-time benchmark drives every configuration, and its loop fits: the schedule
-    learns the period and nothing is paged out (it exits 1 otherwise)."""
-    proc = run_benchmark(sim_build, "bench_lms_host", "--iterations", "5", "--repeat", "1")
+def test_host_time_benchmark_counts_runtime_calls_and_pages_only_where_told(
+    sim_build: Path,
+) -> None:
+    """The host-time benchmark drives every configuration. The rows that fit page nothing (the
+    schedule learns the period) and the paging row pages every iteration (it exits 1
+    otherwise); every row gives the CUDA runtime calls per operator that simgpu counted. With
+    no CUDA graph capture underway the allocator tells the engine so
+    (captureMayBeUnderway), and the engine asks CUDA whether a stream is capturing in no
+    row: about four and a half calls an operator before it did."""
+    proc = run_benchmark(
+        sim_build,
+        "bench_lms_host",
+        "--iterations",
+        "5",
+        "--repeat",
+        "1",
+        env={"SIMGPU_DEVICE_COUNT": "1", "SIMGPU_CAPACITY_MB": "1024"},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for config in ("off", "reactive", "no-pack", "schedule"):
-        assert re.search(rf"^{config}\s+\d+", proc.stdout, re.M), proc.stdout
+    rows = {}
+    for config in ("off", "reactive", "no-pack", "schedule", "paging"):
+        match = re.search(rf"^{config}\s+\d+\s+\S+\s+([\d.]+)\s+(.*)$", proc.stdout, re.M)
+        assert match, proc.stdout
+        rows[config] = (float(match.group(1)), match.group(2))
+    assert all(calls > 0 for calls, _ in rows.values()), proc.stdout
+    assert "cudaStreamIsCapturing" not in proc.stdout, proc.stdout
+    assert rows["schedule"][0] < 4, proc.stdout
     period = re.search(r"schedule period (\d+) operators, 0 page-outs", proc.stdout)
     assert period and int(period.group(1)) > 0, proc.stdout
+    paging = re.search(r"paging: ([\d.]+) page-outs per iteration", proc.stdout)
+    assert paging and float(paging.group(1)) > 0, proc.stdout
