@@ -25,7 +25,11 @@
 //             ends with a synchronization, as a loop that reads its loss
 //             does: without one the host, which launches no kernels here,
 //             runs iterations ahead of the copies, and every page-out finds
-//             the host buffers of the earlier ones still in flight.
+//             the host buffers of the earlier ones still in flight;
+//   recompute: the paging row with recipes for the forward pass's outputs
+//             (a replay that costs 10 us and reads nothing): the engine
+//             prices victims and drops the cheap ones instead of paging
+//             them.
 // On simgpu (the CUDA runtime on host memory) each row also gives the CUDA
 // runtime calls per operator, the most frequent by name: on a GPU each costs
 // host time (0.1 to a few microseconds), which the simulated runtime does
@@ -73,6 +77,7 @@ struct Options {
   // operator is tight and packed.
   size_t paging_bytes = 4 * 1024 * 1024;
   bool sync_each_iteration = false; // the paging row's
+  bool recipes = false; // the recompute row's
 };
 
 Options parse(int argc, char** argv) {
@@ -119,6 +124,33 @@ StoragePtr newStorage(size_t bytes) {
       /*resizable=*/false);
 }
 
+// Recipes for the recompute row: replaying an output allocates its storage
+// anew and hands it over, as a replayed operator would (its contents are
+// not looked at).
+namespace recipes {
+
+double costMs(c10::StorageImpl& /*storage*/) {
+  return 0.01;
+}
+bool retain(c10::StorageImpl& /*storage*/) {
+  return true;
+}
+void recompute(c10::StorageImpl& storage) {
+  StoragePtr fresh = newStorage(storage.nbytes());
+  lms::fillDropped(storage, *fresh);
+}
+void forget(void* /*context*/) {}
+void inputs(c10::StorageImpl& /*storage*/, std::vector<StoragePtr>& /*out*/) {}
+
+const lms::RecomputeHooks kHooks{
+    &costMs,
+    &retain,
+    &recompute,
+    &forget,
+    &inputs};
+
+} // namespace recipes
+
 class Loop {
  public:
   Loop(const Options& o, bool engine) : o_(o), engine_(engine) {
@@ -133,6 +165,9 @@ class Loop {
     std::vector<StoragePtr> saved{newStorage(o_.bytes)}; // the input batch
     for (int i = 0; i < o_.layers; ++i) {
       saved.push_back(op("linear", {saved.back(), weights_[i]}, o_.bytes));
+      if (engine_ && o_.recipes) {
+        lms::setRecomputable(*saved.back(), true);
+      }
       ++ops;
     }
     StoragePtr grad = op("loss_backward", {saved.back()}, o_.bytes);
@@ -350,6 +385,15 @@ int main(int argc, char** argv) {
   lms::setLimit(0, 2 * static_cast<size_t>(o.layers) * large.bytes);
   const Row paging = measure(large, /*engine=*/true, counter);
   const lms::LmsStats paged = lms::getStats(0);
+
+  Options replayed = large;
+  replayed.recipes = true;
+  lms::setRecomputeHooks(&recipes::kHooks);
+  lms::setRecomputeEnabled(true);
+  lms::resetSchedule();
+  const Row recompute = measure(replayed, /*engine=*/true, counter);
+  const lms::LmsStats recomputed = lms::getStats(0);
+  lms::setRecomputeHooks(nullptr);
   lms::setEnabled(false);
 
   std::printf(
@@ -364,14 +408,22 @@ int main(int argc, char** argv) {
   printRow("no-pack", no_pack, &off);
   printRow("schedule", schedule, &off);
   printRow("paging", paging, &off);
+  printRow("recompute", recompute, &off);
   const int64_t paged_out = paged.pageout_count - fits.pageout_count;
+  const auto per_iteration = [](int64_t count, const Row& row) {
+    return static_cast<double>(count) / static_cast<double>(row.iterations + 4);
+  };
+  const int64_t dropped = recomputed.drop_count - paged.drop_count;
   std::printf(
       "schedule period %lld operators, %lld page-outs; paging: %.1f "
-      "page-outs per iteration\n",
+      "page-outs per iteration; recompute: %.1f drops and %.1f page-outs per "
+      "iteration\n",
       static_cast<long long>(fits.schedule_period),
       static_cast<long long>(fits.pageout_count),
-      static_cast<double>(paged_out) /
-          static_cast<double>(paging.iterations + 4));
-  // The rows that fit must not page, and the paging row must.
-  return fits.pageout_count == 0 && paged_out > 0 ? 0 : 1;
+      per_iteration(paged_out, paging),
+      per_iteration(dropped, recompute),
+      per_iteration(recomputed.pageout_count - paged.pageout_count, recompute));
+  // The rows that fit must not page, the paging row must, and the recompute
+  // row must drop.
+  return fits.pageout_count == 0 && paged_out > 0 && dropped > 0 ? 0 : 1;
 }

@@ -189,8 +189,9 @@ def test_host_time_benchmark_counts_runtime_calls_and_pages_only_where_told(
     sim_build: Path,
 ) -> None:
     """The host-time benchmark drives every configuration. The rows that fit page nothing (the
-    schedule learns the period) and the paging row pages every iteration (it exits 1
-    otherwise); every row gives the CUDA runtime calls per operator that simgpu counted. With
+    schedule learns the period), the paging row pages every iteration and the recompute row
+    drops storages (it exits 1 otherwise); every row gives the CUDA runtime calls per operator
+    that simgpu counted. With
     no CUDA graph capture underway the allocator tells the engine so
     (captureMayBeUnderway), and the engine asks CUDA whether a stream is capturing in no
     row: about four and a half calls an operator before it did."""
@@ -205,7 +206,7 @@ def test_host_time_benchmark_counts_runtime_calls_and_pages_only_where_told(
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {}
-    for config in ("off", "reactive", "no-pack", "schedule", "paging"):
+    for config in ("off", "reactive", "no-pack", "schedule", "paging", "recompute"):
         match = re.search(rf"^{config}\s+\d+\s+\S+\s+([\d.]+)\s+(.*)$", proc.stdout, re.M)
         assert match, proc.stdout
         rows[config] = (float(match.group(1)), match.group(2))
@@ -216,3 +217,5 @@ def test_host_time_benchmark_counts_runtime_calls_and_pages_only_where_told(
     assert period and int(period.group(1)) > 0, proc.stdout
     paging = re.search(r"paging: ([\d.]+) page-outs per iteration", proc.stdout)
     assert paging and float(paging.group(1)) > 0, proc.stdout
+    drops = re.search(r"recompute: ([\d.]+) drops", proc.stdout)
+    assert drops and float(drops.group(1)) > 0, proc.stdout
