@@ -361,7 +361,7 @@ struct DeviceEngine {
   EventPool events;
   std::mutex timing_mutex;
   std::deque<PendingTiming> timings;
-  // When the allocation path last polled them (pollTimingsSometimes).
+  // When a busy path last polled them (pollTimingsSometimes).
   std::chrono::steady_clock::time_point timings_polled;
   double stall_ms = 0.0;
   // Copies timed so far, each way: milliseconds and bytes.

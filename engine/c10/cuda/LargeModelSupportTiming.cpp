@@ -88,14 +88,21 @@ void addTiming(
     e.timings.push_back({start, end, what, bytes});
     flush = e.timings.size() > kMaxPending;
   }
-  pollTimings(e, /*wait=*/flush);
+  if (flush) {
+    pollTimings(e, /*wait=*/true);
+  } else {
+    pollTimingsSometimes(e);
+  }
 }
 
-// How often the allocation path polls pending timings. It runs for every
-// tensor, and while a copy is in flight each poll queries its event (a few
-// hundred nanoseconds of host time) to learn nothing new: a copy LMS times
-// moves at least a megabyte, and the copies and pricing poll on their own.
-constexpr std::chrono::microseconds kAllocationPollInterval{200};
+// How often the engine polls pending timings on its busy paths: every
+// tensor's allocation, every copy or replay it times, every price it
+// weighs (a reclaim prices its candidates one by one). While a copy is in
+// flight each poll queries its event (a few hundred nanoseconds of host
+// time, twice that when it is not done) to learn nothing new: a copy LMS
+// times moves at least a megabyte, and the cost model follows seconds of
+// copies (kBusWindowMs).
+constexpr std::chrono::microseconds kPollInterval{200};
 
 void pollTimingsSometimes(DeviceEngine& e) {
   {
@@ -103,11 +110,15 @@ void pollTimingsSometimes(DeviceEngine& e) {
     if (e.timings.empty()) {
       return; // the common case, with no clock read
     }
-    const auto now = std::chrono::steady_clock::now();
-    if (now - e.timings_polled < kAllocationPollInterval) {
-      return;
+    // Until a copy is timed every poll counts: the first timing is what
+    // lets recompute weigh a replay against paging at all.
+    if (e.bus_out_ms + e.bus_in_ms > 0.0) {
+      const auto now = std::chrono::steady_clock::now();
+      if (now - e.timings_polled < kPollInterval) {
+        return;
+      }
+      e.timings_polled = now;
     }
-    e.timings_polled = now;
   }
   pollTimings(e, /*wait=*/false);
 }
@@ -150,7 +161,7 @@ double copyCost(
     bool to_device,
     bool both_ways = false,
     bool stalled = false) {
-  pollTimings(e, /*wait=*/false);
+  pollTimingsSometimes(e);
   std::lock_guard<std::mutex> lock(e.timing_mutex);
   double per_byte = msPerByte(e, to_device);
   if (both_ways && per_byte >= 0.0) {
