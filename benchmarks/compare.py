@@ -397,9 +397,11 @@ class Measurement:
     # other untimed steps'; the whole row's wall time (build, steps, profile, clean-up).
     first_iteration_s: float | None = None
     # LMS rows: where the first step's time went, from the statistics around it alone
-    # (first_iteration_account): what settling costs before the learned schedule and the
-    # recipes' prices exist.
+    # (iteration_account): what settling costs before the learned schedule and the recipes'
+    # prices exist. warmup_accounts: the same of every untimed step, the first included, with
+    # the learned schedule's state at its end (how many steps settling takes).
     first_iteration: dict[str, float] | None = None
+    warmup_accounts: list[dict[str, float]] = field(default_factory=list)
     warmup_times: list[float] = field(default_factory=list)
     row_s: float | None = None
     # The caching allocator's retries (num_alloc_retries: cache released after a failed
@@ -2493,7 +2495,7 @@ def train_measure(
             zero_stats: dict[str, Any] | None = None
             zero_allocator: dict[str, Any] = {}
             while step < warmup + iterations:
-                if step == 0 and lms is not None:
+                if lms is not None and (step == 0 or step < warmup):
                     torch.cuda.synchronize()
                     zero_stats = lms_stats()
                     zero_allocator = torch.cuda.memory_stats()
@@ -2522,15 +2524,17 @@ def train_measure(
                 if step == 0:
                     m.static_bytes = torch.cuda.memory_allocated() - base
                     m.first_iteration_s = elapsed
-                    if zero_stats is not None:
-                        m.first_iteration = first_iteration_account(
-                            zero_stats,
-                            lms_stats(),
-                            zero_allocator,
-                            torch.cuda.memory_stats(),
-                        )
-                        line = describe_first_iteration(m.method, elapsed, m.first_iteration)
-                        log(f"      {line}")
+                if zero_stats is not None and (step == 0 or step < warmup):
+                    account = iteration_account(
+                        zero_stats,
+                        lms_stats(),
+                        zero_allocator,
+                        torch.cuda.memory_stats(),
+                    )
+                    m.warmup_accounts.append(account)
+                    if step == 0:
+                        m.first_iteration = account
+                    log(f"      {describe_iteration(m.method, step, elapsed, account)}")
                 if step >= warmup:
                     m.iteration_times.append(elapsed)
                 else:
@@ -2681,7 +2685,7 @@ def measure_saved_bytes(
     return total
 
 
-def first_iteration_account(
+def iteration_account(
     lms_before: dict[str, Any],
     lms_after: dict[str, Any],
     allocator_before: dict[str, Any],
@@ -2690,7 +2694,8 @@ def first_iteration_account(
     """What the LMS statistics and the caching allocator's count of one step: milliseconds of
     pinning new host buffers, stalls, replays and waits for other processes; gibibytes paged
     and dropped; page-ins on demand; the allocator's retries (its cache returned to the device
-    after a failed allocation) and failures. Keys a build's statistics lack count 0."""
+    after a failed allocation) and failures; the learned schedules adopted and dropped in it
+    and whether one is in use at its end. Keys a build's statistics lack count 0."""
 
     def delta(before: dict[str, Any], after: dict[str, Any], key: str) -> float:
         return float(after.get(key, 0) or 0) - float(before.get(key, 0) or 0)
@@ -2711,14 +2716,32 @@ def first_iteration_account(
         "allocator_retries": delta(allocator_before, allocator_after, "num_alloc_retries"),
         "allocator_failures": delta(allocator_before, allocator_after, "num_ooms"),
         "cache_releases": lms_delta("cache_releases"),
+        "schedules_adopted": lms_delta("schedule_detections"),
+        "schedules_dropped": lms_delta("schedule_fallbacks"),
+        "schedule_active": float(lms_after.get("schedule_active", 0) or 0),
     }
 
 
-def describe_first_iteration(method: str, seconds: float, account: dict[str, float]) -> str:
-    """One log line of first_iteration_account's figures for the step that took ``seconds``."""
+def describe_schedule(account: dict[str, float]) -> str:
+    """The learned schedule in one step of iteration_account: adopted, dropped, in use."""
+    adopted = int(account.get("schedules_adopted", 0))
+    dropped = int(account.get("schedules_dropped", 0))
+    active = account.get("schedule_active", 0) > 0
+    if adopted == 0 and dropped == 0:
+        return "schedule in use" if active else "no schedule yet"
+    events = [f"adopted {adopted}x"] if adopted else []
+    events += [f"dropped {dropped}x"] if dropped else []
+    return (
+        "schedule " + ", ".join(events) + (", in use at the end" if active else ", none at the end")
+    )
+
+
+def describe_iteration(method: str, index: int, seconds: float, account: dict[str, float]) -> str:
+    """One log line of iteration_account's figures for step ``index``, which took ``seconds``."""
     a = account
     return (
-        f"iteration 0 of {method}: {seconds:.2f} s; pinning host memory "
+        f"iteration {index} of {method}: {seconds:.2f} s, {describe_schedule(a)}; "
+        "pinning host memory "
         f"{a['host_pin_ms']:.0f} ms ({a['host_pins']:.0f} buffers), stalls {a['stall_ms']:.0f} ms, "
         f"recompute {a['recompute_ms']:.0f} ms, waits {a['wait_ms']:.0f} ms; paged out "
         f"{a['out_gib']:.2f} / in {a['in_gib']:.2f} GiB ({a['demand_pageins']:.0f} on demand), "

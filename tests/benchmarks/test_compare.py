@@ -962,6 +962,7 @@ def test_train_measure_sets_recompute_up_for_lms_hybrid_and_puts_it_back(
     )
     assert m.status == "ok", (m.detail, lines)
     assert m.first_iteration is not None and m.first_iteration["stall_ms"] == 0
+    assert m.warmup_accounts == [m.first_iteration]
     assert any(line.strip().startswith("iteration 0 of lms_hybrid: ") for line in lines)
     # Recompute on before LMS is applied and the model built; LMS off, then recompute off.
     assert events == [
@@ -1175,7 +1176,7 @@ def test_nocap_row_estimate_of_compile_budget_adds_the_compile() -> None:
     assert compare.nocap_host_bytes("compile_budget", plan, GiB) == 0
 
 
-def test_first_iteration_account_takes_the_step_s_deltas() -> None:
+def test_iteration_account_takes_the_step_s_deltas() -> None:
     before = {"host_pin_ms": 10.0, "host_pin_count": 2, "stall_ms": 5.0, "pageout_bytes": 0}
     after = {
         "host_pin_ms": 2110.0,
@@ -1189,7 +1190,7 @@ def test_first_iteration_account_takes_the_step_s_deltas() -> None:
         "cache_releases": 1,
         "device_wait_ms": 7.0,
     }
-    account = compare.first_iteration_account(
+    account = compare.iteration_account(
         before, after, {"num_alloc_retries": 1}, {"num_alloc_retries": 13, "num_ooms": 6}
     )
     assert account["host_pin_ms"] == 2100.0
@@ -1201,13 +1202,81 @@ def test_first_iteration_account_takes_the_step_s_deltas() -> None:
     assert account["dropped_gib"] == 0.5
     assert account["demand_pageins"] == 43
     assert account["allocator_retries"] == 12 and account["allocator_failures"] == 6
-    line = compare.describe_first_iteration("lms", 4.4, account)
-    assert line.startswith("iteration 0 of lms: 4.40 s; pinning host memory 2100 ms (35 buffers)")
+    assert account["schedules_adopted"] == 0 and account["schedule_active"] == 0
+    line = compare.describe_iteration("lms", 0, 4.4, account)
+    assert line.startswith(
+        "iteration 0 of lms: 4.40 s, no schedule yet; pinning host memory 2100 ms (35 buffers)"
+    )
     assert "stalls 300 ms" in line and "(43 on demand)" in line
     assert "allocator 12 retries, 6 failures" in line
 
 
-def test_first_iteration_account_of_a_build_without_the_keys_counts_zero() -> None:
-    account = compare.first_iteration_account({}, {"stall_ms": 1.5}, {}, {})
+def test_iteration_account_of_a_build_without_the_keys_counts_zero() -> None:
+    account = compare.iteration_account({}, {"stall_ms": 1.5}, {}, {})
     assert account["stall_ms"] == 1.5
     assert account["host_pin_ms"] == 0 and account["allocator_retries"] == 0
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "said"),
+    [
+        ({}, {"schedule_active": 1}, "schedule in use"),
+        (
+            {"schedule_detections": 0},
+            {"schedule_detections": 1, "schedule_active": 1},
+            "schedule adopted 1x, in use at the end",
+        ),
+        (
+            {"schedule_detections": 1, "schedule_fallbacks": 0},
+            {"schedule_detections": 2, "schedule_fallbacks": 2, "schedule_active": 0},
+            "schedule adopted 1x, dropped 2x, none at the end",
+        ),
+    ],
+)
+def test_an_iteration_s_account_says_what_the_learned_schedule_did(
+    before: dict[str, float], after: dict[str, float], said: str
+) -> None:
+    account = compare.iteration_account(before, after, {}, {})
+    assert compare.describe_iteration("lms", 2, 0.5, account).startswith(
+        f"iteration 2 of lms: 0.50 s, {said}; "
+    )
+
+
+def test_train_measure_accounts_for_every_warm_up_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True)
+    from lmsbench import lms_setup
+
+    # Around each of the three warm-up steps (before, after), then the timed ones.
+    steps = [
+        {**STATS_BEFORE, "schedule_detections": 0, "schedule_active": 0},
+        {**STATS_BEFORE, "schedule_detections": 0, "schedule_active": 0},
+        {**STATS_BEFORE, "schedule_detections": 0, "schedule_active": 0},
+        {**STATS_BEFORE, "schedule_detections": 1, "schedule_active": 1},
+        {**STATS_BEFORE, "schedule_detections": 1, "schedule_active": 1},
+        {**STATS_BEFORE, "schedule_detections": 1, "schedule_active": 1},
+        STATS_BEFORE,
+        STATS_AFTER,
+    ]
+    stats = iter(steps)
+    monkeypatch.setattr(lms_setup, "lms_stats", lambda: dict(next(stats)))
+    args = compare.build_parser().parse_args(["--model", "resnet152"])
+    compare.check_args(args)
+    m = Measurement("resnet152", "lms", None, None, 4)
+    lines: list[str] = []
+    compare.train_measure(
+        args,
+        TinyWorkload(torch, events, cuda),
+        m,
+        warmup=3,
+        iterations=2,
+        lms=compare.method_lms_settings(args, "lms", None),
+        log=lines.append,
+    )
+    assert m.status == "ok", (m.detail, lines)
+    assert [a["schedule_active"] for a in m.warmup_accounts] == [0, 1, 1]
+    assert [a["schedules_adopted"] for a in m.warmup_accounts] == [0, 1, 0]
+    assert m.first_iteration == m.warmup_accounts[0]
+    said = [line.strip() for line in lines if " of lms: " in line]
+    assert [line.split(":")[0] for line in said] == [f"iteration {i} of lms" for i in range(3)]
+    assert "schedule adopted 1x, in use at the end" in said[1]
+    assert "schedule in use" in said[2]
