@@ -2575,9 +2575,14 @@ def train_measure(
                 / iterations
                 / GiB
             )
+            # Fallbacks since the process began, and in the timed iterations alone: those
+            # are the steady state's (a loop whose schedule keeps breaking pages reactively).
+            timed_fallbacks = after.get("schedule_fallbacks", 0) - before.get(
+                "schedule_fallbacks", 0
+            )
             m.lms_schedule = (
                 f"period {after['schedule_period']}, "
-                f"{after['schedule_fallbacks']} fallbacks, "
+                f"{after['schedule_fallbacks']} fallbacks ({timed_fallbacks} timed), "
                 f"{m.pagein_demand_count_per_iter:g} demand page-ins/iter"
                 + (
                     f", prefetch budget {after['schedule_prefetch_budget_bytes'] / MiB:.0f} MiB"
@@ -2593,7 +2598,8 @@ def train_measure(
                 + allocator_flushes(allocator_before, allocator_after, iterations)
                 if after.get("schedule_active")
                 else (
-                    f"inactive, {after.get('schedule_fallbacks', 0)} fallbacks"
+                    f"inactive, {after.get('schedule_fallbacks', 0)} fallbacks "
+                    f"({timed_fallbacks} timed)"
                     if "schedule_active" in after
                     else ""
                 )

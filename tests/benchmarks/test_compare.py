@@ -1246,7 +1246,9 @@ def test_train_measure_accounts_for_every_warm_up_step(monkeypatch: pytest.Monke
     torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True)
     from lmsbench import lms_setup
 
-    # Around each of the three warm-up steps (before, after), then the timed ones.
+    # Around each of the three warm-up steps (before, after), then the timed ones, in which
+    # the schedule falls back once.
+    timed = {"schedule_active": 1, "schedule_period": 10, "pagein_demand_count": 0}
     steps = [
         {**STATS_BEFORE, "schedule_detections": 0, "schedule_active": 0},
         {**STATS_BEFORE, "schedule_detections": 0, "schedule_active": 0},
@@ -1254,8 +1256,8 @@ def test_train_measure_accounts_for_every_warm_up_step(monkeypatch: pytest.Monke
         {**STATS_BEFORE, "schedule_detections": 1, "schedule_active": 1},
         {**STATS_BEFORE, "schedule_detections": 1, "schedule_active": 1},
         {**STATS_BEFORE, "schedule_detections": 1, "schedule_active": 1},
-        STATS_BEFORE,
-        STATS_AFTER,
+        {**STATS_BEFORE, **timed, "schedule_fallbacks": 2},
+        {**STATS_AFTER, **timed, "schedule_fallbacks": 3},
     ]
     stats = iter(steps)
     monkeypatch.setattr(lms_setup, "lms_stats", lambda: dict(next(stats)))
@@ -1280,3 +1282,4 @@ def test_train_measure_accounts_for_every_warm_up_step(monkeypatch: pytest.Monke
     assert [line.split(":")[0] for line in said] == [f"iteration {i} of lms" for i in range(3)]
     assert "schedule adopted 1x, in use at the end" in said[1]
     assert "schedule in use" in said[2]
+    assert m.lms_schedule.startswith("period 10, 3 fallbacks (1 timed), ")
