@@ -252,6 +252,32 @@ bool captureUnderway(c10::DeviceIndex device) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+// The request the stock allocator is serving for the engine on this thread:
+// its free-memory callbacks are told nothing of it.
+struct Request {
+  c10::DeviceIndex device = -1;
+  size_t size = 0;
+  cudaStream_t stream = nullptr;
+};
+thread_local Request t_request;
+
+// Marks the request for its duration (the callback may free memory, never
+// allocate it, but a nested request restores the outer one all the same).
+class RequestScope {
+ public:
+  explicit RequestScope(Request request) : outer_(t_request) {
+    t_request = request;
+  }
+  ~RequestScope() {
+    t_request = outer_;
+  }
+  RequestScope(const RequestScope&) = delete;
+  RequestScope& operator=(const RequestScope&) = delete;
+
+ private:
+  Request outer_;
+};
+
 // The engine's access to device memory: the stock caching allocator itself,
 // never the LMS allocator in front of it (which would call the engine back).
 class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
@@ -266,6 +292,7 @@ class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
     // all failed; the engine then pages out and retries.
     RECORD_USER_SCOPE(kMallocRange); // a local named `guard`
     c10::cuda::CUDAGuard device_guard(device);
+    const RequestScope request(Request{device, size, stream});
     return stock_->raw_alloc_with_stream(size, stream);
   }
 
@@ -744,6 +771,26 @@ class LmsAllocator final : public alloc::CUDAAllocator {
 
 } // namespace
 
+// Called by the stock malloc when its free list holds no block for a request,
+// before it maps memory anew and, when that fails, returns its whole cache to
+// the device (a synchronization, counted as num_alloc_retries) and maps the
+// request page by page. Where the device has no room to map it, the engine
+// vacates the cheapest range of the allocator's memory the request fits in
+// (lms::reclaimBeforeMapping), and the free list holds it at the next search:
+// the point of the patched build's malloc where it reclaims. Requests the
+// engine is not serving (t_request unset) are left to the allocator.
+class ReclaimBeforeMapping final : public c10::FreeMemoryCallback {
+ public:
+  bool Execute() override {
+    const Request request = t_request;
+    if (request.device < 0) {
+      return false;
+    }
+    return lms::reclaimBeforeMapping(
+        request.device, request.size, request.stream);
+  }
+};
+
 void installAllocator() {
   static std::once_flag once;
   std::call_once(once, [] {
@@ -786,3 +833,10 @@ void applyEnvironmentConfig() {
 }
 
 } // namespace torch_lms
+
+namespace c10 {
+// The registry's names are unqualified in the macro.
+REGISTER_FREE_MEMORY_CALLBACK(
+    torch_lms_reclaim_before_mapping,
+    torch_lms::ReclaimBeforeMapping);
+} // namespace c10

@@ -54,6 +54,7 @@ __attribute__((weak)) size_t simgpu_host_bytes_in_use(void);
 __attribute__((weak)) void simgpu_set_copy_bandwidth(double bytes_per_second);
 __attribute__((weak)) cudaError_t
 simgpu_set_capturing(cudaStream_t stream, int capturing);
+__attribute__((weak)) size_t simgpu_call_count(const char* function);
 }
 
 namespace {
@@ -1375,6 +1376,104 @@ TEST_CASE(a_failed_allocation_pages_out_the_storage_in_its_way) {
     CHECK(lms::getState(*c.z) == lms::StorageState::PagedOut);
     CHECK(lms::getState(*c.x) == lms::StorageState::Inactive);
     CHECK(c.contentsKept());
+  }
+  env.checkBaseline();
+}
+
+// What the drop-in registers with the caching allocator's free-memory
+// callbacks (extension/csrc/StockAllocatorBackend.cpp): while a
+// SearchCallbackRequest lives on this thread, a free-list search that finds
+// nothing asks lms::reclaimBeforeMapping for its request.
+struct SearchRequest {
+  bool set = false;
+  size_t size = 0;
+};
+thread_local SearchRequest t_search_request;
+
+class SearchCallbackRequest {
+ public:
+  explicit SearchCallbackRequest(size_t size) {
+    t_search_request = SearchRequest{true, size};
+  }
+  ~SearchCallbackRequest() {
+    t_search_request = SearchRequest{};
+  }
+  SearchCallbackRequest(const SearchCallbackRequest&) = delete;
+  SearchCallbackRequest& operator=(const SearchCallbackRequest&) = delete;
+};
+
+class ReclaimBeforeMappingForTest final : public c10::FreeMemoryCallback {
+ public:
+  bool Execute() override {
+    const SearchRequest request = t_search_request;
+    return request.set && lms::reclaimBeforeMapping(0, request.size, stream());
+  }
+};
+
+// The layout of the test above, with the free-memory callback the drop-in
+// registers: the allocator's search of its free list, which finds nothing for
+// the 15 MiB request, asks LMS before it maps memory anew. The device has no
+// room for it, so Z, in the way of the run the request fits in, is paged out
+// then and the search finds the run: the allocator never tries the device
+// (no cudaMalloc call fails) and LMS's failure path never runs. With room on
+// the device the callback moves nothing and the allocator maps the request,
+// although a storage it could page out is in the way of a run.
+TEST_CASE(the_allocators_search_asks_lms_before_it_maps_anew) {
+  Env env(40 * kMiB);
+  {
+    const CapAboveBaseline cap(40 * kMiB);
+    auto x = newStorage(12 * kMiB);
+    auto y = newStorage(18 * kMiB);
+    y.reset(); // its segment stays cached, free
+    auto z = newStorage(4 * kMiB); // carved out of y's segment
+    write(*x, 1);
+    write(*z, 2);
+    lms::releaseOutput(*x);
+    lms::releaseOutput(*z);
+    const auto before = lms::getStats(0);
+    const size_t mallocs =
+        simulated() ? simgpu_call_count("cudaMalloc") : size_t(0);
+    StoragePtr d;
+    {
+      const SearchCallbackRequest request(15 * kMiB);
+      d = newStorage(15 * kMiB);
+    }
+    write(*d, 3);
+    const auto after = lms::getStats(0);
+    CHECK_EQ(after.fragment_placements, before.fragment_placements + 1);
+    CHECK_EQ(after.fragment_reclaims, before.fragment_reclaims);
+    CHECK_EQ(after.reclaim_alloc_failure, before.reclaim_alloc_failure);
+    CHECK_EQ(after.pageout_bytes - before.pageout_bytes, int64_t(4 * kMiB));
+    if (simulated()) {
+      CHECK_EQ(simgpu_call_count("cudaMalloc"), mallocs);
+    }
+    CHECK(lms::getState(*z) == lms::StorageState::PagedOut);
+    CHECK(lms::getState(*x) == lms::StorageState::Inactive);
+    CHECK(matches(*x, 1));
+    CHECK(matches(*z, 2));
+    CHECK(matches(*d, 3));
+  }
+  {
+    // Room to map a new segment (18 MiB mapped, 40 MiB of cap): X, in the
+    // way of the only run the request would fit in, stays.
+    cca::emptyCache();
+    const CapAboveBaseline cap(40 * kMiB);
+    auto y = newStorage(18 * kMiB);
+    y.reset();
+    auto x = newStorage(4 * kMiB);
+    write(*x, 4);
+    lms::releaseOutput(*x);
+    const auto before = lms::getStats(0);
+    StoragePtr d;
+    {
+      const SearchCallbackRequest request(15 * kMiB);
+      d = newStorage(15 * kMiB);
+    }
+    const auto after = lms::getStats(0);
+    CHECK_EQ(after.pageout_count, before.pageout_count);
+    CHECK_EQ(after.fragment_placements, before.fragment_placements);
+    CHECK(lms::getState(*x) == lms::StorageState::Inactive);
+    CHECK(matches(*x, 4));
   }
   env.checkBaseline();
 }
@@ -2712,5 +2811,12 @@ TEST_CASE(with_recompute_off_reclaims_keep_the_reclaim_order) {
   }
   env.checkBaseline();
 }
+
+namespace c10 {
+// The registry's names are unqualified in the macro.
+REGISTER_FREE_MEMORY_CALLBACK(
+    lms_test_reclaim_before_mapping,
+    ::ReclaimBeforeMappingForTest);
+} // namespace c10
 
 LMS_TEST_MAIN()

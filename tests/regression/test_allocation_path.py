@@ -133,6 +133,54 @@ def test_a_profile_names_the_allocations_lms_reclaims_for(tmp_path: Path) -> Non
     assert _values(xs) == [float(i) for i in range(16)]
 
 
+def test_a_request_no_free_block_holds_is_placed_before_the_cache_is_released(
+    record: Callable[[str, Any], None],
+) -> None:
+    """Under a 1 GiB cap, 8 MiB tensors fill 90% of LMS's limit and every other one is freed:
+    the allocator holds 8 MiB holes. 9 MiB tensors, which fit no hole, then map more until the
+    cap has no room for 12 MiB. A 12 MiB tensor fits no hole either, takes the allocator past
+    neither LMS's limit nor the size LMS places ahead (16 MiB), and the cap cannot map it: the
+    allocator would return its cache to the device (``num_alloc_retries``, a synchronization)
+    and map it anew. LMS pages out a tensor between two holes before that (with the drop-in,
+    from the stock allocator's free-memory callback; a patched build after its device
+    allocation failed, also before the cache goes), and the request lands in the run."""
+    torch.cuda.set_enabled_lms(True)
+    cap = 1 * GiB
+    with memory_cap(cap):
+        first = _filled(-1.0, 8 * MiB)  # the limit is sampled at the first LMS allocation
+        limit = int(torch.cuda.lms_stats()["limit_bytes"])
+        filled = [first] + [
+            _filled(float(i), 8 * MiB) for i in range(1, int(0.9 * limit) // (8 * MiB))
+        ]
+        kept = filled[1::2]
+        kept_values = [float(i) for i in range(1, len(filled), 2)]
+        del filled, first
+        extra: list[torch.Tensor] = []
+        while (
+            torch.cuda.memory_reserved() + 12 * MiB <= cap
+            and torch.cuda.memory_allocated() + 21 * MiB <= limit
+        ):
+            extra.append(_filled(100.0 + len(extra), 9 * MiB))
+        assert torch.cuda.memory_reserved() + 12 * MiB > cap, (
+            "the setup left room to map the request: "
+            f"{torch.cuda.memory_reserved()} reserved under a {cap} cap"
+        )
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        before = torch.cuda.lms_stats()
+        request = _filled(99.0, 12 * MiB)
+        after = torch.cuda.lms_stats()
+        assert torch.cuda.memory_stats().get("num_alloc_retries", 0) == retries, lms_summary(after)
+        moved = (after["fragment_placements"] - before["fragment_placements"]) + (
+            after["fragment_reclaims"] - before["fragment_reclaims"]
+        )
+        assert moved == 1, lms_summary(after)
+        assert after["pageout_bytes"] > before["pageout_bytes"], lms_summary(after)
+        assert _values(kept) == kept_values
+        assert _values(extra) == [100.0 + i for i in range(len(extra))]
+        assert _values([request]) == [99.0]
+    record("lms", lms_summary(torch.cuda.lms_stats()))
+
+
 def _has_input_placement() -> bool:
     """Whether this LMS build keeps inputs the device cannot hold in host memory."""
     return "input_host_placement_count" in torch.cuda.lms_stats()

@@ -486,6 +486,21 @@ C10_CUDA_API bool reclaimForFailedAllocation(
     size_t size,
     cudaStream_t stream);
 
+// For allocators whose free list held no block for `size` bytes on `stream`
+// and that ask before they map memory anew (the caching allocator's
+// free-memory callbacks). When the allocator cannot map the request (what it
+// has mapped and the request pass this process's share of the device, or the
+// allocator's cap) it would next return its whole cache to the device, a
+// synchronization, and map the request anew: instead, pages out or drops the
+// storages that hold the cheapest range of its memory the request fits in,
+// handing their memory back in the request stream's order, so that its next
+// search of the free list finds the range. Nothing moves while a CUDA graph
+// capture may be underway. Returns true when anything was freed.
+C10_CUDA_API bool reclaimBeforeMapping(
+    c10::DeviceIndex device,
+    size_t size,
+    cudaStream_t stream);
+
 // Records that `stream` uses the memory of an LMS storage (recordStream): a
 // page-out copy is ordered after the stream's work. Returns whether the
 // DataPtr's address is the storage's device memory, a block of the allocator

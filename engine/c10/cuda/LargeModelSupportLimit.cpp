@@ -2,9 +2,10 @@
 // allocation path that keeps to it: this process's share of the device
 // (what other processes and libraries leave, less a headroom), the limit in
 // force, returning cached blocks when others need them, and the limit
-// trigger and reclaim-and-retry of every LMS allocation (allocateDevice, and
+// trigger and reclaim-and-retry of every LMS allocation (allocateDevice,
 // reclaimForFailedAllocation for allocators that retry in their own malloc
-// path), and the last resort of that path: memory outside LMS that its owner
+// path, and reclaimBeforeMapping for those that ask before they map memory
+// anew), and the last resort of that path: memory outside LMS that its owner
 // gives back (setOutsideMemoryReleaser); the device ledger of the GPU's LMS
 // processes, their shares of it (deviceShares) and the wait of a failed
 // allocation for the others (waitForDevice).
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <limits>
 #include <thread>
 
 namespace c10::cuda::lms {
@@ -464,6 +466,20 @@ thread_local std::string t_outside_note;
 
 namespace {
 
+// Whether the allocator cannot map `size` more bytes: what it has mapped
+// and the request pass the device that other processes leave this one, or
+// its cap. False before the device was sampled.
+bool cannotMapAnew(DeviceEngine& e, size_t size) {
+  DeviceMemoryBackend& b = backend();
+  size_t room = 0;
+  {
+    std::lock_guard<std::mutex> lock(e.mutex);
+    room = leftByOthers(e);
+  }
+  room = std::min(room, b.capacityBytes(e.device));
+  return room != 0 && b.reservedBytes(e.device) + size > room;
+}
+
 // Requests of at least this share of the limit, and of at least
 // kPlaceAheadMinBytes, are placed ahead (placeAhead).
 constexpr size_t kPlaceAheadShare = 64;
@@ -486,19 +502,11 @@ size_t placeAhead(
     size_t size,
     cudaStream_t stream,
     size_t limit) {
-  if (size < kPlaceAheadMinBytes || size < limit / kPlaceAheadShare) {
+  if (size < kPlaceAheadMinBytes || size < limit / kPlaceAheadShare ||
+      !cannotMapAnew(e, size)) {
     return 0;
   }
   DeviceMemoryBackend& b = backend();
-  size_t room = 0;
-  {
-    std::lock_guard<std::mutex> lock(e.mutex);
-    room = leftByOthers(e);
-  }
-  room = std::min(room, b.capacityBytes(e.device));
-  if (room == 0 || b.reservedBytes(e.device) + size <= room) {
-    return 0; // not sampled yet, or the allocator can map it anew
-  }
   const size_t wanted = b.allocatedBytes(e.device) + size;
   const size_t over = wanted > limit ? wanted - limit : 0;
   return reclaimFragments(e, size, stream, over + size / 2);
@@ -599,6 +607,25 @@ bool reclaimForFailedAllocation(
   DeviceEngine& e = engineFor(device);
   const bool freed = reclaimFragments(e, size, stream) > 0 ||
       reclaim(e, size, Trigger::AllocFailure) > 0;
+  t_reclaimed_in_malloc = t_reclaimed_in_malloc || freed;
+  return freed;
+}
+
+bool reclaimBeforeMapping(
+    c10::DeviceIndex device,
+    size_t size,
+    cudaStream_t stream) {
+  if (!isEnabled() || t_no_reclaim || g_backend.load() == nullptr) {
+    return false;
+  }
+  DeviceEngine& e = engineFor(device);
+  if (isCapturing(stream) || !cannotMapAnew(e, size)) {
+    return false; // nothing may move, or the allocator maps it anew
+  }
+  // Placed as placeAhead places a large request, with no bound on the cost:
+  // the alternative is the cache's release.
+  const bool freed =
+      reclaimFragments(e, size, stream, std::numeric_limits<size_t>::max()) > 0;
   t_reclaimed_in_malloc = t_reclaimed_in_malloc || freed;
   return freed;
 }

@@ -31,10 +31,12 @@ C10_LMS_COUNTER(int64_t, workspace_releases)
 // Failed allocations placed by paging out the storages that held a range
 // the request fits in (reclaimFragments).
 C10_LMS_COUNTER(int64_t, fragment_reclaims)
-// Large allocations on a full device placed before the allocator tried them,
-// by paging out (or dropping) the storages of a range they fit in
-// (placeAhead): the allocator would have returned its whole cache to the
-// device, synchronizing it, and mapped the request anew.
+// Allocations on a full device placed before the allocator failed them, by
+// paging out (or dropping) the storages of a range they fit in: large ones
+// before the allocator tried them (placeAhead), any whose search of the
+// allocator's free list found nothing (reclaimBeforeMapping, the drop-in's
+// free-memory callback). The allocator would have returned its whole cache to
+// the device, synchronizing it, and mapped the request anew.
 C10_LMS_COUNTER(int64_t, fragment_placements)
 // Allocations inside operators placed in pinned host memory because the
 // device could not hold them (setHostPlacementEnabled), and their bytes.

@@ -1095,9 +1095,11 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       device allocation failed, :func:`reclaim_inactive`); ``fragment_reclaims``:
       failed allocations placed by paging out the storages that held a range of
       the allocator's memory the request fits in; ``fragment_placements``:
-      large allocations on a device the allocator could not grow on, placed
-      the same way before the allocator tried them (it would have returned its
-      whole cache to the device, synchronizing it); ``pack_count`` and
+      allocations on a device the allocator could not grow on, placed the
+      same way before the allocator failed them (it would have returned its
+      whole cache to the device, synchronizing it): large ones before it
+      tried them, and, with the ``torch_lms`` drop-in, any its free list
+      could not hold; ``pack_count`` and
       ``pack_bytes``: operators expected to need most of the device, for which
       every inactive storage (their own inputs included) was paged out and the
       cached free memory returned before they pinned their inputs, so that
