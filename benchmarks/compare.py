@@ -441,7 +441,8 @@ class Measurement:
     # inactive paged out so that their tensors fit in as few pages as they need). None where
     # the statistics lack the key.
     pack_count_per_iter: float | None = None
-    # Large allocations LMS placed before the allocator tried them (fragment_placements).
+    # Allocations LMS placed before the allocator failed them (fragment_placements): large
+    # ones before it tried them; with the drop-in, any its free list could not hold.
     placements_per_iter: float | None = None
     # LMS rows: whether recompute was on (get_recompute_lms after the row's setting; None
     # where the build cannot say). compile_budget rows: the activation_memory_budget used.
@@ -2568,7 +2569,7 @@ def train_measure(
                 m.pagein_demand_count_per_iter = (
                     after["pagein_demand_count"] - before["pagein_demand_count"]
                 ) / iterations
-            record_packing(m, before, after, iterations)
+            record_packs_and_placements(m, before, after, iterations)
             record_recompute(m, before, after, iterations)
             ahead_gib = (
                 (after.get("peak_pageout_bytes", 0) - before.get("peak_pageout_bytes", 0))
@@ -2813,11 +2814,11 @@ def profile_steps(
     return breakdown.record()
 
 
-def record_packing(
+def record_packs_and_placements(
     m: Measurement, before: dict[str, Any], after: dict[str, Any], iterations: int
 ) -> None:
-    """The operators packed and the large allocations placed ahead per timed iteration, where
-    LMS's statistics count them."""
+    """The operators packed and the allocations placed before the allocator failed them
+    (``fragment_placements``) per timed iteration, where LMS's statistics count them."""
     if "pack_count" in after and "pack_count" in before:
         m.pack_count_per_iter = (after["pack_count"] - before["pack_count"]) / iterations
     if "fragment_placements" in after and "fragment_placements" in before:
@@ -2853,7 +2854,9 @@ def describe(m: Measurement) -> str:
     if m.pack_count_per_iter:
         parts.append(f"{m.pack_count_per_iter:g} operators packed per iter")
     if m.placements_per_iter:
-        parts.append(f"{m.placements_per_iter:g} large allocations placed ahead per iter")
+        parts.append(
+            f"{m.placements_per_iter:g} allocations placed before the allocator failed, per iter"
+        )
     if m.peak_allocated_bytes is not None:
         parts.append(f"peak {m.peak_allocated_bytes / GiB:.2f} GiB")
     if m.oom_retries:

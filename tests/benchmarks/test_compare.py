@@ -852,13 +852,13 @@ def test_recompute_stats_in_the_row_the_csv_and_the_tables() -> None:
 def test_packed_operators_per_iteration_in_the_row() -> None:
     m = Measurement("gpt", "lms", 4.0, 3 * GiB, 8, iteration_times=[0.9])
     m.finish_timing()
-    compare.record_packing(m, {"pack_count": 4}, {"pack_count": 19}, 5)
+    compare.record_packs_and_placements(m, {"pack_count": 4}, {"pack_count": 19}, 5)
     assert m.pack_count_per_iter == 3.0
     assert "3 operators packed per iter" in compare.describe(m)
     # An engine without the counter leaves the figure unset and the line without it.
     old = Measurement("gpt", "lms", 4.0, 3 * GiB, 8, iteration_times=[0.9])
     old.finish_timing()
-    compare.record_packing(old, {}, {"pageout_bytes": 0}, 5)
+    compare.record_packs_and_placements(old, {}, {"pageout_bytes": 0}, 5)
     assert old.pack_count_per_iter is None and "packed" not in compare.describe(old)
 
 
