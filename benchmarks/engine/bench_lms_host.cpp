@@ -27,9 +27,10 @@
 //             runs iterations ahead of the copies, and every page-out finds
 //             the host buffers of the earlier ones still in flight;
 //   recompute: the paging row with recipes for the forward pass's outputs
-//             (a replay that costs 10 us and reads nothing): the engine
-//             prices victims and drops the cheap ones instead of paging
-//             them.
+//             (a replay priced at 10 us that pins the layer's input and
+//             weight): the engine prices victims, drops the cheap ones
+//             instead of paging them, and replays them ahead of use or when
+//             used.
 // On simgpu (the CUDA runtime on host memory) each row also gives the CUDA
 // runtime calls per operator, the most frequent by name: on a GPU each costs
 // host time (0.1 to a few microseconds), which the simulated runtime does
@@ -57,7 +58,9 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -124,10 +127,28 @@ StoragePtr newStorage(size_t bytes) {
       /*resizable=*/false);
 }
 
-// Recipes for the recompute row: replaying an output allocates its storage
-// anew and hands it over, as a replayed operator would (its contents are
-// not looked at).
+// Recipes for the recompute row: a forward output is replayed from the
+// layer's input and weight, which the replay pins (paging them in, or
+// replaying a dropped input first) before it allocates the output anew and
+// hands it over, as a replayed operator would (contents are not looked at).
 namespace recipes {
+
+std::mutex g_mutex;
+std::unordered_map<c10::StorageImpl*, std::vector<StoragePtr>> g_inputs;
+
+void remember(const StoragePtr& output, std::vector<StoragePtr> inputs) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_inputs[output.get()] = std::move(inputs);
+}
+void forgetOutput(const StoragePtr& output) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_inputs.erase(output.get());
+}
+std::vector<StoragePtr> inputsOf(c10::StorageImpl& storage) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  const auto it = g_inputs.find(&storage);
+  return it == g_inputs.end() ? std::vector<StoragePtr>{} : it->second;
+}
 
 double costMs(c10::StorageImpl& /*storage*/) {
   return 0.01;
@@ -136,11 +157,22 @@ bool retain(c10::StorageImpl& /*storage*/) {
   return true;
 }
 void recompute(c10::StorageImpl& storage) {
+  const std::vector<StoragePtr> in = inputsOf(storage);
+  for (const StoragePtr& s : in) {
+    lms::pinForRecompute(*s);
+  }
   StoragePtr fresh = newStorage(storage.nbytes());
+  for (const StoragePtr& s : in) {
+    lms::unpin(*s);
+  }
   lms::fillDropped(storage, *fresh);
 }
 void forget(void* /*context*/) {}
-void inputs(c10::StorageImpl& /*storage*/, std::vector<StoragePtr>& /*out*/) {}
+void inputs(c10::StorageImpl& storage, std::vector<StoragePtr>& out) {
+  for (StoragePtr& s : inputsOf(storage)) {
+    out.push_back(std::move(s));
+  }
+}
 
 const lms::RecomputeHooks kHooks{
     &costMs,
@@ -166,6 +198,7 @@ class Loop {
     for (int i = 0; i < o_.layers; ++i) {
       saved.push_back(op("linear", {saved.back(), weights_[i]}, o_.bytes));
       if (engine_ && o_.recipes) {
+        recipes::remember(saved.back(), {saved[i], weights_[i]});
         lms::setRecomputable(*saved.back(), true);
       }
       ++ops;
@@ -176,6 +209,7 @@ class Loop {
     for (int i = o_.layers - 1; i >= 0; --i) {
       weight_grads[i] = op("mm", {grad, saved[i]}, o_.bytes);
       grad = op("mm", {grad, weights_[i]}, o_.bytes);
+      recipes::forgetOutput(saved.back());
       saved.pop_back();
       ops += 2;
     }
@@ -416,12 +450,17 @@ int main(int argc, char** argv) {
   const int64_t dropped = recomputed.drop_count - paged.drop_count;
   std::printf(
       "schedule period %lld operators, %lld page-outs; paging: %.1f "
-      "page-outs per iteration; recompute: %.1f drops and %.1f page-outs per "
-      "iteration\n",
+      "page-outs per iteration; recompute: %.1f drops, %.1f replays (%.1f "
+      "ahead of use) and %.1f page-outs per iteration\n",
       static_cast<long long>(fits.schedule_period),
       static_cast<long long>(fits.pageout_count),
       per_iteration(paged_out, paging),
       per_iteration(dropped, recompute),
+      per_iteration(
+          recomputed.recompute_count - paged.recompute_count, recompute),
+      per_iteration(
+          recomputed.recompute_ahead_count - paged.recompute_ahead_count,
+          recompute),
       per_iteration(recomputed.pageout_count - paged.pageout_count, recompute));
   // The rows that fit must not page, the paging row must, and the recompute
   // row must drop.
