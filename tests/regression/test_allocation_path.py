@@ -133,19 +133,34 @@ def test_a_profile_names_the_allocations_lms_reclaims_for(tmp_path: Path) -> Non
     assert _values(xs) == [float(i) for i in range(16)]
 
 
+def _largest_free_block() -> int:
+    """The largest free block of the caching allocator's large pool on this device."""
+    device = torch.cuda.current_device()
+    largest = 0
+    for segment in torch.cuda.memory_snapshot():
+        if segment.get("device") != device or segment.get("segment_type") != "large":
+            continue
+        for block in segment.get("blocks", []):
+            if block.get("state") == "inactive":
+                largest = max(largest, int(block["size"]))
+    return largest
+
+
 def test_a_request_no_free_block_holds_is_placed_before_the_cache_is_released(
     record: Callable[[str, Any], None],
 ) -> None:
     """Under a 1 GiB cap, 8 MiB tensors fill 90% of LMS's limit and every other one is freed:
     the allocator holds 8 MiB holes. 9 MiB tensors, which fit no hole, then map more until the
-    cap has no room for 12 MiB. A 12 MiB tensor fits no hole either, takes the allocator past
-    neither LMS's limit nor the size LMS places ahead (16 MiB), and the cap cannot map it: the
-    allocator would return its cache to the device (``num_alloc_retries``, a synchronization)
-    and map it anew. LMS pages out a tensor between two holes before that (with the drop-in,
-    from the stock allocator's free-memory callback; a patched build after its device
-    allocation failed, also before the cache goes), and the request lands in the run."""
+    cap has no room for 12 MiB, and fillers shrink every free block to less than that. A 12 MiB
+    tensor then fits no free block, takes the allocator past neither LMS's limit nor the size
+    LMS places ahead (16 MiB), and the cap cannot map it: the allocator would return its cache
+    to the device (``num_alloc_retries``, a synchronization) and map it anew. LMS pages out a
+    tensor between two holes before that (with the drop-in, from the stock allocator's
+    free-memory callback; a patched build after its device allocation failed, also before the
+    cache goes), and the request lands in the run. Every step's precondition is checked."""
     torch.cuda.set_enabled_lms(True)
     cap = 1 * GiB
+    request_bytes = 12 * MiB
     with memory_cap(cap):
         first = _filled(-1.0, 8 * MiB)  # the limit is sampled at the first LMS allocation
         limit = int(torch.cuda.lms_stats()["limit_bytes"])
@@ -157,17 +172,24 @@ def test_a_request_no_free_block_holds_is_placed_before_the_cache_is_released(
         del filled, first
         extra: list[torch.Tensor] = []
         while (
-            torch.cuda.memory_reserved() + 12 * MiB <= cap
+            torch.cuda.memory_reserved() + request_bytes <= cap
             and torch.cuda.memory_allocated() + 21 * MiB <= limit
         ):
             extra.append(_filled(100.0 + len(extra), 9 * MiB))
-        assert torch.cuda.memory_reserved() + 12 * MiB > cap, (
-            "the setup left room to map the request: "
-            f"{torch.cuda.memory_reserved()} reserved under a {cap} cap"
-        )
+        fillers: list[torch.Tensor] = []
+        for _ in range(64):
+            largest = _largest_free_block()
+            if largest < request_bytes:
+                break
+            fillers.append(_filled(200.0 + len(fillers), largest - 4 * MiB))
+        reserved = torch.cuda.memory_reserved()
+        allocated = torch.cuda.memory_allocated()
+        assert reserved + request_bytes > cap, f"setup: room to map, {reserved} under {cap}"
+        assert allocated + request_bytes <= limit, f"setup: {allocated} over a {limit} limit"
+        assert _largest_free_block() < request_bytes, "setup: a free block holds the request"
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
         before = torch.cuda.lms_stats()
-        request = _filled(99.0, 12 * MiB)
+        request = _filled(99.0, request_bytes)
         after = torch.cuda.lms_stats()
         assert torch.cuda.memory_stats().get("num_alloc_retries", 0) == retries, lms_summary(after)
         moved = (after["fragment_placements"] - before["fragment_placements"]) + (
@@ -177,6 +199,7 @@ def test_a_request_no_free_block_holds_is_placed_before_the_cache_is_released(
         assert after["pageout_bytes"] > before["pageout_bytes"], lms_summary(after)
         assert _values(kept) == kept_values
         assert _values(extra) == [100.0 + i for i in range(len(extra))]
+        assert _values(fillers) == [200.0 + i for i in range(len(fillers))]
         assert _values([request]) == [99.0]
     record("lms", lms_summary(torch.cuda.lms_stats()))
 
