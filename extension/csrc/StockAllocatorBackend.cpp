@@ -286,7 +286,9 @@ class StockAllocatorBackend final : public lms::DeviceMemoryBackend {
 
   void* malloc(c10::DeviceIndex device, size_t size, cudaStream_t stream)
       override {
-    // raw_alloc_with_stream allocates on the current device. It throws
+    // raw_alloc_with_stream allocates on the current device. When its free
+    // list holds nothing for the request, its free-memory callbacks run
+    // (ReclaimBeforeMapping, below, for this request). It throws
     // c10::OutOfMemoryError once its free list, a new segment and releasing
     // its cached blocks (which gives them back to other processes too) have
     // all failed; the engine then pages out and retries.
@@ -776,9 +778,13 @@ class LmsAllocator final : public alloc::CUDAAllocator {
 // the device (a synchronization, counted as num_alloc_retries) and maps the
 // request page by page. Where the device has no room to map it, the engine
 // vacates the cheapest range of the allocator's memory the request fits in
-// (lms::reclaimBeforeMapping), and the free list holds it at the next search:
-// the point of the patched build's malloc where it reclaims. Requests the
-// engine is not serving (t_request unset) are left to the allocator.
+// (lms::reclaimBeforeMapping), and the free list holds it at the next search.
+// A patched build reclaims at about that point of its malloc: after its
+// first device allocation fails, before it releases its cache. The stock
+// allocator runs its callbacks under its device lock, which is recursive
+// (its own IPC callback frees memory there too): the page-outs free blocks
+// through it. Requests the engine is not serving (t_request unset, such as
+// allocations routed to a CUDA graph's private pool) are left to it.
 class ReclaimBeforeMapping final : public c10::FreeMemoryCallback {
  public:
   bool Execute() override {
