@@ -943,24 +943,33 @@ def fake_cuda_training(
     return torch, events, cuda
 
 
-def test_train_measure_sets_recompute_up_for_lms_hybrid_and_puts_it_back(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True)
+def measure_tiny_workload(
+    torch: Any, events: list[tuple[str, Any]], cuda: FakeRecompute, method: str, warmup: int
+) -> tuple[Measurement, list[str]]:
+    """train_measure of ``method`` on TinyWorkload (``warmup`` and two timed steps) under the
+    fakes of fake_cuda_training; the row must come out ok. Returns it and the log's lines."""
     args = compare.build_parser().parse_args(["--model", "resnet152"])
     compare.check_args(args)
-    m = Measurement("resnet152", "lms_hybrid", None, None, 4)
+    m = Measurement("resnet152", method, None, None, 4)
     lines: list[str] = []
     compare.train_measure(
         args,
         TinyWorkload(torch, events, cuda),
         m,
-        warmup=1,
+        warmup=warmup,
         iterations=2,
-        lms=compare.method_lms_settings(args, "lms_hybrid", None),
+        lms=compare.method_lms_settings(args, method, None),
         log=lines.append,
     )
     assert m.status == "ok", (m.detail, lines)
+    return m, lines
+
+
+def test_train_measure_sets_recompute_up_for_lms_hybrid_and_puts_it_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True)
+    m, lines = measure_tiny_workload(torch, events, cuda, "lms_hybrid", warmup=1)
     assert m.first_iteration is not None and m.first_iteration["stall_ms"] == 0
     assert m.warmup_accounts == [m.first_iteration]
     assert any(line.strip().startswith("iteration 0 of lms_hybrid: ") for line in lines)
@@ -980,12 +989,8 @@ def test_train_measure_sets_recompute_up_for_lms_hybrid_and_puts_it_back(
     assert m.recompute_on is True
     # An lms_paging row runs with recompute off, also where it was on before, and puts it back.
     torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True, state=True)
-    m = Measurement("resnet152", "lms_paging", None, None, 4)
-    settings = compare.method_lms_settings(args, "lms_paging", None)
-    compare.train_measure(
-        args, TinyWorkload(torch, events, cuda), m, warmup=1, iterations=2, lms=settings
-    )
-    assert m.status == "ok" and m.recompute_on is False
+    m, _ = measure_tiny_workload(torch, events, cuda, "lms_paging", warmup=1)
+    assert m.recompute_on is False
     assert [e for e in events if e[0] != "apply_lms"] == [
         ("set_recompute_lms", False),
         ("build", False),
@@ -994,17 +999,15 @@ def test_train_measure_sets_recompute_up_for_lms_hybrid_and_puts_it_back(
     # An lms row keeps LMS's own default, on or off, and says which it was.
     for default in (True, False):
         torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True, state=default)
-        m = Measurement("resnet152", "lms", None, None, 4)
-        settings = compare.method_lms_settings(args, "lms", None)
-        compare.train_measure(
-            args, TinyWorkload(torch, events, cuda), m, warmup=1, iterations=2, lms=settings
-        )
-        assert m.status == "ok" and m.recompute_on is default
+        m, _ = measure_tiny_workload(torch, events, cuda, "lms", warmup=1)
+        assert m.recompute_on is default
         assert [e for e in events if e[0] != "apply_lms"] == [("build", default)]
         assert f"recompute {'on' if default else 'off'}" in compare.describe(m)
     # A row without LMS leaves recompute alone.
     torch, events, cuda = fake_cuda_training(monkeypatch, recompute=True)
     m = Measurement("resnet152", "baseline", None, None, 4)
+    args = compare.build_parser().parse_args(["--model", "resnet152"])
+    compare.check_args(args)
     compare.train_measure(
         args, TinyWorkload(torch, events, cuda), m, warmup=1, iterations=2, lms=None
     )
@@ -1261,20 +1264,7 @@ def test_train_measure_accounts_for_every_warm_up_step(monkeypatch: pytest.Monke
     ]
     stats = iter(steps)
     monkeypatch.setattr(lms_setup, "lms_stats", lambda: dict(next(stats)))
-    args = compare.build_parser().parse_args(["--model", "resnet152"])
-    compare.check_args(args)
-    m = Measurement("resnet152", "lms", None, None, 4)
-    lines: list[str] = []
-    compare.train_measure(
-        args,
-        TinyWorkload(torch, events, cuda),
-        m,
-        warmup=3,
-        iterations=2,
-        lms=compare.method_lms_settings(args, "lms", None),
-        log=lines.append,
-    )
-    assert m.status == "ok", (m.detail, lines)
+    m, lines = measure_tiny_workload(torch, events, cuda, "lms", warmup=3)
     assert [a["schedule_active"] for a in m.warmup_accounts] == [0, 1, 1]
     assert [a["schedules_adopted"] for a in m.warmup_accounts] == [0, 1, 0]
     assert m.first_iteration == m.warmup_accounts[0]
