@@ -73,6 +73,7 @@ __attribute__((weak)) void simgpu_inject_fault(
     int count,
     cudaError_t error);
 __attribute__((weak)) void simgpu_clear_faults(void);
+__attribute__((weak)) void simgpu_set_copy_bandwidth(double bytes_per_second);
 }
 
 namespace {
@@ -706,6 +707,42 @@ TEST_CASE(new_pinned_buffers_and_their_time_are_counted) {
     CHECK_EQ(reused.host_pin_count, pinned.host_pin_count);
     CHECK_EQ(reused.host_pin_ms, pinned.host_pin_ms);
     CHECK(matches(*a, 7));
+  }
+  env.checkBaseline();
+}
+
+// A host ahead of its copies: under a budget of one 8 MiB buffer, B's page-in
+// (copied at 100 MB/s, about 84 ms) has released the pool's only buffer but
+// still reads it when A's page-out needs one. The page-out waits for that
+// copy and reuses the buffer instead of being refused (which would leave the
+// device over its limit, or fail).
+TEST_CASE(a_refused_page_out_waits_for_the_pools_own_copy_in_flight) {
+  if (simgpu_set_copy_bandwidth == nullptr) {
+    SKIP("needs the simulated GPU's copy bandwidth to keep a copy in flight");
+  }
+  HostEnv env(8 * kMiB);
+  {
+    auto a = newStorage(8 * kMiB);
+    auto b = newStorage(8 * kMiB);
+    write(*b, 2); // B is used longest ago
+    write(*a, 1);
+    CHECK_EQ(lms::reclaimBytes(0, 8 * kMiB), 8 * kMiB);
+    REQUIRE(lms::getState(*b) == lms::StorageState::PagedOut);
+    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    const lms::LmsStats before = lms::getStats(0);
+    simgpu_set_copy_bandwidth(100e6);
+    lms::pin(*b); // its buffer goes back to the cache, read until the copy ends
+    lms::unpin(*b);
+    CHECK_EQ(lms::reclaimBytes(0, 8 * kMiB), 8 * kMiB); // A, least recent
+    simgpu_set_copy_bandwidth(0);
+    const lms::LmsStats after = lms::getStats(0);
+    CHECK(lms::getState(*a) == lms::StorageState::PagedOut);
+    CHECK_EQ(after.host_refusals, before.host_refusals);
+    CHECK_EQ(after.host_copy_wait_count - before.host_copy_wait_count, 1);
+    CHECK(after.host_copy_wait_ms > before.host_copy_wait_ms);
+    CHECK_EQ(after.host_pin_count, before.host_pin_count);
+    CHECK(matches(*a, 1));
+    CHECK(matches(*b, 2));
   }
   env.checkBaseline();
 }

@@ -42,6 +42,7 @@ def test_the_tables_read_whole() -> None:
         "recompute_ms",
         "host_pin_ms",
         "host_wait_ms",
+        "host_copy_wait_ms",
         "device_wait_ms",
         "spill_out_ms",
         "spill_in_ms",

@@ -94,6 +94,8 @@ def stats_dict(**overrides: Any) -> dict[str, Any]:
         "host_pin_ms": 310.5,
         "host_wait_count": 1,
         "host_wait_ms": 250.0,
+        "host_copy_wait_count": 2,
+        "host_copy_wait_ms": 3.5,
         "device_wait_count": 1,
         "device_wait_ms": 120.0,
         "spill_count": 3,

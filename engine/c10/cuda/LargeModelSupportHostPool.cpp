@@ -600,6 +600,24 @@ HostBuffer HostPool::allocate(size_t size, bool wait) {
     if (buffer.ptr != nullptr) {
       return buffer;
     }
+    // This pool's own buffers still in flight come back first: a host that
+    // runs ahead of the copies finds every buffer it released still read by
+    // a page-in or written by a page-out.
+    while (t_refusal.cause == HostRefusal::Cause::Budget &&
+           awaitCopy(rounded)) {
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        HostBuffer reused = takeCached(rounded);
+        if (reused.ptr != nullptr) {
+          t_refusal = HostRefusal{};
+          return reused;
+        }
+      }
+      buffer = allocateNew(rounded); // the released buffer made room
+      if (buffer.ptr != nullptr) {
+        return buffer;
+      }
+    }
   } while (wait && t_refusal.cause == HostRefusal::Cause::Budget &&
            waitForRoom(rounded, state));
   if (t_refusal.cause == HostRefusal::Cause::Budget) {
@@ -607,6 +625,40 @@ HostBuffer HostPool::allocate(size_t size, bool wait) {
     ++usage_.budget_refusals;
   }
   return {};
+}
+
+bool HostPool::awaitCopy(size_t rounded) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const size_t most = rounded + rounded / 4;
+  const Cached* awaited = nullptr;
+  for (auto it = cached_.lower_bound(rounded);
+       it != cached_.end() && it->first <= most;
+       ++it) {
+    if (!isReady(it->second)) {
+      awaited = &it->second;
+      break;
+    }
+  }
+  if (awaited == nullptr) {
+    for (auto it = cached_.rbegin(); it != cached_.rend(); ++it) {
+      if (!isReady(it->second)) {
+        awaited = &it->second;
+        break;
+      }
+    }
+  }
+  if (awaited == nullptr) {
+    return false;
+  }
+  // Under the lock, so that no other thread takes the buffer and recycles
+  // its event meanwhile: the wait is one copy's.
+  const auto began = std::chrono::steady_clock::now();
+  C10_CUDA_CHECK(cudaEventSynchronize(awaited->ready));
+  const std::chrono::duration<double, std::milli> took =
+      std::chrono::steady_clock::now() - began;
+  ++usage_.copy_waits;
+  usage_.copy_wait_ms += took.count();
+  return true;
 }
 
 HostBuffer HostPool::allocateNew(size_t rounded) {

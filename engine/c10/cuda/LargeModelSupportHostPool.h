@@ -475,6 +475,10 @@ class C10_CUDA_API HostPool {
     double pin_ms = 0; // time spent pinning them
     int64_t waits = 0; // waits for other processes to release (setHostWait)
     double wait_ms = 0; // time spent in them
+    // Waits for this pool's buffers whose copies were still running, when
+    // the budget had no room for a new one (awaitCopy), and their time.
+    int64_t copy_waits = 0;
+    double copy_wait_ms = 0;
   };
 
   // The budget in force and the ledger's totals now.
@@ -490,8 +494,10 @@ class C10_CUDA_API HostPool {
 
   // A buffer of at least `size` bytes, or {nullptr, 0} when pinned memory is
   // exhausted (the host budget, or pinning itself) even after freeing every
-  // idle cached buffer; lastRefusal() then says why. Without `wait`, a
-  // refusal by the budget does not wait for other processes (setWait): the
+  // idle cached buffer; lastRefusal() then says why. A refusal by the budget
+  // first waits for this pool's cached buffers whose copies are still
+  // running (awaitCopy): they come back within a copy's time. Without
+  // `wait`, it does not wait for other processes (setWait) after that: the
   // disk tier makes room instead (LargeModelSupportSpill.cpp).
   HostBuffer allocate(size_t size, bool wait = true);
   // Returns a buffer. `ready` (may be null) is an event after which no copy
@@ -537,6 +543,12 @@ class C10_CUDA_API HostPool {
   static void freePinned(void* ptr, size_t size, bool registered);
   bool isReady(const Cached& c);
   HostBuffer takeCached(size_t rounded);
+  // After a refusal by the budget: waits for one cached buffer whose copies
+  // are still running (one of `rounded` bytes to 25% more, reusable for the
+  // request, else the largest, whose release makes room). False when none
+  // is running. The host blocks on the copy; the alternative is a refused
+  // page-out, which leaves the device over its limit.
+  bool awaitCopy(size_t rounded);
   HostLedger& ledger();
   // With the ledger locked: the budget (read again at most every
   // kHostSampleInterval) for the totals `held`.

@@ -328,6 +328,8 @@ struct DeviceEngine {
   double host_pin_ms_base = 0;
   int64_t host_waits_base = 0;
   double host_wait_ms_base = 0;
+  int64_t host_copy_waits_base = 0;
+  double host_copy_wait_ms_base = 0;
   size_t user_limit = 0;
   // The device as last read from the driver: its size, and the bytes held by
   // anything other than this process's caching allocator (other processes,

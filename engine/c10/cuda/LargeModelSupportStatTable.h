@@ -133,6 +133,11 @@ C10_LMS_COUNTER(double, host_pin_ms)
 // release pinned memory (setHostWait), and the milliseconds they took.
 C10_LMS_COUNTER(int64_t, host_wait_count)
 C10_LMS_COUNTER(double, host_wait_ms)
+// Waits of refused allocations for this process's own pinned buffers whose
+// copies were still running (a host ahead of its copies), and their
+// milliseconds: each ends within a copy's time.
+C10_LMS_COUNTER(int64_t, host_copy_wait_count)
+C10_LMS_COUNTER(double, host_copy_wait_ms)
 // Waits of failed device allocations for other LMS processes of the GPU to
 // release device memory (the same setting, setHostWait), and their
 // milliseconds.

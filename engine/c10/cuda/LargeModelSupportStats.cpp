@@ -47,6 +47,8 @@ LmsStats getStats(c10::DeviceIndex device) {
     s.host_pin_ms = host.pin_ms - e.host_pin_ms_base;
     s.host_wait_count = host.waits - e.host_waits_base;
     s.host_wait_ms = host.wait_ms - e.host_wait_ms_base;
+    s.host_copy_wait_count = host.copy_waits - e.host_copy_waits_base;
+    s.host_copy_wait_ms = host.copy_wait_ms - e.host_copy_wait_ms_base;
   }
   const HostPool::BudgetStatus budget = hostPool().budgetStatus();
   s.host_budget_bytes =
@@ -109,6 +111,8 @@ void resetAccumulatedStats(c10::DeviceIndex device) {
     e.host_pin_ms_base = host.pin_ms;
     e.host_waits_base = host.waits;
     e.host_wait_ms_base = host.wait_ms;
+    e.host_copy_waits_base = host.copy_waits;
+    e.host_copy_wait_ms_base = host.copy_wait_ms;
     std::lock_guard<std::mutex> schedule_lock(g_schedule_mutex);
     e.detections_base = theSchedule().detections();
     e.fallbacks_base = theSchedule().fallbacks();

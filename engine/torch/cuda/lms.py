@@ -196,6 +196,8 @@ _COUNTER_KEYS = (
     "host_pin_ms",
     "host_wait_count",
     "host_wait_ms",
+    "host_copy_wait_count",
+    "host_copy_wait_ms",
     "device_wait_count",
     "device_wait_ms",
     "spill_count",
@@ -1084,8 +1086,8 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
     r"""Return the Large Model Support statistics of a device.
 
     The counters are ints except ``stall_ms``, ``copy_out_ms``, ``copy_in_ms``,
-    ``recompute_ms``, ``host_pin_ms``, ``host_wait_ms``, ``device_wait_ms``,
-    ``spill_out_ms`` and ``spill_in_ms`` (floats):
+    ``recompute_ms``, ``host_pin_ms``, ``host_wait_ms``, ``host_copy_wait_ms``,
+    ``device_wait_ms``, ``spill_out_ms`` and ``spill_in_ms`` (floats):
 
     - ``pageout_count``, ``pageout_bytes``, ``pagein_count``, ``pagein_bytes``:
       copies to and from host memory.
@@ -1179,7 +1181,10 @@ def lms_stats(device: _DeviceArg = None) -> dict[str, Any]:
       for),
       ``host_wait_count`` (refused allocations that waited for other LMS
       processes of the host to release pinned memory, see
-      :func:`set_host_wait_lms`) and ``host_wait_ms`` (the time they waited).
+      :func:`set_host_wait_lms`) and ``host_wait_ms`` (the time they waited),
+      ``host_copy_wait_count`` and ``host_copy_wait_ms`` (refused
+      allocations that waited for this process's own pinned buffers whose
+      copies were still running, and the time they waited).
     - ``device_wait_count`` (failed device allocations that waited for other
       LMS processes of the GPU to release device memory, the same setting)
       and ``device_wait_ms`` (the time they waited).
