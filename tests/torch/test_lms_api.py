@@ -509,7 +509,7 @@ def test_summary_lines_format(lms: ModuleType) -> None:
     assert "Operators packed: 1 (8192 KiB paged out); workspaces freed: 1" in text
     assert "Prefetched: 4 (3 hits)" in text
     assert "Host budget: 98304 MiB, LMS processes hold 40960 KiB, refused 2" in text
-    assert "Host buffers pinned: 4 in 310.5 ms" in text
+    assert "Host buffers pinned: 4 in 310.5 ms | Waits for own copies: 2 in 3.5 ms" in text
     # 3 GiB written in 1.5 s, 1 GiB read in 0.4 s.
     assert "Disk tier: 3 spilled, out 2.1 GB/s, in 2.7 GB/s" in text
     # memory_summary() runs str.format over its lines: the section must survive it.

@@ -1461,7 +1461,9 @@ def _memory_summary_lines(stats: Mapping[str, Any], prefix: str = "lms.") -> lis
     )
     lines.append(
         f" Host buffers pinned: {counters['host_pin_count']} in "
-        f"{float(counters['host_pin_ms']):.1f} ms".ljust(_WIDTH)
+        f"{float(counters['host_pin_ms']):.1f} ms | Waits for own copies: "
+        f"{counters['host_copy_wait_count']} in "
+        f"{float(counters['host_copy_wait_ms']):.1f} ms".ljust(_WIDTH)
     )
     lines.append(
         f" LMS OOMs: {counters['oom_count']} | "
