@@ -39,7 +39,10 @@
 // (benchmarks/host_overhead.py measures everything on a GPU host).
 //
 // Usage: bench_lms_host [--layers N] [--iterations N] [--bytes B] [--repeat N]
-//                       [--paging-bytes B]
+//                       [--paging-bytes B] [--host-limit-mb N] [--run-ahead]
+// (--run-ahead and --host-limit-mb: the paging and recompute rows with no
+// synchronization an iteration and under that host budget, where the host
+// runs ahead of its copies and the pool's buffers are still in flight.)
 
 #include <c10/core/StorageImpl.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -80,6 +83,10 @@ struct Options {
   // operator is tight and packed.
   size_t paging_bytes = 4 * 1024 * 1024;
   bool sync_each_iteration = false; // the paging row's
+  // --run-ahead: the paging and recompute rows without their synchronization
+  // an iteration; --host-limit-mb: their host budget (default: the host's).
+  bool run_ahead = false;
+  size_t host_limit = 0;
   bool recipes = false; // the recompute row's
 };
 
@@ -87,6 +94,10 @@ Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
+    if (arg == "--run-ahead") {
+      o.run_ahead = true;
+      continue;
+    }
     if (i + 1 >= argc) {
       std::fprintf(stderr, "%s needs a value\n", arg.c_str());
       std::exit(2);
@@ -107,11 +118,13 @@ Options parse(int argc, char** argv) {
       o.repeat = static_cast<int>(v);
     } else if (arg == "--paging-bytes") {
       o.paging_bytes = static_cast<size_t>(v);
+    } else if (arg == "--host-limit-mb") {
+      o.host_limit = static_cast<size_t>(v) << 20;
     } else {
       std::fprintf(
           stderr,
           "unknown option %s (--layers, --iterations, --bytes, --repeat, "
-          "--paging-bytes)\n",
+          "--paging-bytes, --host-limit-mb, --run-ahead)\n",
           arg.c_str());
       std::exit(2);
     }
@@ -414,7 +427,8 @@ int main(int argc, char** argv) {
 
   Options large = o;
   large.bytes = o.paging_bytes;
-  large.sync_each_iteration = true;
+  large.sync_each_iteration = !o.run_ahead;
+  lms::setHostLimit(o.host_limit);
   lms::resetSchedule();
   lms::setLimit(0, 2 * static_cast<size_t>(o.layers) * large.bytes);
   const Row paging = measure(large, /*engine=*/true, counter);
@@ -428,6 +442,7 @@ int main(int argc, char** argv) {
   const Row recompute = measure(replayed, /*engine=*/true, counter);
   const lms::LmsStats recomputed = lms::getStats(0);
   lms::setRecomputeHooks(nullptr);
+  lms::setHostLimit(0);
   lms::setEnabled(false);
 
   std::printf(
@@ -462,6 +477,16 @@ int main(int argc, char** argv) {
           recomputed.recompute_ahead_count - paged.recompute_ahead_count,
           recompute),
       per_iteration(recomputed.pageout_count - paged.pageout_count, recompute));
+  std::printf(
+      "host memory, paging and recompute rows: %lld refused page-outs, %lld "
+      "waits for the pool's own copies (%.1f ms), %lld buffers pinned, peak "
+      "%.0f MiB\n",
+      static_cast<long long>(recomputed.host_refusals - fits.host_refusals),
+      static_cast<long long>(
+          recomputed.host_copy_wait_count - fits.host_copy_wait_count),
+      recomputed.host_copy_wait_ms - fits.host_copy_wait_ms,
+      static_cast<long long>(recomputed.host_pin_count - fits.host_pin_count),
+      static_cast<double>(recomputed.host_bytes.peak) / (1024.0 * 1024.0));
   // The rows that fit must not page, the paging row must, and the recompute
   // row must drop.
   return fits.pageout_count == 0 && paged_out > 0 && dropped > 0 ? 0 : 1;
