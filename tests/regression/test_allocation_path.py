@@ -176,12 +176,14 @@ def test_a_request_no_free_block_holds_is_placed_before_the_cache_is_released(
             and torch.cuda.memory_allocated() + 21 * MiB <= limit
         ):
             extra.append(_filled(100.0 + len(extra), 9 * MiB))
+        # Each filler takes a free block of 12 MiB or more down to 2 MiB: at 10 MiB or more
+        # it is larger than every hole, so the best fit is such a block.
         fillers: list[torch.Tensor] = []
         for _ in range(64):
             largest = _largest_free_block()
             if largest < request_bytes:
                 break
-            fillers.append(_filled(200.0 + len(fillers), largest - 4 * MiB))
+            fillers.append(_filled(200.0 + len(fillers), largest - 2 * MiB))
         reserved = torch.cuda.memory_reserved()
         allocated = torch.cuda.memory_allocated()
         assert reserved + request_bytes > cap, f"setup: room to map, {reserved} under {cap}"
