@@ -309,6 +309,9 @@ struct CallCounter {
   }
 };
 
+// Untimed iterations before a row's rounds: the schedule confirms its period.
+constexpr int kWarmup = 4;
+
 struct Row {
   double ns_per_op = 0.0;
   double calls_per_op = -1.0; // -1: not counted (a real GPU)
@@ -321,7 +324,7 @@ struct Row {
 // runtime calls of all rounds.
 Row measure(const Options& o, bool engine, const CallCounter& counter) {
   Loop loop(o, engine);
-  for (int i = 0; i < 4; ++i) { // the schedule confirms its period
+  for (int i = 0; i < kWarmup; ++i) { // the schedule confirms its period
     loop.iteration();
   }
   C10_CUDA_CHECK(cudaDeviceSynchronize());
@@ -460,7 +463,8 @@ int main(int argc, char** argv) {
   printRow("recompute", recompute, &off);
   const int64_t paged_out = paged.pageout_count - fits.pageout_count;
   const auto per_iteration = [](int64_t count, const Row& row) {
-    return static_cast<double>(count) / static_cast<double>(row.iterations + 4);
+    return static_cast<double>(count) /
+        static_cast<double>(row.iterations + kWarmup);
   };
   const int64_t dropped = recomputed.drop_count - paged.drop_count;
   std::printf(

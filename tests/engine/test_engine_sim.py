@@ -185,16 +185,10 @@ def test_copy_benchmark_runs(sim_build: Path) -> None:
     assert "LMS totals:" in proc.stdout
 
 
-def test_host_time_benchmark_counts_runtime_calls_and_pages_only_where_told(
-    sim_build: Path,
-) -> None:
-    """The host-time benchmark drives every configuration. The rows that fit page nothing (the
-    schedule learns the period), the paging row pages every iteration and the recompute row
-    drops storages (it exits 1 otherwise); every row gives the CUDA runtime calls per operator
-    that simgpu counted. With
-    no CUDA graph capture underway the allocator tells the engine so
-    (captureMayBeUnderway), and the engine asks CUDA whether a stream is capturing in no
-    row: about four and a half calls an operator before it did."""
+def run_host_benchmark(sim_build: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """bench_lms_host for 5 iterations, one round, on a simulated GPU of 1 GiB (its paging
+    rows need room beside packing's 200 MiB margin), with ``args``; it must exit 0 (its
+    rows that fit paged nothing, its paging row paged, its recompute row dropped)."""
     proc = run_benchmark(
         sim_build,
         "bench_lms_host",
@@ -202,9 +196,23 @@ def test_host_time_benchmark_counts_runtime_calls_and_pages_only_where_told(
         "5",
         "--repeat",
         "1",
+        *args,
         env={"SIMGPU_DEVICE_COUNT": "1", "SIMGPU_CAPACITY_MB": "1024"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_host_time_benchmark_counts_runtime_calls_and_pages_only_where_told(
+    sim_build: Path,
+) -> None:
+    """The host-time benchmark drives every configuration. The rows that fit page nothing (the
+    schedule learns the period), the paging row pages every iteration and the recompute row
+    drops storages (it exits 1 otherwise); every row gives the CUDA runtime calls per operator
+    that simgpu counted. With no CUDA graph capture underway the allocator tells the engine so
+    (captureMayBeUnderway), and the engine asks CUDA whether a stream is capturing in no
+    row: about four and a half calls an operator before it did."""
+    proc = run_host_benchmark(sim_build)
     rows = {}
     for config in ("off", "reactive", "no-pack", "schedule", "paging", "recompute"):
         match = re.search(rf"^{config}\s+\d+\s+\S+\s+([\d.]+)\s+(.*)$", proc.stdout, re.M)
@@ -228,19 +236,7 @@ def test_a_host_ahead_of_its_copies_waits_for_them_instead_of_refusing_page_outs
     iteration (the host runs ahead of the copies) and a 400 MiB host budget: the pool's
     buffers are still in flight when page-outs need them. They wait for those copies; none is
     refused (504 were in these 5 iterations before the pool waited)."""
-    proc = run_benchmark(
-        sim_build,
-        "bench_lms_host",
-        "--iterations",
-        "5",
-        "--repeat",
-        "1",
-        "--run-ahead",
-        "--host-limit-mb",
-        "400",
-        env={"SIMGPU_DEVICE_COUNT": "1", "SIMGPU_CAPACITY_MB": "1024"},
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_host_benchmark(sim_build, "--run-ahead", "--host-limit-mb", "400")
     host = re.search(
         r"host memory, paging and recompute rows: (\d+) refused page-outs, (\d+) waits",
         proc.stdout,
