@@ -1241,6 +1241,13 @@ TEST_CASE(device_shares_are_equal_parts_capped_by_need) {
     sum += part;
   }
   CHECK_LE(sum, pool);
+  // Every need met: what they leave is split among them, not left to no one
+  // (a small process beside a larger one got exactly its need, and every
+  // allocation past it paged out).
+  s = lms::deviceShares(pool, {claim(36, 1), claim(300, 2)});
+  CHECK_EQ(s[0], 36 * kMiB + (pool - 336 * kMiB) / 2);
+  CHECK_EQ(s[1], 300 * kMiB + (pool - 336 * kMiB) / 2);
+  CHECK(s[0] + s[1] <= pool);
 }
 
 // The oldest waiting process gets what it holds plus what it waits for; the

@@ -431,12 +431,16 @@ namespace {
 // Max-min fair parts of `left` bytes for the claims `open` (indices into
 // `claims`), into `shares`: the claims that need less than an equal part get
 // their need, the rest is split again, until every claim left needs at least
-// its part (or has no need known yet).
+// its part (or has no need known yet). When every claim's need is met, what
+// is left over is split equally among them: a part capped at a need measured
+// before the next allocation would make every allocation past it page out
+// (the need only grows once it has), however much of the device is free.
 void splitFairly(
     size_t left,
     std::vector<size_t> open,
     const std::vector<DeviceClaim>& claims,
     std::vector<size_t>& shares) {
+  const std::vector<size_t> all = open;
   while (!open.empty()) {
     const size_t part = left / open.size();
     std::vector<size_t> still;
@@ -456,6 +460,11 @@ void splitFairly(
       return;
     }
     open = std::move(still);
+  }
+  if (!all.empty() && left > 0) {
+    for (size_t i : all) {
+      shares[i] += left / all.size();
+    }
   }
 }
 

@@ -261,7 +261,10 @@ class C10_CUDA_API HostLedger {
 // Shares (deviceShares): what the device leaves for LMS (less a headroom,
 // less what holders other than LMS processes take) is split max-min fair:
 // every live process gets an equal part, a process that needs less than its
-// part gets its need, and what it leaves is split again among the others.
+// part gets its need, and what it leaves is split again among the others;
+// when every need is met, what is left over is split equally among all (a
+// part capped at a need measured before the next allocation would make every
+// allocation past it page out, with the device free beside it).
 // Equal rather than need-proportional parts: need grows with the model, so a
 // process's part would grow the more memory it asks for, and the largest
 // would starve the smallest (what first come, first served did); equal parts
@@ -304,7 +307,8 @@ struct DeviceClaim {
 // The part of `pool` bytes of each claim, in the order of `claims` (see
 // above): the oldest waiting claim first (what it holds plus what it waits
 // for, at most the pool), then max-min fair parts of the rest, capped by
-// need. The parts add up to at most the pool.
+// need, plus an equal part of what is left when every need is met. The parts
+// add up to at most the pool.
 C10_CUDA_API std::vector<size_t> deviceShares(
     size_t pool,
     const std::vector<DeviceClaim>& claims);
