@@ -2404,6 +2404,7 @@ def train_measure(
     (rows share a process). COMPILE_BUDGET_METHODS rows train ``torch.compile(model)`` under
     ``m.activation_budget`` (skipped, with the reason, where this torch cannot)."""
     import torch
+    from torch.profiler import record_function
 
     from benchmarks import models
     from lmsbench.lms_setup import (
@@ -2484,12 +2485,15 @@ def train_measure(
                     ctx = offload()
                 else:
                     ctx = contextlib.nullcontext()
-                with ctx, amp:
+                # The phases a profile splits its figures by (stream_profile.PHASE_PREFIX).
+                with ctx, amp, record_function("step: forward"):
                     loss = workload.loss(forward(inputs), targets)
-                loss.backward()
+                with record_function("step: backward"):
+                    loss.backward()
                 del inputs, targets, loss
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                with record_function("step: optimizer"):
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
                 torch.cuda.synchronize()
 
             step = 0

@@ -131,6 +131,12 @@ class StreamBreakdown:
     # The longest stretches of the whole GPU idle, longest first: their length (ms), the
     # innermost host operator at their middle and the GPU work that ended them.
     gpu_idle_gaps: list[dict[str, object]] = field(default_factory=list)
+    # Per phase of the step (the record_function ranges named PHASE_PREFIX + phase, e.g.
+    # "step: forward"), in the order they ran: its compute stream's time from its first to
+    # its last kernel (span_ms), busy and idle while a copy ran elsewhere within that span,
+    # and the copies launched in it each way (GiB) with their busy time (ms). The GPU work of
+    # a phase is the work its host range launched, on any thread (autograd's too).
+    phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def summary(self) -> str:
         """A few lines for a log."""
@@ -155,6 +161,13 @@ class StreamBreakdown:
         if self.gpu_idle_runtime_calls_ms:
             calls = ", ".join(f"{k} {v:.1f}" for k, v in self.gpu_idle_runtime_calls_ms.items())
             lines.append(f"while the GPU sat idle, in CUDA runtime calls (ms): {calls}")
+        for name, p in self.phases.items():
+            lines.append(
+                f"{name}: span {p['span_ms']:.1f} ms, compute busy {p['busy_ms']:.1f}, idle "
+                f"while copying {p['idle_while_copying_ms']:.1f}; launched D2H "
+                f"{p['d2h_gib']:.2f} GiB ({p['d2h_busy_ms']:.1f} ms), H2D {p['h2d_gib']:.2f} "
+                f"GiB ({p['h2d_busy_ms']:.1f} ms)"
+            )
         if self.gpu_idle_gaps:
             gaps = "; ".join(
                 f"{g['ms']:.1f} in {g['host_op']}, then {str(g['next'])[:48]}"
@@ -173,6 +186,9 @@ RUNTIME_CATEGORIES = ("cuda_runtime", "cuda_driver")
 # per-step ranges (ProfilerStep#N) span everything and say nothing.
 HOST_OP_CATEGORIES = ("cpu_op", "user_annotation")
 OUTSIDE_OPERATORS = "outside operators"
+# The step's phases are record_function ranges named so ("step: forward", "step: backward",
+# "step: optimizer"): the breakdown splits by them and leaves them out of the host operators.
+PHASE_PREFIX = "step: "
 GiB = 1024**3
 
 
@@ -285,6 +301,10 @@ def analyze(
     call_spans: list[tuple[object, float, float, str]] = []
     host_ops: list[tuple[object, float, float, str]] = []
     gpu_events: list[tuple[float, str]] = []  # start, name
+    launched_at: dict[object, float] = {}  # runtime call's correlation id -> host start
+    phase_ranges: list[tuple[float, float, str]] = []  # host start, end, phase
+    # correlation id, stream, copy direction ('' for other work), interval, bytes copied
+    gpu_launches: list[tuple[object, int, str, Interval, float]] = []
     for ev in events:
         if not isinstance(ev, dict) or ev.get("ph") != "X":
             continue
@@ -294,25 +314,33 @@ def analyze(
             end = start + float(ev.get("dur", 0.0))
         except (KeyError, TypeError, ValueError):
             continue
+        args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
+        assert isinstance(args, dict)
         if cat in RUNTIME_CATEGORIES:
             calls[str(ev.get("name", "?"))] += end - start
             call_spans.append((ev.get("tid"), start, end, str(ev.get("name", "?"))))
+            if "correlation" in args:
+                launched_at[args["correlation"]] = start
             continue
         if cat in HOST_OP_CATEGORIES:
             name = str(ev.get("name", "?"))
-            if not name.startswith("ProfilerStep"):
+            if name.startswith(PHASE_PREFIX):
+                phase_ranges.append((start, end, name[len(PHASE_PREFIX) :]))
+            elif not name.startswith("ProfilerStep"):
                 host_ops.append((ev.get("tid"), start, end, name))
             continue
         if cat not in GPU_CATEGORIES:
             continue
-        args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
-        assert isinstance(args, dict)
         try:
             stream = int(args.get("stream", -1))
         except (TypeError, ValueError):
             stream = -1
         by_stream[stream].append((start, end))
         gpu_events.append((start, str(ev.get("name", "?"))))
+        if "correlation" in args:
+            moved = _direction(str(ev.get("name", ""))) if cat == "gpu_memcpy" else ""
+            nbytes = float(args.get("bytes", 0)) if moved else 0.0
+            gpu_launches.append((args["correlation"], stream, moved, (start, end), nbytes))
         if cat == "kernel":
             kernel_time[stream] += end - start
         elif cat == "gpu_memcpy":
@@ -374,7 +402,61 @@ def analyze(
             {k: v for k, v in idle_calls.items() if v > 0.0}, top_calls, iterations
         ),
         gpu_idle_gaps=longest_gaps(gpu_idle, host_ops, gpu_events, top_gaps),
+        phases=_phases(
+            phase_ranges, launched_at, gpu_launches, compute, compute_busy, idle_copying, n
+        ),
     )
+
+
+def _phases(
+    ranges: list[tuple[float, float, str]],
+    launched_at: dict[object, float],
+    launches: Sequence[tuple[object, int, str, Interval, float]],
+    compute: int,
+    compute_busy: Sequence[Interval],
+    idle_copying: Sequence[Interval],
+    n: float,
+) -> dict[str, dict[str, float]]:
+    """StreamBreakdown.phases: each GPU event goes to the phase whose host range holds the
+    runtime call that launched it (by correlation id); a phase's span on the compute stream
+    runs from its first kernel there to its last, per iteration over ``n``."""
+    if not ranges:
+        return {}
+    ranges.sort()
+    starts = [r[0] for r in ranges]
+    spans: dict[str, list[Interval]] = defaultdict(list)
+    copies: dict[str, dict[str, list[tuple[Interval, float]]]] = defaultdict(
+        lambda: {"d2h": [], "h2d": []}
+    )
+    order: dict[str, float] = {}
+    for correlation, stream, direction, interval, nbytes in launches:
+        at = launched_at.get(correlation)
+        if at is None:
+            continue
+        i = bisect.bisect_right(starts, at) - 1
+        if i < 0 or at > ranges[i][1]:
+            continue
+        phase = ranges[i][2]
+        order.setdefault(phase, ranges[i][0])
+        if stream == compute:
+            spans[phase].append(interval)
+        if direction:
+            copies[phase][direction].append((interval, nbytes))
+    out: dict[str, dict[str, float]] = {}
+    for phase in sorted(order, key=lambda p: order[p]):
+        own = spans.get(phase, [])
+        window = [(min(s for s, _ in own), max(e for _, e in own))] if own else []
+        record = {
+            "span_ms": length(window) / 1000 / n,
+            "busy_ms": length(intersect(window, list(compute_busy))) / 1000 / n,
+            "idle_while_copying_ms": length(intersect(window, list(idle_copying))) / 1000 / n,
+        }
+        for direction in ("d2h", "h2d"):
+            moved = copies[phase][direction]
+            record[f"{direction}_gib"] = sum(b for _, b in moved) / GiB / n
+            record[f"{direction}_busy_ms"] = length(merge(iv for iv, _ in moved)) / 1000 / n
+        out[phase] = record
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

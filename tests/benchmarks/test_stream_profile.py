@@ -190,3 +190,69 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert json.loads(capsys.readouterr().out)["compute_idle_ms"] == pytest.approx(0.2)
     assert stream_profile.main([str(tmp_path / "missing.json")]) == 1
     assert "missing.json" in capsys.readouterr().err
+
+
+def annotation(name: str, ts: float, dur: float, tid: int = 1) -> dict[str, object]:
+    return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
+def launched(event: dict[str, object], correlation: int) -> dict[str, object]:
+    args = dict(event["args"])  # type: ignore[call-overload]
+    args["correlation"] = correlation
+    return {**event, "args": args}
+
+
+def launch(name: str, ts: float, correlation: int, tid: int = 1) -> dict[str, object]:
+    return {
+        "ph": "X",
+        "cat": "cuda_runtime",
+        "name": name,
+        "ts": ts,
+        "dur": 1,
+        "tid": tid,
+        "args": {"correlation": correlation},
+    }
+
+
+def test_phases_take_the_gpu_work_their_host_ranges_launched() -> None:
+    # Forward: host 0-100 launches a kernel (GPU 10-300) and a 1 GiB D2H copy (GPU 100-400).
+    # Backward: host 100-200 on the main thread; autograd's thread (tid 2) launches a kernel
+    # at 150 (GPU 500-900) and a 2 GiB H2D copy at 160 (GPU 420-520). The compute stream is
+    # idle 300-500, a copy running elsewhere for 300-400 (forward's window ends at 300) and
+    # 420-500 (before backward's first kernel). Optimizer: host 200-250, kernel 950-1000.
+    events = [
+        annotation("step: forward", 0, 100),
+        annotation("step: backward", 100, 100),
+        annotation("step: optimizer", 200, 50),
+        launch("cudaLaunchKernel", 10, 1),
+        launch("cudaMemcpyAsync", 20, 2),
+        launch("cudaLaunchKernel", 150, 3, tid=2),
+        launch("cudaMemcpyAsync", 160, 4, tid=2),
+        launch("cudaLaunchKernel", 210, 5),
+        launched(kernel(7, 10, 290), 1),
+        launched(memcpy(20, 100, 300, GiB, "DtoH"), 2),
+        launched(kernel(7, 500, 400), 3),
+        launched(memcpy(30, 420, 100, 2 * GiB, "HtoD"), 4),
+        launched(kernel(7, 950, 50), 5),
+    ]
+    phases = analyze({"traceEvents": events}, 1).phases
+    assert list(phases) == ["forward", "backward", "optimizer"]
+    forward, backward, optimizer = phases["forward"], phases["backward"], phases["optimizer"]
+    assert forward["span_ms"] == pytest.approx(0.290)
+    assert forward["busy_ms"] == pytest.approx(0.290)
+    assert forward["idle_while_copying_ms"] == 0.0
+    assert forward["d2h_gib"] == pytest.approx(1.0) and forward["h2d_gib"] == 0.0
+    assert forward["d2h_busy_ms"] == pytest.approx(0.300)
+    assert backward["span_ms"] == pytest.approx(0.400)
+    assert backward["h2d_gib"] == pytest.approx(2.0)
+    assert backward["h2d_busy_ms"] == pytest.approx(0.100)
+    assert optimizer["busy_ms"] == pytest.approx(0.050)
+    # The phase ranges are not host operators.
+    summary = analyze({"traceEvents": events}, 1).summary()
+    assert "backward: span 0.4 ms" in summary
+    assert "step: " not in json.dumps(analyze({"traceEvents": events}, 1).gpu_idle_host_ops_ms)
+
+
+def test_a_trace_without_phase_ranges_has_no_phases() -> None:
+    events = [launch("cudaLaunchKernel", 0, 1), launched(kernel(7, 0, 10), 1)]
+    assert analyze({"traceEvents": events}, 1).phases == {}
