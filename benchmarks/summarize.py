@@ -1231,6 +1231,8 @@ README_TABLES: dict[str, tuple[str, ...]] = {
         "benchmarks/results/speed/2026-12-07-h100-9253865/speed-resnet",
         "benchmarks/results/speed/2026-12-07-h100-fa218d6/gpt-lms-default",
         "benchmarks/results/speed/2026-12-07-h100-25bc6c4",
+        "benchmarks/results/speed/2026-12-07-h100-87934bc",
+        "benchmarks/results/speed/2026-12-07-h100-87934bc/vit-l",
     ),
 }
 # The speed table (benchmarks/speed.py, scripts/gpu/run-speed.sh) is written by --tables once
