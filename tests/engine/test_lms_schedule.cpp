@@ -1452,6 +1452,84 @@ TEST_CASE(page_outs_start_ahead_of_the_iterations_peak) {
   checkBaseline();
 }
 
+// The loop of the test above with recompute on and a recipe for every other
+// layer's activation (read from the activation before it), under a limit
+// that drops alone cannot meet: drops free memory at once whenever it is
+// needed, but a copy takes the bus's time, so the copies that must be made
+// anyway start ahead of the peak as well, within the first quarter of the
+// forward pass, rather than wait for the limit at its end (where the compute
+// stream would wait for the bus).
+TEST_CASE(copies_a_drop_cannot_spare_start_ahead_of_the_peak) {
+  lms_test::FakeRecipes& fake = lms_test::recipes();
+  {
+    const lms_test::FakeRecipesInstalled installed;
+    constexpr size_t kLimit = 64 * kMiB;
+    constexpr int kDeep = 16;
+    Runner run(kLimit);
+    lms::setPrefetchBudget(8 * kMiB);
+    Model m = makeModel(run, kDeep);
+    int layer = 0;
+    LayerHooks recipes;
+    recipes.made = [&](Tensor& a, Tensor& input) {
+      if (layer++ % 2 == 0) {
+        return; // no recipe: only a copy takes it off the device
+      }
+      {
+        std::lock_guard<std::mutex> lock(fake.mutex);
+        fake.seed[a.storage->_mutable_data_ptr_no_checks().get_context()] =
+            a.seed;
+        fake.input_of[a.storage.get()] = input.storage.get();
+      }
+      lms::setRecomputable(*a.storage, true);
+    };
+    recipes.freed = [&](Tensor& a) {
+      std::lock_guard<std::mutex> lock(fake.mutex);
+      fake.input_of.erase(a.storage.get());
+    };
+    const auto train = [&](int iteration) {
+      layer = 0;
+      iterate(
+          run, m, iteration, /*train=*/true, /*temporaries=*/false, recipes);
+    };
+    int iteration = 0;
+    for (; iteration < 6; ++iteration) {
+      train(iteration);
+    }
+    REQUIRE(lms::getStats(0).schedule_active == 1);
+    lms::resetAccumulatedStats(0);
+    int op = 0;
+    int first_copy_op = -1;
+    run.after_op = [&] {
+      if (first_copy_op < 0 && lms::getStats(0).pageout_count > 0) {
+        first_copy_op = op;
+      }
+      ++op;
+    };
+    train(iteration++);
+    run.after_op = nullptr;
+    for (; iteration < 10; ++iteration) {
+      train(iteration);
+    }
+    const auto st = lms::getStats(0);
+    std::printf(
+        "  first copy out after operator %d; per iteration: %.1f MiB copied "
+        "out (%.1f MiB ahead of the peak), %.1f MiB dropped, %.1f MiB in\n",
+        first_copy_op,
+        static_cast<double>(st.pageout_bytes) / kMiB / 4,
+        static_cast<double>(st.peak_pageout_bytes) / kMiB / 4,
+        static_cast<double>(st.drop_bytes) / kMiB / 4,
+        static_cast<double>(st.pagein_bytes) / kMiB / 4);
+    CHECK_EQ(st.schedule_fallbacks, int64_t(0));
+    CHECK(st.drop_count > 0); // recompute covers part of the deficit
+    CHECK(st.peak_pageout_count > 0);
+    // Within the first quarter of the forward pass.
+    REQUIRE(first_copy_op >= 0);
+    CHECK_LE(first_copy_op, kDeep / 4);
+    CHECK_EQ(run.mismatches, 0);
+  }
+  checkBaseline();
+}
+
 // The derived prefetch budget is an eighth of the limit while an iteration
 // pages in less than the limit holds, and grows to a quarter as it pages in
 // up to twice as much: then copies bound the iteration, and the H2D stream
