@@ -320,6 +320,10 @@ struct DeviceEngine {
   size_t peak_bytes = 0;
   uint64_t peak_phase = 0;
   uint64_t peak_retry = 0; // no search for victims before this clock
+  // The most bytes allocated after an allocation since the last operator
+  // boundary (noteAllocatedHigh): what an operator allocates and frees
+  // inside itself counts in the demand, which the boundary alone misses.
+  std::atomic<size_t> allocated_high{0};
   // Schedule and host pool statistics at the last resetAccumulatedStats().
   int64_t detections_base = 0;
   int64_t fallbacks_base = 0;

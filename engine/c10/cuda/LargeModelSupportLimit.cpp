@@ -276,6 +276,17 @@ bool releaseOutside(DeviceEngine& e, size_t size) {
   return released;
 }
 
+// Notes what is allocated once an allocation is made, after its reclaim:
+// the most since the last operator boundary is part of the learned
+// schedule's demand (recordDemand).
+void noteAllocatedHigh(DeviceEngine& e, size_t bytes) {
+  size_t seen = e.allocated_high.load(std::memory_order_relaxed);
+  while (bytes > seen &&
+         !e.allocated_high.compare_exchange_weak(
+             seen, bytes, std::memory_order_relaxed)) {
+  }
+}
+
 // Makes room for an allocation of `size` bytes under `limit` (the limit in
 // force, effectiveLimit). Returns the bytes paged out for it.
 size_t enforceLimit(DeviceEngine& e, size_t size, size_t limit) {
@@ -302,6 +313,7 @@ size_t enforceLimit(DeviceEngine& e, size_t size, size_t limit) {
     std::lock_guard<std::mutex> lock(e.mutex);
     e.stats.over_limit_bytes.current = 0;
   }
+  noteAllocatedHigh(e, wanted > freed ? wanted - freed : 0);
   // After the reclaim, whose page-outs return their memory to the cache.
   releaseCacheOverShare(e);
   if (wanted > limit) {

@@ -558,7 +558,11 @@ class EarlyVictims {
   static constexpr size_t kEarlyCandidates = 4 * kPricedCandidates;
 
  public:
-  EarlyVictims(DeviceEngine& e, uint64_t protect_until)
+  // With `drop_first` false, no drops: only storages a drop would not take,
+  // copied (what pageOutAheadOfPeak moves: a drop frees its memory at once
+  // whenever it is needed, so dropping ahead of need gains nothing and drops
+  // more than the peak needs).
+  EarlyVictims(DeviceEngine& e, uint64_t protect_until, bool drop_first = true)
       : e_(e),
         threshold_(g_size_threshold.load()),
         protect_until_(protect_until) {
@@ -570,7 +574,9 @@ class EarlyVictims {
       return; // the bus is not measured yet: nothing is priced cheap
     }
     cheap_ms_per_byte_ = per_mib / static_cast<double>(size_t{1} << 20);
-    drops_ = cheapDrops(e, threshold_, protect_until, kEarlyCandidates);
+    if (drop_first) {
+      drops_ = cheapDrops(e, threshold_, protect_until, kEarlyCandidates);
+    }
   }
 
   // The next victim, or null. Engine lock held.
@@ -614,15 +620,24 @@ void pageOutEarly(
 }
 
 // Records the demand at this operator boundary (the bytes the live storages
-// would take on the device: allocated, plus paged out and no longer
-// allocated) and, once a whole iteration has been seen, its peak. Engine
-// lock held.
+// would take on the device: the most allocated since the last boundary, plus
+// paged out and no longer allocated) and, once a whole iteration has been
+// seen, its peak. The most allocated between two boundaries, not what is
+// allocated at this one: a language model's loss allocates its logits and
+// their log-softmax (GPT at 1.5x an H100: about 20 GB) and frees them before
+// it ends, and with drops covering the rest of the excess the demand at the
+// boundaries stayed under the limit: no copy was made ahead of the peak, and
+// the loss waited for every one (4.55 GiB, 88 ms of an 826 ms iteration).
+// Engine lock held.
 void recordDemand(
     DeviceEngine& e,
     uint64_t now,
     uint64_t period,
     uint64_t generation,
     size_t allocated) {
+  // Since the last boundary (or, at the first of a generation, since
+  // before it: the first peak then reads too high at most once).
+  const size_t high = e.allocated_high.exchange(0, std::memory_order_relaxed);
   if (e.demand_generation != generation || now < e.demand_began) {
     e.demand_generation = generation;
     e.demand_began = now;
@@ -638,8 +653,8 @@ void recordDemand(
   }
   const auto off =
       static_cast<size_t>(std::max<int64_t>(e.stats.pagedout_bytes.current, 0));
-  const size_t demand =
-      allocated + (off > e.draining_bytes ? off - e.draining_bytes : 0);
+  const size_t demand = std::max(allocated, high) +
+      (off > e.draining_bytes ? off - e.draining_bytes : 0);
   if (demand > e.demand_max) {
     e.demand_max = demand;
     e.demand_max_phase = now % period;
@@ -684,7 +699,7 @@ void pageOutAheadOfPeak(
     peak_clock = now + ahead;
     wanted = std::min(must - off, budget - e.draining_bytes);
   }
-  EarlyVictims victims(e, peak_clock);
+  EarlyVictims victims(e, peak_clock, /*drop_first=*/false);
   size_t bytes = 0;
   const int64_t made =
       pageOutVictims(e, wanted, [&] { return victims.pick(); }, bytes);
