@@ -1467,167 +1467,125 @@ TEST_CASE(page_outs_start_ahead_of_the_iterations_peak) {
   checkBaseline();
 }
 
-// The loop of the test above with recompute on and a recipe for every other
-// layer's activation (read from the activation before it), under a limit
-// that drops alone cannot meet: drops free memory at once whenever it is
-// needed, but a copy takes the bus's time, so the copies that must be made
-// anyway start ahead of the peak as well, within the first quarter of the
-// forward pass, rather than wait for the limit at its end (where the compute
-// stream would wait for the bus).
-TEST_CASE(copies_a_drop_cannot_spare_start_ahead_of_the_peak) {
+// What alternateRecipesLoop() saw: the operator of the iteration after the
+// schedule settled (0: the input) after which the first copy out was queued
+// (-1: none), and the statistics of that iteration and the next three.
+struct FirstCopy {
+  int op = -1;
+  lms::LmsStats stats;
+  int mismatches = 0;
+};
+
+// The deep loop of page_outs_start_ahead_of_the_iterations_peak (16 layers)
+// with recompute on and a recipe for every other layer's activation, read
+// from the activation before it; the others have none, so only a copy takes
+// them off the device. With `loss_scratch`, the loss allocates and frees a
+// scratch buffer of that many bytes inside itself (see iterate()).
+FirstCopy alternateRecipesLoop(size_t limit, size_t loss_scratch) {
   lms_test::FakeRecipes& fake = lms_test::recipes();
-  {
-    const lms_test::FakeRecipesInstalled installed;
-    constexpr size_t kLimit = 64 * kMiB;
-    constexpr int kDeep = 16;
-    Runner run(kLimit);
-    lms::setPrefetchBudget(8 * kMiB);
-    Model m = makeModel(run, kDeep);
-    int layer = 0;
-    LayerHooks recipes;
-    recipes.made = [&](Tensor& a, Tensor& input) {
-      if (layer++ % 2 == 0) {
-        return; // no recipe: only a copy takes it off the device
-      }
-      {
-        std::lock_guard<std::mutex> lock(fake.mutex);
-        fake.seed[a.storage->_mutable_data_ptr_no_checks().get_context()] =
-            a.seed;
-        fake.input_of[a.storage.get()] = input.storage.get();
-      }
-      lms::setRecomputable(*a.storage, true);
-    };
-    recipes.freed = [&](Tensor& a) {
+  FirstCopy seen;
+  const lms_test::FakeRecipesInstalled installed;
+  Runner run(limit);
+  lms::setPrefetchBudget(loss_scratch > 0 ? 4 * kMiB : 8 * kMiB);
+  Model m = makeModel(run, 16);
+  int layer = 0;
+  LayerHooks recipes;
+  recipes.made = [&](Tensor& a, Tensor& input) {
+    if (layer++ % 2 == 0) {
+      return;
+    }
+    {
       std::lock_guard<std::mutex> lock(fake.mutex);
-      fake.input_of.erase(a.storage.get());
-    };
-    const auto train = [&](int iteration) {
-      layer = 0;
-      iterate(
-          run, m, iteration, /*train=*/true, /*temporaries=*/false, recipes);
-    };
-    int iteration = 0;
-    for (; iteration < 6; ++iteration) {
-      train(iteration);
+      fake.seed[a.storage->_mutable_data_ptr_no_checks().get_context()] =
+          a.seed;
+      fake.input_of[a.storage.get()] = input.storage.get();
     }
-    REQUIRE(lms::getStats(0).schedule_active == 1);
-    lms::resetAccumulatedStats(0);
-    int op = 0;
-    int first_copy_op = -1;
-    run.after_op = [&] {
-      if (first_copy_op < 0 && lms::getStats(0).pageout_count > 0) {
-        first_copy_op = op;
-      }
-      ++op;
-    };
-    train(iteration++);
-    run.after_op = nullptr;
-    for (; iteration < 10; ++iteration) {
-      train(iteration);
+    lms::setRecomputable(*a.storage, true);
+  };
+  recipes.freed = [&](Tensor& a) {
+    std::lock_guard<std::mutex> lock(fake.mutex);
+    fake.input_of.erase(a.storage.get());
+  };
+  const auto train = [&](int iteration) {
+    layer = 0;
+    iterate(
+        run,
+        m,
+        iteration,
+        /*train=*/true,
+        /*temporaries=*/false,
+        recipes,
+        loss_scratch);
+  };
+  int iteration = 0;
+  for (; iteration < 6; ++iteration) {
+    train(iteration);
+  }
+  REQUIRE(lms::getStats(0).schedule_active == 1);
+  lms::resetAccumulatedStats(0);
+  int op = 0;
+  run.after_op = [&] {
+    if (seen.op < 0 && lms::getStats(0).pageout_count > 0) {
+      seen.op = op;
     }
-    const auto st = lms::getStats(0);
-    std::printf(
-        "  first copy out after operator %d; per iteration: %.1f MiB copied "
-        "out (%.1f MiB ahead of the peak), %.1f MiB dropped, %.1f MiB in\n",
-        first_copy_op,
-        static_cast<double>(st.pageout_bytes) / kMiB / 4,
-        static_cast<double>(st.peak_pageout_bytes) / kMiB / 4,
-        static_cast<double>(st.drop_bytes) / kMiB / 4,
-        static_cast<double>(st.pagein_bytes) / kMiB / 4);
-    CHECK_EQ(st.schedule_fallbacks, int64_t(0));
-    CHECK(st.drop_count > 0); // recompute covers part of the deficit
-    CHECK(st.peak_pageout_count > 0);
-    // Within the first quarter of the forward pass.
-    REQUIRE(first_copy_op >= 0);
-    CHECK_LE(first_copy_op, kDeep / 4);
-    CHECK_EQ(run.mismatches, 0);
+    ++op;
+  };
+  train(iteration++);
+  run.after_op = nullptr;
+  for (; iteration < 10; ++iteration) {
+    train(iteration);
+  }
+  seen.stats = lms::getStats(0);
+  seen.mismatches = run.mismatches;
+  std::printf(
+      "  first copy out after operator %d; per iteration: %.1f MiB copied "
+      "out (%.1f MiB ahead of the peak), %.1f MiB dropped, %.1f MiB in\n",
+      seen.op,
+      static_cast<double>(seen.stats.pageout_bytes) / kMiB / 4,
+      static_cast<double>(seen.stats.peak_pageout_bytes) / kMiB / 4,
+      static_cast<double>(seen.stats.drop_bytes) / kMiB / 4,
+      static_cast<double>(seen.stats.pagein_bytes) / kMiB / 4);
+  return seen;
+}
+
+// Under a limit that drops alone cannot meet: drops free memory at once
+// whenever it is needed, but a copy takes the bus's time, so the copies
+// that must be made anyway start ahead of the peak as well, within the
+// first quarter of the forward pass, rather than wait for the limit at its
+// end (where the compute stream would wait for the bus).
+TEST_CASE(copies_a_drop_cannot_spare_start_ahead_of_the_peak) {
+  {
+    const FirstCopy seen = alternateRecipesLoop(64 * kMiB, 0);
+    CHECK_EQ(seen.stats.schedule_fallbacks, int64_t(0));
+    CHECK(seen.stats.drop_count > 0); // recompute covers part of the deficit
+    CHECK(seen.stats.peak_pageout_count > 0);
+    REQUIRE(seen.op >= 0);
+    CHECK_LE(seen.op, 16 / 4);
+    CHECK_EQ(seen.mismatches, 0);
   }
   checkBaseline();
 }
 
-// The loop of the test above, under a limit that its operator boundaries
-// never pass: what the loss allocates and frees inside itself does (a
-// language model's logits and their log-softmax, GPT's at 1.5x an H100:
-// about 20 GB). Drops cover part of it, copies the rest; measured at the
-// boundaries alone, the peak of demand stayed under the limit, so no copy
-// was made ahead of it, and the loss waited for every one (GPT: 4.55 GiB
-// copied out in the forward pass, the compute stream idle 88 ms for them).
-// The peak counts the most allocated between two boundaries.
+// Under a limit that the loop's operator boundaries never pass: what the
+// loss allocates and frees inside itself does (a language model's logits
+// and their log-softmax, GPT's at 1.5x an H100: about 20 GB). Drops cover
+// part of it, copies the rest; measured at the boundaries alone, the peak of
+// demand stayed under the limit, so no copy was made ahead of it, and the
+// loss waited for every one (GPT: 4.55 GiB copied out in the forward pass,
+// the compute stream idle 88 ms for them). The peak counts the most
+// allocated between two boundaries.
 TEST_CASE(copies_for_a_transient_inside_an_operator_start_ahead_of_it) {
-  lms_test::FakeRecipes& fake = lms_test::recipes();
   {
-    const lms_test::FakeRecipesInstalled installed;
-    constexpr size_t kLimit = 112 * kMiB;
-    constexpr int kDeep = 16;
-    Runner run(kLimit);
-    lms::setPrefetchBudget(4 * kMiB);
-    Model m = makeModel(run, kDeep);
-    int layer = 0;
-    LayerHooks recipes;
-    recipes.made = [&](Tensor& a, Tensor& input) {
-      if (layer++ % 2 == 0) {
-        return; // no recipe: only a copy takes it off the device
-      }
-      {
-        std::lock_guard<std::mutex> lock(fake.mutex);
-        fake.seed[a.storage->_mutable_data_ptr_no_checks().get_context()] =
-            a.seed;
-        fake.input_of[a.storage.get()] = input.storage.get();
-      }
-      lms::setRecomputable(*a.storage, true);
-    };
-    recipes.freed = [&](Tensor& a) {
-      std::lock_guard<std::mutex> lock(fake.mutex);
-      fake.input_of.erase(a.storage.get());
-    };
-    const auto train = [&](int iteration) {
-      layer = 0;
-      iterate(
-          run,
-          m,
-          iteration,
-          /*train=*/true,
-          /*temporaries=*/false,
-          recipes,
-          /*loss_scratch=*/48 * kMiB);
-    };
-    int iteration = 0;
-    for (; iteration < 6; ++iteration) {
-      train(iteration);
-    }
-    REQUIRE(lms::getStats(0).schedule_active == 1);
-    lms::resetAccumulatedStats(0);
-    int op = 0;
-    int first_copy_op = -1;
-    run.after_op = [&] {
-      if (first_copy_op < 0 && lms::getStats(0).pageout_count > 0) {
-        first_copy_op = op;
-      }
-      ++op;
-    };
-    train(iteration++);
-    run.after_op = nullptr;
-    for (; iteration < 10; ++iteration) {
-      train(iteration);
-    }
-    const auto st = lms::getStats(0);
-    std::printf(
-        "  first copy out after operator %d; per iteration: %.1f MiB copied "
-        "out (%.1f MiB ahead of the peak), %.1f MiB dropped, %.1f MiB in\n",
-        first_copy_op,
-        static_cast<double>(st.pageout_bytes) / kMiB / 4,
-        static_cast<double>(st.peak_pageout_bytes) / kMiB / 4,
-        static_cast<double>(st.drop_bytes) / kMiB / 4,
-        static_cast<double>(st.pagein_bytes) / kMiB / 4);
-    CHECK_EQ(st.schedule_fallbacks, int64_t(0));
-    CHECK(st.drop_count > 0);
-    CHECK(st.pageout_count > 0); // drops alone do not make the room
-    CHECK(st.peak_pageout_count > 0);
+    const FirstCopy seen = alternateRecipesLoop(112 * kMiB, 48 * kMiB);
+    CHECK_EQ(seen.stats.schedule_fallbacks, int64_t(0));
+    CHECK(seen.stats.drop_count > 0);
+    CHECK(seen.stats.pageout_count > 0); // drops alone do not make the room
+    CHECK(seen.stats.peak_pageout_count > 0);
     // The first copy within the first half of the forward pass, not at the
-    // loss (operator kDeep + 1).
-    REQUIRE(first_copy_op >= 0);
-    CHECK_LE(first_copy_op, kDeep / 2);
-    CHECK_EQ(run.mismatches, 0);
+    // loss (operator 17).
+    REQUIRE(seen.op >= 0);
+    CHECK_LE(seen.op, 16 / 2);
+    CHECK_EQ(seen.mismatches, 0);
   }
   checkBaseline();
 }
