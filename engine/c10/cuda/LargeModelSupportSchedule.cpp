@@ -635,10 +635,12 @@ void recordDemand(
     uint64_t period,
     uint64_t generation,
     size_t allocated) {
-  // Since the last boundary (or, at the first of a generation, since
-  // before it: the first peak then reads too high at most once).
-  const size_t high = e.allocated_high.exchange(0, std::memory_order_relaxed);
+  // Since the last boundary. At the first boundary of a generation it holds
+  // what was allocated since whenever the schedule last looked (iteration 0,
+  // say): left out.
+  size_t high = e.allocated_high.exchange(0, std::memory_order_relaxed);
   if (e.demand_generation != generation || now < e.demand_began) {
+    high = 0;
     e.demand_generation = generation;
     e.demand_began = now;
     e.demand_max = 0;
