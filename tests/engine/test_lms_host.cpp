@@ -25,6 +25,8 @@
 // the lines of its input, and exits at their end:
 //   claim HELD NEED   publishes HELD and NEED MiB; "claimed TICKET"
 //   wait MIB          says it waits for MIB; "waiting"
+//   share POOL        its part of POOL MiB among the ledger's live
+//                     processes (deviceShares); "share MIB"
 
 #include "lms_test.h"
 #include "lms_test_allocator.h"
@@ -341,6 +343,17 @@ int devicePeer() {
       lms::DeviceClaim own;
       (void)ledger.update(held, need, &own);
       std::printf("claimed %llu\n", (unsigned long long)own.ticket);
+    } else if (std::sscanf(line, "share %ld", &a) == 1) {
+      lms::DeviceClaim own;
+      const std::vector<lms::DeviceLedger::Peer> peers =
+          ledger.update(held, need, &own);
+      std::vector<lms::DeviceClaim> claims{own};
+      for (const lms::DeviceLedger::Peer& peer : peers) {
+        claims.push_back(peer.claim);
+      }
+      const std::vector<size_t> parts =
+          lms::deviceShares(static_cast<size_t>(a) * kMiB, claims);
+      std::printf("share %llu\n", (unsigned long long)(parts[0] / kMiB));
     } else if (std::sscanf(line, "wait %ld", &a) == 1) {
       (void)ledger.update(held, need, nullptr);
       std::printf(
@@ -1376,6 +1389,32 @@ TEST_CASE(device_shares_follow_processes_that_join_and_end) {
       mismatches += !matches(*mine[i], 40 + i);
     }
     CHECK_EQ(mismatches, 0);
+  }
+  env.checkBaseline();
+}
+
+// A process with LMS on that holds nothing, once it has read the device,
+// publishes a need of its own (at least a byte): a need of 0 says "not known
+// yet" and counts as the whole device, so it held a busy process of the same
+// GPU to half of it. The peer needs more than any pool and gets all of one
+// but what this process needs.
+TEST_CASE(an_idle_process_leaves_a_busy_one_the_device) {
+  if (simgpu_inject_fault == nullptr) {
+    SKIP("reads the device ledger of device 0's GPU: the simulated one's");
+  }
+  DeviceEnv env(0);
+  {
+    Peer peer(std::vector<std::string>{"--device-peer"});
+    peer.say("claim 0 2000000\n");
+    REQUIRE(peer.readLine().rfind("claimed ", 0) == 0);
+    (void)limitAfterReading(); // this process reads the device again
+    peer.say("share 1000000\n");
+    const std::string line = peer.readLine();
+    unsigned long long part = 0;
+    REQUIRE(std::sscanf(line.c_str(), "share %llu", &part) == 1);
+    // With this process's need counted as the whole pool: 500000.
+    CHECK(part > 900000);
+    CHECK_EQ(peer.finish(), 0);
   }
   env.checkBaseline();
 }

@@ -135,7 +135,10 @@ void sampleDevice(DeviceEngine& e, bool force = false) {
       e.need_peak = demand;
       e.need_peak_at = now;
     }
-    need = e.need_peak;
+    // At least a byte: a need of 0 in the ledger says "not known yet" and
+    // counts as the whole device, so a process with LMS on that held
+    // nothing kept a busy one of the same GPU to half of it.
+    need = std::max<size_t>(e.need_peak, 1);
   }
   // Only a process with LMS on takes part in the shares (a process that
   // reads a limit without enabling LMS is one of the holders outside them).
