@@ -1570,9 +1570,10 @@ TEST_CASE(copies_a_drop_cannot_spare_start_ahead_of_the_peak) {
 // loss allocates and frees inside itself does (a language model's logits
 // and their log-softmax, GPT's at 1.5x an H100: about 20 GB). Drops cover
 // part of it, copies the rest; measured at the boundaries alone, the peak of
-// demand stayed under the limit, so no copy was made ahead of it, and the
-// loss waited for every one (GPT: 4.55 GiB copied out in the forward pass,
-// the compute stream idle 88 ms for them). The peak counts the most
+// demand stayed under the limit, so no copy was made ahead of it, and each
+// was made inside the operator that needed the room (GPT: 4.55 GiB copied
+// out in the forward pass, the compute stream idle 88 ms for them). The
+// peak counts the most
 // allocated between two boundaries.
 TEST_CASE(copies_for_a_transient_inside_an_operator_start_ahead_of_it) {
   {
