@@ -1553,16 +1553,21 @@ FirstCopy alternateRecipesLoop(size_t limit, size_t loss_scratch) {
 // that must be made anyway start ahead of the peak as well, within the
 // first quarter of the forward pass, rather than wait for the limit at its
 // end (where the compute stream would wait for the bus).
+// What both tests below require of alternateRecipesLoop(): a settled
+// schedule, drops covering part of the deficit, copies made ahead of the
+// peak, the first of them queued by operator `by`, and every byte intact.
+void checkCopiesStartAheadBy(const FirstCopy& seen, int by) {
+  CHECK_EQ(seen.stats.schedule_fallbacks, int64_t(0));
+  CHECK(seen.stats.drop_count > 0);
+  CHECK(seen.stats.peak_pageout_count > 0);
+  REQUIRE(seen.op >= 0);
+  CHECK_LE(seen.op, by);
+  CHECK_EQ(seen.mismatches, 0);
+}
+
 TEST_CASE(copies_a_drop_cannot_spare_start_ahead_of_the_peak) {
-  {
-    const FirstCopy seen = alternateRecipesLoop(64 * kMiB, 0);
-    CHECK_EQ(seen.stats.schedule_fallbacks, int64_t(0));
-    CHECK(seen.stats.drop_count > 0); // recompute covers part of the deficit
-    CHECK(seen.stats.peak_pageout_count > 0);
-    REQUIRE(seen.op >= 0);
-    CHECK_LE(seen.op, 16 / 4);
-    CHECK_EQ(seen.mismatches, 0);
-  }
+  // Within the first quarter of the forward pass.
+  checkCopiesStartAheadBy(alternateRecipesLoop(64 * kMiB, 0), 16 / 4);
   checkBaseline();
 }
 
@@ -1573,20 +1578,14 @@ TEST_CASE(copies_a_drop_cannot_spare_start_ahead_of_the_peak) {
 // demand stayed under the limit, so no copy was made ahead of it, and each
 // was made inside the operator that needed the room (GPT: 4.55 GiB copied
 // out in the forward pass, the compute stream idle 88 ms for them). The
-// peak counts the most
-// allocated between two boundaries.
+// peak counts the most allocated between two boundaries.
 TEST_CASE(copies_for_a_transient_inside_an_operator_start_ahead_of_it) {
   {
     const FirstCopy seen = alternateRecipesLoop(112 * kMiB, 48 * kMiB);
-    CHECK_EQ(seen.stats.schedule_fallbacks, int64_t(0));
-    CHECK(seen.stats.drop_count > 0);
     CHECK(seen.stats.pageout_count > 0); // drops alone do not make the room
-    CHECK(seen.stats.peak_pageout_count > 0);
     // The first copy within the first half of the forward pass, not at the
     // loss (operator 17).
-    REQUIRE(seen.op >= 0);
-    CHECK_LE(seen.op, 16 / 2);
-    CHECK_EQ(seen.mismatches, 0);
+    checkCopiesStartAheadBy(seen, 16 / 2);
   }
   checkBaseline();
 }
