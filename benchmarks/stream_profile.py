@@ -337,16 +337,14 @@ def analyze(
             stream = -1
         by_stream[stream].append((start, end))
         gpu_events.append((start, str(ev.get("name", "?"))))
+        direction = _direction(str(ev.get("name", ""))) if cat == "gpu_memcpy" else ""
+        nbytes = float(args.get("bytes", 0)) if direction else 0.0
         if "correlation" in args:
-            moved = _direction(str(ev.get("name", ""))) if cat == "gpu_memcpy" else ""
-            nbytes = float(args.get("bytes", 0)) if moved else 0.0
-            gpu_launches.append((args["correlation"], stream, moved, (start, end), nbytes))
+            gpu_launches.append((args["correlation"], stream, direction, (start, end), nbytes))
         if cat == "kernel":
             kernel_time[stream] += end - start
-        elif cat == "gpu_memcpy":
-            direction = _direction(str(ev.get("name", "")))
-            if direction:
-                copies[direction].append((stream, (start, end), float(args.get("bytes", 0))))
+        elif direction:
+            copies[direction].append((stream, (start, end), nbytes))
     if not by_stream:
         raise ValueError("the trace holds no GPU activity (was CUDA profiled?)")
     compute = max(kernel_time, key=lambda s: kernel_time[s]) if kernel_time else -1
