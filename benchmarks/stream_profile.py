@@ -415,18 +415,16 @@ def _phases(
     idle_copying: Sequence[Interval],
     n: float,
 ) -> dict[str, dict[str, float]]:
-    """StreamBreakdown.phases: each GPU event goes to the phase whose host range holds the
-    runtime call that launched it (by correlation id); a phase's span on the compute stream
-    runs from its first kernel there to its last, per iteration over ``n``."""
+    """StreamBreakdown.phases: each GPU event goes to the run of a phase (one host range)
+    that holds the runtime call that launched it (by correlation id); each run's span on the
+    compute stream runs from its first kernel there to its last, and a phase's figures are
+    the sums over its runs (one an iteration), per iteration over ``n``."""
     if not ranges:
         return {}
     ranges.sort()
     starts = [r[0] for r in ranges]
-    spans: dict[str, list[Interval]] = defaultdict(list)
-    copies: dict[str, dict[str, list[tuple[Interval, float]]]] = defaultdict(
-        lambda: {"d2h": [], "h2d": []}
-    )
-    order: dict[str, float] = {}
+    spans: dict[int, list[Interval]] = defaultdict(list)  # by run (index into ranges)
+    copies: dict[int, list[tuple[str, Interval, float]]] = defaultdict(list)
     for correlation, stream, direction, interval, nbytes in launches:
         at = launched_at.get(correlation)
         if at is None:
@@ -434,26 +432,33 @@ def _phases(
         i = bisect.bisect_right(starts, at) - 1
         if i < 0 or at > ranges[i][1]:
             continue
-        phase = ranges[i][2]
-        order.setdefault(phase, ranges[i][0])
         if stream == compute:
-            spans[phase].append(interval)
+            spans[i].append(interval)
         if direction:
-            copies[phase][direction].append((interval, nbytes))
+            copies[i].append((direction, interval, nbytes))
     out: dict[str, dict[str, float]] = {}
-    for phase in sorted(order, key=lambda p: order[p]):
-        own = spans.get(phase, [])
+    for i, (_, _, phase) in enumerate(ranges):  # in the order the phases first ran
+        own = spans.get(i, [])
         window = [(min(s for s, _ in own), max(e for _, e in own))] if own else []
-        record = {
-            "span_ms": length(window) / 1000 / n,
-            "busy_ms": length(intersect(window, list(compute_busy))) / 1000 / n,
-            "idle_while_copying_ms": length(intersect(window, list(idle_copying))) / 1000 / n,
-        }
+        record = out.setdefault(
+            phase,
+            {
+                "span_ms": 0.0,
+                "busy_ms": 0.0,
+                "idle_while_copying_ms": 0.0,
+                "d2h_gib": 0.0,
+                "d2h_busy_ms": 0.0,
+                "h2d_gib": 0.0,
+                "h2d_busy_ms": 0.0,
+            },
+        )
+        record["span_ms"] += length(window) / 1000 / n
+        record["busy_ms"] += length(intersect(window, list(compute_busy))) / 1000 / n
+        record["idle_while_copying_ms"] += length(intersect(window, list(idle_copying))) / 1000 / n
         for direction in ("d2h", "h2d"):
-            moved = copies[phase][direction]
-            record[f"{direction}_gib"] = sum(b for _, b in moved) / GiB / n
-            record[f"{direction}_busy_ms"] = length(merge(iv for iv, _ in moved)) / 1000 / n
-        out[phase] = record
+            moved = [(iv, b) for d, iv, b in copies.get(i, []) if d == direction]
+            record[f"{direction}_gib"] += sum(b for _, b in moved) / GiB / n
+            record[f"{direction}_busy_ms"] += length(merge(iv for iv, _ in moved)) / 1000 / n
     return out
 
 

@@ -256,3 +256,29 @@ def test_phases_take_the_gpu_work_their_host_ranges_launched() -> None:
 def test_a_trace_without_phase_ranges_has_no_phases() -> None:
     events = [launch("cudaLaunchKernel", 0, 1), launched(kernel(7, 0, 10), 1)]
     assert analyze({"traceEvents": events}, 1).phases == {}
+
+
+def test_a_phase_of_several_iterations_sums_its_runs() -> None:
+    # Two iterations: forward host 0-100 and 1000-1100 launch kernels at GPU 10-110 and
+    # 1010-1110; backward host 100-200 and 1100-1200 launch kernels at 200-500 and
+    # 1200-1500. Per iteration: forward spans 100 us, backward 300 us (a window over both
+    # runs of the forward would span 1100 us and take the backward in).
+    events = [
+        annotation("step: forward", 0, 100),
+        annotation("step: backward", 100, 100),
+        annotation("step: forward", 1000, 100),
+        annotation("step: backward", 1100, 100),
+        launch("cudaLaunchKernel", 5, 1),
+        launch("cudaLaunchKernel", 150, 2),
+        launch("cudaLaunchKernel", 1005, 3),
+        launch("cudaLaunchKernel", 1150, 4),
+        launched(kernel(7, 10, 100), 1),
+        launched(kernel(7, 200, 300), 2),
+        launched(kernel(7, 1010, 100), 3),
+        launched(kernel(7, 1200, 300), 4),
+    ]
+    phases = analyze({"traceEvents": events}, 2).phases
+    assert list(phases) == ["forward", "backward"]
+    assert phases["forward"]["span_ms"] == pytest.approx(0.100)
+    assert phases["forward"]["busy_ms"] == pytest.approx(0.100)
+    assert phases["backward"]["span_ms"] == pytest.approx(0.300)
