@@ -61,6 +61,8 @@ API_NAMES: tuple[str, ...] = (
     "get_spill_limit_lms",
     "set_recompute_lms",
     "get_recompute_lms",
+    "set_residual_recipes_lms",
+    "get_residual_recipes_lms",
     "set_packing_lms",
     "get_packing_lms",
     "set_host_placement_lms",

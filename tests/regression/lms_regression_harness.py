@@ -36,6 +36,9 @@ def storage_state(tensor: torch.Tensor) -> str:
 # Every capped LMS run of check_capped_training runs with recompute on (the hybrid of paging
 # and recomputing), LMS's default; LMS_REGRESSION_RECOMPUTE=0: paging only.
 RECOMPUTE = os.environ.get("LMS_REGRESSION_RECOMPUTE", "1") == "1"
+# Residual recipes (torch.cuda.set_residual_recipes_lms), off by default:
+# LMS_REGRESSION_RESIDUAL_RECIPES=1 runs every test with them on (reset_lms sets them so).
+RESIDUAL_RECIPES = os.environ.get("LMS_REGRESSION_RESIDUAL_RECIPES", "0") == "1"
 
 
 def reset_lms() -> None:
@@ -54,6 +57,8 @@ def reset_lms() -> None:
         torch.cuda.set_recompute_lms(False)
     if hasattr(torch.cuda, "set_host_placement_lms"):
         torch.cuda.set_host_placement_lms(True)
+    if hasattr(torch.cuda, "set_residual_recipes_lms"):
+        torch.cuda.set_residual_recipes_lms(RESIDUAL_RECIPES)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
 

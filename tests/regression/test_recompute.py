@@ -402,6 +402,88 @@ def test_a_copy_of_a_saved_tensor_gets_a_recipe_of_its_own(autocast: bool) -> No
     assert torch.equal(merged.cpu(), want)
 
 
+def _residual_recipes(enable: bool) -> None:
+    if not hasattr(torch.cuda, "set_residual_recipes_lms"):
+        pytest.skip("this LMS build has no residual recipes (torch.cuda.set_residual_recipes_lms)")
+    torch.cuda.set_residual_recipes_lms(enable)
+
+
+@pytest.mark.parametrize("order", ["x+proj", "proj+x"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_a_residual_sum_gets_the_projections_recipe_then_the_sum(
+    autocast: bool, order: str
+) -> None:
+    """A transformer block's residual, ``x + proj(a)``: the projection's output dies after the
+    sum, while ``x`` (which the next layer norm saves) and ``a`` (which the projection saves)
+    live on. With residual recipes on, the sum gets a recipe of its own, the projection then
+    the sum, whichever side the projection is on: it is dropped, not paged out, and comes back
+    with the same bits. Under autocast the sum is float32 ``x`` plus the bfloat16 projection.
+    With residual recipes off the sum has no recipe and is paged out."""
+    _on()
+    _residual_recipes(True)
+    a = _small(81, 2048, 64)
+    w = _small(82, 2048, 64).requires_grad_()  # the projection saves its input
+    g = torch.Generator(device="cuda").manual_seed(83)
+    x = torch.randn(2048, 2048, device="cuda", generator=g)  # 16 MiB, random: no recipe
+
+    def make() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            proj = F.linear(a, w)
+            return x + proj if order == "x+proj" else proj + x
+
+    _warm(make)
+    out = make()
+    assert out.dtype == torch.float32 and out.shape == (2048, 2048)
+    want = out.detach().cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reset_accumulated_lms_stats()
+    assert torch.cuda.reclaim_inactive() > 0
+    assert storage_state(out) == "dropped"
+    assert torch.equal(out.detach().cpu(), want)
+    stats = torch.cuda.lms_stats()
+    assert stats["drop_count"] >= 1 and stats["recompute_count"] >= 1, lms_summary(stats)
+    del out
+    _residual_recipes(False)
+    out = make()
+    want = out.detach().cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reclaim_inactive()
+    assert storage_state(out) == "paged out"
+    assert torch.equal(out.detach().cpu(), want)
+
+
+def test_a_residual_stream_derives_from_each_projection() -> None:
+    """Two blocks of a residual stream, ``x1 = x0 + proj(a)`` and ``x2 = x1 + proj(b)``: both
+    sides of the second sum are recipes' outputs, and its recipe derives from the projection
+    (no steps), not from ``x1``'s own sum, whose other side (the first projection's output)
+    has died. Both sums are dropped; recomputing ``x2`` recomputes ``x1`` first, and both come
+    back with their bits."""
+    _on()
+    _residual_recipes(True)
+    a, b = _small(91, 2048, 64), _small(92, 2048, 64)
+    w1 = _small(93, 2048, 64).requires_grad_()
+    w2 = _small(94, 2048, 64).requires_grad_()
+    g = torch.Generator(device="cuda").manual_seed(95)
+    x0 = torch.randn(2048, 2048, device="cuda", generator=g)  # 16 MiB, random: no recipe
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        x1 = x0 + F.linear(a, w1)
+        return x1, x1 + F.linear(b, w2)
+
+    _warm(make)
+    x1, x2 = make()
+    want1, want2 = x1.detach().cpu(), x2.detach().cpu()
+    torch.cuda.synchronize()
+    torch.cuda.reset_accumulated_lms_stats()
+    assert torch.cuda.reclaim_inactive() > 0
+    assert storage_state(x1) == "dropped"
+    assert storage_state(x2) == "dropped"
+    assert torch.equal(x2.detach().cpu(), want2)
+    assert storage_state(x1) != "dropped"  # recomputed first, as x2's input
+    assert torch.equal(x1.detach().cpu(), want1)
+    assert torch.cuda.lms_stats()["recompute_count"] >= 2
+
+
 def test_a_foreach_write_to_an_input_recomputes_its_dependents_first() -> None:
     """The optimizers' fused foreach kernels (``torch._foreach_add_`` and the like) write a
     list of tensors with no operator per tensor: a dropped storage whose recipe reads one of

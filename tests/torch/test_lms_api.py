@@ -134,6 +134,7 @@ class FakeBindings:
             "budget": 0,
             "host_limit": 0,
             "recompute": 1,
+            "residual_recipes": 0,
         }
         self.limits: dict[int, int] = {}
         self.host_wait = 60.0
@@ -247,6 +248,13 @@ class FakeBindings:
     def _cuda_lms_getRecompute(self) -> bool:
         return bool(self.values["recompute"])
 
+    def _cuda_lms_setResidualRecipes(self, enabled: bool) -> None:
+        self._record("setResidualRecipes", enabled)
+        self.values["residual_recipes"] = int(enabled)
+
+    def _cuda_lms_getResidualRecipes(self) -> bool:
+        return bool(self.values["residual_recipes"])
+
     def _cuda_lms_resetSchedule(self) -> None:
         self._record("resetSchedule")
 
@@ -337,6 +345,10 @@ def test_settings_reach_the_bindings(lms: ModuleType) -> None:
     assert lms.get_graph_prefetch_lms() is True
     lms.set_graph_prefetch_lms(False)
     assert lms.get_graph_prefetch_lms() is False
+    assert lms.get_residual_recipes_lms() is False
+    lms.set_residual_recipes_lms(True)
+    assert lms.fake.calls[-1] == ("setResidualRecipes", (True,))
+    assert lms.get_residual_recipes_lms() is True
     assert lms.get_host_limit_lms() == 0  # derived from the host's memory
     lms.set_host_limit_lms(64 * 1024 * MiB)
     assert lms.fake.calls[-1] == ("setHostLimit", (64 * 1024 * MiB,))
@@ -437,6 +449,7 @@ def test_numpy_integers_are_sizes(lms: ModuleType) -> None:
         (lambda m: m.set_host_wait_lms("5"), TypeError, "seconds must be a number, got str"),
         (lambda m: m.set_recompute_lms(1), TypeError, "enable must be a bool, got int"),
         (lambda m: m.set_recompute_lms("True"), TypeError, "enable must be a bool, got str"),
+        (lambda m: m.set_residual_recipes_lms(1), TypeError, "enable must be a bool, got int"),
         (lambda m: m.set_host_limit_lms(2.5e9), TypeError, "limit_bytes must be an int, got float"),
         (lambda m: m.set_host_limit_lms(True), TypeError, "limit_bytes must be an int, got bool"),
         (lambda m: m.lms_storage_state([1, 2]), TypeError, "tensor must be a torch.Tensor"),

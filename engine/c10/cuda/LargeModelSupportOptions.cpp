@@ -107,6 +107,9 @@ std::atomic<bool> g_graph_prefetch{true};
 // nears the limit (g_near_limit), so a model that fits well pays nothing.
 std::atomic<bool> g_recompute{true};
 std::atomic<bool> g_near_limit{false};
+// Recipes for residual sums: off until the bit-identity suites have run with
+// them on.
+std::atomic<bool> g_residual_recipes{false};
 std::atomic<bool> g_packing{true};
 std::atomic<bool> g_host_placement{true};
 
@@ -221,6 +224,14 @@ bool isRecomputeEnabled() {
 bool isRecordingRecipes() {
   return g_recompute.load(std::memory_order_relaxed) &&
       g_near_limit.load(std::memory_order_relaxed);
+}
+
+void setResidualRecipesEnabled(bool enabled) {
+  g_residual_recipes.store(enabled);
+}
+
+bool isResidualRecipesEnabled() {
+  return g_residual_recipes.load(std::memory_order_relaxed);
 }
 
 void setPackingEnabled(bool enabled) {

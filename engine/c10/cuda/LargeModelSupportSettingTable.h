@@ -146,6 +146,14 @@ C10_LMS_SETTING(spill_limit, SpillLimit, lms_spill_limit_mb, Mebibytes, size_t, 
 // (isRecordingRecipes).
 C10_LMS_SETTING(recompute, Recompute, lms_recompute, Bool, bool, setRecomputeEnabled, isRecomputeEnabled, "recompute")
 
+// Recipes for residual sums, with recompute on: a sum of two tensors of which
+// one is the output of an operator with a recipe, as that operator made it
+// (a transformer's residual stream, `x + proj(a)`), gets a recipe of its own:
+// that operator followed by the sum. The sum's output can then be dropped and
+// recomputed instead of paged out. Off by default: the regression suites
+// check its replays bit for bit with it on before it becomes the default.
+C10_LMS_SETTING(residual_recipes, ResidualRecipes, lms_residual_recipes, Bool, bool, setResidualRecipesEnabled, isResidualRecipesEnabled, "residual recipes")
+
 // Packing (beginWorkingSet) is on by default; off, working sets are still
 // counted and learned.
 C10_LMS_SETTING(packing, Packing, lms_pack, Bool, bool, setPackingEnabled, isPackingEnabled, "packing")

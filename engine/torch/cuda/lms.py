@@ -26,6 +26,7 @@ has a ``PYTORCH_CUDA_ALLOC_CONF`` key beside its functions:
 - ``lms_spill_dir`` (a directory): :func:`set_spill_dir_lms`
 - ``lms_spill_limit_mb`` (MiB): :func:`set_spill_limit_lms`
 - ``lms_recompute`` (True or False): :func:`set_recompute_lms`
+- ``lms_residual_recipes`` (True or False): :func:`set_residual_recipes_lms`
 - ``lms_pack`` (True or False): :func:`set_packing_lms`
 - ``lms_host_placement`` (True or False): :func:`set_host_placement_lms`
 
@@ -94,6 +95,7 @@ __all__ = [
     "get_prefetch_budget_lms",
     "get_prefetch_lms",
     "get_recompute_lms",
+    "get_residual_recipes_lms",
     "get_schedule_lms",
     "get_size_lms",
     "get_speculative_lms",
@@ -119,6 +121,7 @@ __all__ = [
     "set_prefetch_budget_lms",
     "set_prefetch_lms",
     "set_recompute_lms",
+    "set_residual_recipes_lms",
     "set_schedule_lms",
     "set_size_lms",
     "set_speculative_lms",
@@ -1054,6 +1057,42 @@ def get_recompute_lms() -> bool:
         bool: ``True`` if victims with a recipe may be dropped and recomputed.
     """
     return bool(_lms_bindings()._cuda_lms_getRecompute())
+
+
+def set_residual_recipes_lms(enable: bool) -> None:
+    r"""Enable or disable recipes for residual sums (disabled by default).
+
+    With recompute on (see :func:`set_recompute_lms`), a sum of two tensors
+    (``aten::add``) of which one is the output of an operator with a recipe,
+    as that operator made it, gets a recipe of its own: that operator, then
+    the sum with the other side. A transformer's residual stream,
+    ``x = x + proj(a)``, is such a sum, and under autocast it stays in
+    float32: without its own recipe it can only be paged out, since the
+    projection's output dies right after the sum. The other side ``x`` is
+    kept alive while the sum is dropped, as a recipe's inputs are; a
+    transformer's layer norm saves it anyway. The replay runs the operator
+    and the sum again on the same inputs, which gives the same bits.
+
+    Off by default until the regression suites have checked its replays bit
+    for bit with it on. The same setting as ``lms_residual_recipes`` in
+    ``PYTORCH_CUDA_ALLOC_CONF``.
+
+    Args:
+        enable (bool): ``True`` to give residual sums recipes, ``False`` to
+            leave them to paging.
+    """
+    if not isinstance(enable, bool):
+        raise TypeError(f"enable must be a bool, got {type(enable).__name__}")
+    _lms_bindings()._cuda_lms_setResidualRecipes(enable)
+
+
+def get_residual_recipes_lms() -> bool:
+    r"""Return whether residual sums get recipes (see :func:`set_residual_recipes_lms`).
+
+    Returns:
+        bool: ``True`` if a sum with a recipe's output as one side gets a recipe.
+    """
+    return bool(_lms_bindings()._cuda_lms_getResidualRecipes())
 
 
 def reset_lms_schedule() -> None:

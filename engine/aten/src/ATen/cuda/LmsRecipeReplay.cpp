@@ -517,7 +517,7 @@ void recompute(c10::StorageImpl& storage) {
         for (size_t k = 0; k < recipe->steps.size(); ++k) {
           const Recipe::Step& step = recipe->steps[k];
           std::vector<c10::IValue> step_stack = step.args;
-          step_stack[0] = out;
+          step_stack[step.input] = out;
           for (const auto& [arg, tensor] : step_args) {
             if (arg->step == static_cast<int>(k)) {
               step_stack[arg->index] = tensor;

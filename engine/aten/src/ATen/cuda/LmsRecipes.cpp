@@ -429,24 +429,66 @@ bool isCopyStep(const c10::OperatorName& name) {
       name.overload_name.empty();
 }
 
+// A sum into a storage of its own with a recipe's output as one side: the
+// residual stream of a transformer, `x + proj(a)`, which autocast leaves in
+// float32 (GPT, H100: 44 of 63 GiB an iteration paged out with no recipe).
+// The projection's output dies after the sum, so a recipe of the sum itself
+// (aten::add on the allow-list) would never be droppable: its arguments are
+// held weakly until the drop. Derived instead, as a copy of a recipe's output
+// is: the projection's recipe followed by the sum, whose other side (x) the
+// layer norm after it saves anyway. Replayed as it ran: add has no autocast
+// kernel, and a pointwise sum gives the same bits for the same inputs.
+bool isResidualAdd(const c10::OperatorName& name) {
+  return name.name == "aten::add" && name.overload_name == "Tensor";
+}
+
 // At most this many steps extend one recipe.
 constexpr size_t kMaxSteps = 4;
 
-// The capture of an outermost in-place step on `self` when self is a
-// recipe's output as the recipe made it: the same view of its storage, at
-// the version the recipe (with its steps so far) produced. At the step's end,
-// record() appends it to the recipe (appendStep). Null otherwise: the write
-// then invalidates the recipe, as any write to its output does.
-CapturePtr captureStep(const at::RecordFunction& fn, bool derives) {
+// The recipe whose output `self` is as the recipe made it: the same view of
+// its storage, at the version the recipe (with its steps so far) produced,
+// with room for another step; its output's version then. Null otherwise.
+std::shared_ptr<Recipe> madeBy(const at::Tensor& self, uint32_t& version) {
+  c10::StorageImpl* storage = cudaStorageOf(self);
+  if (storage == nullptr || self.is_inference() ||
+      !engine::isManaged(storage->_mutable_data_ptr_no_checks())) {
+    return nullptr;
+  }
+  std::shared_ptr<Recipe> recipe = find(contextOf(*storage));
+  if (recipe == nullptr) {
+    return nullptr;
+  }
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!outputHolds(*recipe) || recipe->retained ||
+      recipe->steps.size() >= kMaxSteps ||
+      self.storage_offset() != recipe->out_offset ||
+      !self.sizes().equals(recipe->out_sizes) ||
+      !self.strides().equals(recipe->out_strides)) {
+    return nullptr;
+  }
+  version = recipe->out_counter.current_version();
+  return recipe;
+}
+
+// The capture of a step on argument `source` of an outermost in-place step,
+// copy or sum, when that argument is a recipe's output as the recipe made it
+// (madeBy). At the step's end, record() appends it to the recipe
+// (appendStep) or derives a recipe from it (deriveRecipe). Null otherwise:
+// an in-place write then invalidates the recipe, as any write to its output
+// does.
+CapturePtr captureStep(
+    const at::RecordFunction& fn,
+    bool derives,
+    size_t source = 0) {
   const OperatorInfo& info = infoOf(*fn.operator_name());
   const auto inputs = fn.inputs();
   if (!info.handle.has_value() ||
       inputs.size() != info.handle->schema().arguments().size() ||
-      inputs.empty() || !inputs[0].isTensor() ||
-      !inputs[0].toTensor().defined()) {
+      inputs.size() <= source || !inputs[source].isTensor() ||
+      !inputs[source].toTensor().defined()) {
     return nullptr;
   }
-  const at::Tensor& self = inputs[0].toTensor();
+  const at::Tensor& self = inputs[source].toTensor();
   c10::StorageImpl* storage = cudaStorageOf(self);
   if (storage == nullptr ||
       !engine::isManaged(storage->_mutable_data_ptr_no_checks())) {
@@ -455,9 +497,12 @@ CapturePtr captureStep(const at::RecordFunction& fn, bool derives) {
   // The step's other arguments: tensors on the output's device, held as a
   // recipe's arguments are (argOf), none of them a view of the output.
   CapturePtr capture(new Capture(*info.handle));
-  capture->args.emplace_back(at::Tensor());
-  for (size_t i = 1; i < inputs.size(); ++i) {
+  for (size_t i = 0; i < inputs.size(); ++i) {
     const c10::IValue& value = inputs[i];
+    if (i == source) {
+      capture->args.emplace_back(at::Tensor());
+      continue;
+    }
     if (!collectable(value)) {
       return nullptr;
     }
@@ -474,27 +519,56 @@ CapturePtr captureStep(const at::RecordFunction& fn, bool derives) {
     capture->tensors.push_back(std::move(*arg));
     capture->args.emplace_back(at::Tensor());
   }
-  std::shared_ptr<Recipe> recipe = find(contextOf(*storage));
+  uint32_t version = 0;
+  std::shared_ptr<Recipe> recipe = madeBy(self, version);
   if (recipe == nullptr) {
     return nullptr;
-  }
-  uint32_t version = 0;
-  {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (!outputHolds(*recipe) || recipe->retained ||
-        recipe->steps.size() >= kMaxSteps || self.is_inference() ||
-        self.storage_offset() != recipe->out_offset ||
-        !self.sizes().equals(recipe->out_sizes) ||
-        !self.strides().equals(recipe->out_strides)) {
-      return nullptr;
-    }
-    version = recipe->out_counter.current_version();
   }
   capture->device = storage->device().index();
   capture->extends = std::move(recipe);
   capture->extends_version = version;
   capture->derives = derives;
+  capture->source = source;
   return capture;
+}
+
+// The capture of a residual sum (isResidualAdd) that derives a recipe from
+// one of its sides: the side that is a recipe's output with the fewest steps
+// (the projection's, not the residual stream's own derived one), the second
+// where both have as few (`x + f(x)`). Null where neither side is one, and
+// for an add autocast casts for (none in PyTorch today: its replay would
+// need autocast's state).
+CapturePtr captureResidualAdd(const at::RecordFunction& fn) {
+  const OperatorInfo& info = infoOf(*fn.operator_name());
+  const auto inputs = fn.inputs();
+  if (!info.cast_free || inputs.size() < 2) {
+    return nullptr;
+  }
+  size_t best = 0;
+  size_t fewest = kMaxSteps;
+  for (size_t side = 0; side < 2; ++side) {
+    if (!inputs[side].isTensor() || !inputs[side].toTensor().defined()) {
+      continue;
+    }
+    uint32_t version = 0;
+    std::shared_ptr<Recipe> recipe = madeBy(inputs[side].toTensor(), version);
+    if (recipe == nullptr) {
+      continue;
+    }
+    size_t steps = 0;
+    {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      steps = recipe->steps.size();
+    }
+    if (steps <= fewest) {
+      best = side;
+      fewest = steps;
+    }
+  }
+  if (fewest >= kMaxSteps) {
+    return nullptr;
+  }
+  return captureStep(fn, /*derives=*/true, best);
 }
 
 // At the end of a step captureStep() took: when the step wrote its recipe's
@@ -569,9 +643,10 @@ bool install(
   return true;
 }
 
-// At the end of a cast captureStep() took: when its source still holds what
-// its recipe made, the cast's output gets a recipe of its own, a copy of
-// the source's with the cast as its last step, timed as the source's.
+// At the end of a copy or sum captureStep() took: when its source still
+// holds what its recipe made and the step's other arguments are as they
+// were, the step's output gets a recipe of its own, a copy of the source's
+// with the step as its last, timed as the source's.
 void deriveRecipe(const at::RecordFunction& fn, Capture& capture) {
   const auto outputs = fn.outputs();
   if (outputs.empty() || !outputs[0].isTensor() ||
@@ -599,11 +674,22 @@ void deriveRecipe(const at::RecordFunction& fn, Capture& capture) {
         return; // not a storage of its own
       }
     }
+    for (const TensorArg& arg : capture.tensors) {
+      if (arg.storage == storage ||
+          !versionHolds(arg.version_counter, arg.version)) {
+        return; // the step wrote its own argument, or returned it
+      }
+    }
     recipe = std::make_shared<Recipe>(source);
   }
-  Recipe::Step cast{capture.handle, capture.args};
-  cast.in_place = false;
-  recipe->steps.push_back(std::move(cast));
+  Recipe::Step step{capture.handle, capture.args};
+  step.in_place = false;
+  step.input = capture.source;
+  recipe->steps.push_back(std::move(step));
+  for (TensorArg& arg : capture.tensors) {
+    arg.step = static_cast<int>(recipe->steps.size() - 1);
+    recipe->tensors.push_back(std::move(arg));
+  }
   if (!install(std::move(recipe), out, *storage)) {
     return;
   }
@@ -636,6 +722,10 @@ CapturePtr capture(const at::RecordFunction& fn) {
       return derived;
     }
     // Not of a recipe's output: a recipe of its own, below.
+  }
+  if (name.has_value() && isResidualAdd(*name)) {
+    return engine::isResidualRecipesEnabled() ? captureResidualAdd(fn)
+                                              : nullptr;
   }
   if (!name.has_value() || !onAllowList(name->name)) {
     return nullptr;

@@ -153,9 +153,13 @@ struct Capture {
   // and its output's version before the step.
   std::shared_ptr<detail::Recipe> extends;
   uint32_t extends_version = 0;
-  // A copy of that output into a storage of its own (isCopyStep), which
-  // gets a recipe of its own: the recipe's, then the copy.
+  // A copy of that output into a storage of its own (isCopyStep), or a sum
+  // with it (isResidualAdd), which gets a recipe of its own: the recipe's,
+  // then the copy or the sum.
   bool derives = false;
+  // The argument that output is (the sum's `other` where that is the
+  // recipe's output); the step's other tensor arguments are in `tensors`.
+  size_t source = 0;
 
   explicit Capture(c10::OperatorHandle h)
       : handle(std::move(h)),
@@ -243,18 +247,22 @@ struct Recipe {
   std::vector<int64_t> out_sizes;
   std::vector<int64_t> out_strides;
   int64_t out_offset = 0;
-  // In-place pointwise operators applied to the output after the operator,
-  // in order (relu_ on a batch norm's output, add_ of a residual): replayed
-  // on the result, each with its arguments (the output first; its tensor
-  // arguments are in `tensors`, marked with the step's index). Their time is
-  // not priced: a pointwise pass over the output is a fraction of the
-  // operators that make one worth dropping.
+  // Pointwise operators applied to the output after the operator, in order:
+  // in place (relu_ on a batch norm's output, add_ of a residual), or into a
+  // storage of their own, which a derived recipe makes (a cast, a residual
+  // sum). Replayed on the result, each with its arguments (the result as
+  // argument `input`; its other tensor arguments are in `tensors`, marked
+  // with the step's index). Their time is not priced: a pointwise pass over
+  // the output is a fraction of the operators that make one worth dropping.
   struct Step {
     c10::OperatorHandle handle;
     std::vector<c10::IValue> args; // tensors left undefined
     // Writes its first argument; else returns what the next step reads (a
-    // copy, isCopyStep).
+    // copy, isCopyStep, or a sum, isResidualAdd).
     bool in_place = true;
+    // The argument the result so far is: the first, but for a sum whose
+    // recipe's output was its second.
+    size_t input = 0;
   };
   std::vector<Step> steps;
   // The storage it makes, for recomputing before a write to an input.
