@@ -16,6 +16,8 @@ For one model group (``--model resnet152|vit_l|gpt``) it measures, in this order
    paged out where replaying its operator is cheaper than copying it out and back),
    ``lms_paging`` (recompute off: paging only), ``lms_reactive`` (the learned schedule off),
    ``lms_nopack`` (packing tight operators off: ``torch.cuda.set_packing_lms(False)``),
+   ``lms_residual`` (``lms`` with ``torch.cuda.set_residual_recipes_lms(True)``: residual
+   sums get recipes),
    ``offload`` (torchtune's ``OffloadActivations`` where installed, else the same
    stream-overlapped mechanism, ``models.StreamOffload``), ``save_on_cpu``
    (``torch.autograd.graph.save_on_cpu(pin_memory=True)``), ``checkpoint``
@@ -123,6 +125,7 @@ PEER_METHODS = (
     "lms_hybrid",
     "lms_reactive",
     "lms_nopack",
+    "lms_residual",
     "offload",
     "save_on_cpu",
     "checkpoint",
@@ -132,9 +135,9 @@ PEER_METHODS = (
 # Every method of a capped run's rows: the peers, and no_lms, measured at its own largest batch.
 CAPPED_METHODS = (*PEER_METHODS, "no_lms")
 # Methods run only where --methods names them: lms_nopack (what packing costs or saves),
-# lms_paging (paging alone, whatever LMS's default) and compile_budget (a torch.compile
-# per row, minutes of compiling).
-NAMED_ONLY_METHODS = ("lms_nopack", "lms_paging", "compile_budget")
+# lms_residual (what residual recipes save, off by default), lms_paging (paging alone,
+# whatever LMS's default) and compile_budget (a torch.compile per row, minutes of compiling).
+NAMED_ONLY_METHODS = ("lms_nopack", "lms_residual", "lms_paging", "compile_budget")
 # The capped regime's default --methods: every peer but those.
 CAPPED_DEFAULT_METHODS = tuple(m for m in PEER_METHODS if m not in NAMED_ONLY_METHODS)
 # Rows --profile-iterations profiles: the ones that move memory.
@@ -143,6 +146,7 @@ PROFILED_METHODS = (
     "lms_hybrid",
     "lms_reactive",
     "lms_nopack",
+    "lms_residual",
     "offload",
     "save_on_cpu",
     "lms_paging",
@@ -187,14 +191,14 @@ NOCAP_VS_CAPPED_TARGET = f">= {NOCAP_VS_CAPPED_GOAL:.2f}x capped"
 NOCAP_METHODS = ("lms", "lms_hybrid", "offload", "save_on_cpu", "checkpoint")
 # The methods that train with LMS on: lms (LMS's defaults, recompute included: whatever this
 # build does unless told), lms_hybrid (recompute on: torch.cuda.set_recompute_lms(True)),
-# lms_paging (recompute off: paging only), lms_reactive (the learned schedule off) and
-# lms_nopack (packing off).
-LMS_METHODS = ("lms", "lms_hybrid", "lms_reactive", "lms_nopack", "lms_paging")
+# lms_paging (recompute off: paging only), lms_reactive (the learned schedule off),
+# lms_nopack (packing off) and lms_residual (LMS's defaults and residual recipes on).
+LMS_METHODS = ("lms", "lms_hybrid", "lms_reactive", "lms_nopack", "lms_residual", "lms_paging")
 # LMS methods with recompute on.
 RECOMPUTE_METHODS = ("lms_hybrid",)
 # LMS methods that keep LMS's own recompute default (neither set on nor off); every LMS
 # method not here or in RECOMPUTE_METHODS runs with recompute off.
-DEFAULT_RECOMPUTE_METHODS = ("lms",)
+DEFAULT_RECOMPUTE_METHODS = ("lms", "lms_residual")
 # Compiled with torch.compile under AOTAutograd's activation memory budget
 # (torch._functorch.config.activation_memory_budget, chosen per row by activation_budget):
 # PyTorch's compile-time recompute, LMS off.
@@ -209,6 +213,9 @@ COMPILE_ESTIMATE_S = 120.0
 REACTIVE_METHODS = ("lms_reactive",)
 # LMS methods with packing off (torch.cuda.set_packing_lms(False)); every other LMS row packs.
 NOPACK_METHODS = ("lms_nopack",)
+# LMS methods with residual recipes on (torch.cuda.set_residual_recipes_lms(True)); every
+# other LMS row runs with them off, the engine's default.
+RESIDUAL_METHODS = ("lms_residual",)
 REGIME_DEFAULTS: dict[str, dict[str, Any]] = {
     "capped": {
         "factors": [1.5, 2.0, 4.0, 8.0],
@@ -1908,11 +1915,14 @@ def build_parser() -> argparse.ArgumentParser:
         "set_recompute_lms ends the run with an error where lms_hybrid is named here, and "
         "leaves it out of the default methods. lms_nopack is lms with packing off "
         "(torch.cuda.set_packing_lms(False)), for what packing tight operators costs or saves. "
+        "lms_residual is lms with residual recipes on "
+        "(torch.cuda.set_residual_recipes_lms(True)); every other LMS row has them off. "
         "compile_budget trains torch.compile(model) with LMS off under "
         "torch._functorch.config.activation_memory_budget = (0.85 x cap (or device) - static "
         "memory) / activation memory, clamped to [0, 1] (PyTorch's compile-time recompute; a "
         "'not run: REASON' row where this torch cannot or the model does not compile). "
-        "lms_nopack, lms_paging and compile_budget are in no default " + _regime_default("methods"),
+        "lms_nopack, lms_residual, lms_paging and compile_budget are in no default "
+        + _regime_default("methods"),
     )
     parser.add_argument(
         "--overhead",
@@ -2155,7 +2165,11 @@ def make_workload(args: argparse.Namespace) -> Any:
 
 
 def lms_settings(
-    args: argparse.Namespace, cap: int | None, schedule: bool = True, packing: bool = True
+    args: argparse.Namespace,
+    cap: int | None,
+    schedule: bool = True,
+    packing: bool = True,
+    residual_recipes: bool = False,
 ) -> LmsSettings:
     limit = None
     if cap is not None and args.lms_limit_frac is not None:
@@ -2168,6 +2182,7 @@ def lms_settings(
         speculative_mb=args.speculative_mb,
         schedule=schedule,
         packing=packing,
+        residual_recipes=residual_recipes,
     )
 
 
@@ -2176,8 +2191,8 @@ def method_lms_settings(
 ) -> LmsSettings | None:
     """The LMS settings of a row of ``method`` under ``cap`` (None: uncapped), or None where
     the method trains without LMS. Every LMS method has lms's settings, the learned schedule
-    off for REACTIVE_METHODS, packing off for NOPACK_METHODS; recompute is set apart
-    (set_recompute, in train_measure)."""
+    off for REACTIVE_METHODS, packing off for NOPACK_METHODS, residual recipes on for
+    RESIDUAL_METHODS; recompute is set apart (set_recompute, in train_measure)."""
     if method not in LMS_METHODS:
         return None
     return lms_settings(
@@ -2185,6 +2200,7 @@ def method_lms_settings(
         cap,
         schedule=method not in REACTIVE_METHODS,
         packing=method not in NOPACK_METHODS,
+        residual_recipes=method in RESIDUAL_METHODS,
     )
 
 

@@ -54,12 +54,31 @@ ROOT = HERE.parent
 MODELS = compare.MODELS
 REGIMES = ("nocap", "capped")
 # The table's columns, in its order.
-METHODS = ("lms", "lms_hybrid", "lms_paging", "checkpoint", "compile_budget", "offload")
+METHODS = (
+    "lms",
+    "lms_residual",
+    "lms_hybrid",
+    "lms_paging",
+    "checkpoint",
+    "compile_budget",
+    "offload",
+)
 # The order a call measures a factor's methods in (compare.py runs factor by factor: under a
 # cap always, with no cap by --row-order factors; each factor's --methods in the order given),
 # where its time runs out the last rows are the ones skipped. Checkpointing, the yardstick of
 # every ratio, is short; then LMS's hybrid and default, what the goals judge.
-MEASURE_ORDER = ("checkpoint", "lms_hybrid", "lms", "lms_paging", "offload", "compile_budget")
+# The methods a run measures unless told: all but those only --methods names (lms_residual,
+# residual recipes on, which are off by default).
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in compare.RESIDUAL_METHODS)
+MEASURE_ORDER = (
+    "checkpoint",
+    "lms_hybrid",
+    "lms",
+    "lms_residual",
+    "lms_paging",
+    "offload",
+    "compile_budget",
+)
 NOCAP_FACTORS = (1.25, 1.5, 2.0, 4.0)
 CAPPED_FACTORS = (1.5, 2.0, 4.0)
 DEFAULT_WARMUP = 3
@@ -76,6 +95,7 @@ MODEL_ARGS: dict[str, tuple[str, ...]] = {"resnet152": ("--batch", "64")}
 SHORT_NAMES = {"resnet152": "ResNet-152", "vit_l": "ViT-L", "gpt": "GPT"}
 METHOD_LABELS = {
     "lms": "LMS default",
+    "lms_residual": "LMS default, residual recipes on",
     "lms_paging": "LMS paging only",
     "lms_hybrid": "LMS hybrid (recompute on)",
     "checkpoint": "checkpointing (per block)",
@@ -202,6 +222,7 @@ REFERENCE_RUN = HERE / "results" / "recompute" / "2026-11-26-h200x4-b9b7a65"
 # as checkpointing does, after compiling.
 REFERENCE_METHOD = {
     "lms": "lms_hybrid",
+    "lms_residual": "lms_hybrid",
     "lms_paging": "lms",
     "lms_hybrid": "lms_hybrid",
     "checkpoint": "checkpoint",
@@ -715,7 +736,7 @@ def cell_text(
             f"stalled {float(first['stall_ms']):.0f} ms, "
             f"{float(first['allocator_retries']):.0f} allocator retries"
         )
-    if row.get("recompute_on") is not None and row.get("method") == "lms":
+    if row.get("recompute_on") is not None and row.get("method") in ("lms", "lms_residual"):
         parts.append(f"recompute {'on' if row['recompute_on'] else 'off'}")
     if row.get("activation_budget") is not None:
         parts.append(f"budget {float(row['activation_budget']):g}")
@@ -917,8 +938,9 @@ def _add_selection(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         type=names(METHODS, "methods"),
-        default=METHODS,
-        help=f"comma-separated, of {', '.join(METHODS)} (compare.py's; default: all)",
+        default=DEFAULT_METHODS,
+        help=f"comma-separated, of {', '.join(METHODS)} (compare.py's; default: all but "
+        f"{', '.join(m for m in METHODS if m not in DEFAULT_METHODS)})",
     )
     parser.add_argument(
         "--warmup", type=nonneg_int, default=DEFAULT_WARMUP, help="warm-up iterations"

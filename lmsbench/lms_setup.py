@@ -50,6 +50,9 @@ class LmsSettings:
     speculative_mb: int = 0
     schedule: bool = True  # the learned swap schedule (builds that have it)
     packing: bool = True  # packing tight operators (builds that have it: set_packing_lms)
+    # Recipes for residual sums (builds that have them: set_residual_recipes_lms), off by
+    # default as in the engine.
+    residual_recipes: bool = False
 
     def validate(self) -> None:
         if self.limit_mb is not None and self.limit_mb <= 0:
@@ -121,6 +124,7 @@ APPLIED_CONF_KEYS = (
     "lms_speculative_mb",
     "lms_schedule",
     "lms_pack",
+    "lms_residual_recipes",
 )
 CONF_VARIABLES = ("PYTORCH_LMS_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
@@ -156,8 +160,8 @@ def apply_lms(settings: LmsSettings) -> None:
         warnings.warn(
             f"these LMS settings of the environment do not apply, the script sets them "
             f"itself: {', '.join(overridden)}; use its flags or methods instead (--help; "
-            f"packing off, the schedule off and recompute on are compare.py's methods "
-            f"lms_nopack, lms_reactive and lms_hybrid)",
+            f"packing off, the schedule off, recompute on and residual recipes on are "
+            f"compare.py's methods lms_nopack, lms_reactive, lms_hybrid and lms_residual)",
             stacklevel=2,
         )
     torch.cuda.set_limit_lms(0 if settings.limit_mb is None else int(settings.limit_mb * MiB))
@@ -174,6 +178,14 @@ def apply_lms(settings: LmsSettings) -> None:
             "packing cannot be turned off: this LMS (torch_lms extension or patched build) has "
             "no torch.cuda.set_packing_lms, and builds without it do not pack; leave the "
             "setting on (or lms_nopack out of compare.py's --methods)"
+        )
+    if hasattr(torch.cuda, "set_residual_recipes_lms"):
+        torch.cuda.set_residual_recipes_lms(settings.residual_recipes)
+    elif settings.residual_recipes:
+        raise LmsUnavailable(
+            "residual recipes cannot be turned on: this LMS (torch_lms extension or patched "
+            "build) has no torch.cuda.set_residual_recipes_lms; build it from a newer engine, "
+            "or leave lms_residual out of compare.py's --methods"
         )
     torch.cuda.set_enabled_lms(settings.enabled)
     torch.cuda.reset_accumulated_lms_stats()

@@ -568,6 +568,28 @@ def test_deficit_rooflines_bound_both_ways_and_one_way_at_a_time() -> None:
 # ---------------------------------------------------------------------------------------
 
 
+def test_lms_residual_is_lms_with_residual_recipes_on() -> None:
+    """lms_residual keeps LMS's defaults (recompute as the build has it) and turns residual
+    recipes on; no other method does, and only --methods names it."""
+    parser = compare.build_parser()
+    args = parser.parse_args(["--model", "gpt", "--methods", "lms,lms_residual"])
+    compare.check_args(args)
+    cap = 1000 * (1 << 20)
+    residual = compare.method_lms_settings(args, "lms_residual", cap)
+    default = compare.method_lms_settings(args, "lms", cap)
+    assert residual is not None and default is not None
+    assert residual.residual_recipes and not default.residual_recipes
+    assert replace(residual, residual_recipes=False) == default
+    for method in compare.LMS_METHODS:
+        settings = compare.method_lms_settings(args, method, cap)
+        assert settings is not None
+        assert settings.residual_recipes == (method == "lms_residual"), method
+    assert "lms_residual" in compare.DEFAULT_RECOMPUTE_METHODS
+    assert "lms_residual" in compare.PROFILED_METHODS
+    assert "lms_residual" not in compare.CAPPED_DEFAULT_METHODS
+    assert "lms_residual" not in compare.NOCAP_METHODS
+
+
 def test_lms_hybrid_is_planned_like_lms() -> None:
     # Everywhere lms is, right after it.
     for methods in (
@@ -586,7 +608,10 @@ def test_lms_hybrid_is_planned_like_lms() -> None:
     args = parser.parse_args(["--model", "resnet152", "--methods", "lms,lms_hybrid,checkpoint"])
     assert args.methods == ("lms", "lms_hybrid", "checkpoint")
     text = " ".join(parser.format_help().split())
-    assert "lms, lms_hybrid, lms_reactive, lms_nopack, offload, save_on_cpu, checkpoint" in text
+    assert (
+        "lms, lms_hybrid, lms_reactive, lms_nopack, lms_residual, offload, save_on_cpu, "
+        "checkpoint" in text
+    )
     assert "set_recompute_lms(True)" in text
     # The same LMS settings as lms (learned schedule on); lms_reactive turns the schedule off.
     args.lms_limit_frac, args.prefetch = 0.7, 2
@@ -673,6 +698,46 @@ def test_apply_lms_sets_packing_and_refuses_to_turn_off_what_a_build_lacks(
     lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True))
     with pytest.raises(lms_setup.LmsUnavailable, match="set_packing_lms"):
         lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True, packing=False))
+
+
+def test_apply_lms_sets_residual_recipes_and_refuses_them_where_a_build_lacks_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from lmsbench import lms_setup
+
+    calls: list[tuple[str, Any]] = []
+    for name in (
+        "set_limit_lms",
+        "set_size_lms",
+        "set_prefetch_lms",
+        "set_speculative_lms",
+        "set_enabled_lms",
+        "reset_accumulated_lms_stats",
+        "reset_peak_lms_stats",
+        "set_residual_recipes_lms",
+    ):
+        monkeypatch.setattr(
+            torch.cuda, name, lambda *a, _n=name: calls.append((_n, a)), raising=False
+        )
+    monkeypatch.delattr(torch.cuda, "set_schedule_lms", raising=False)
+    monkeypatch.delattr(torch.cuda, "set_packing_lms", raising=False)
+    lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True, residual_recipes=True))
+    names = [name for name, _ in calls]
+    assert ("set_residual_recipes_lms", (True,)) in calls
+    assert names.index("set_residual_recipes_lms") < names.index("set_enabled_lms")
+    # Every row sets them: off unless asked (rows share a process).
+    calls.clear()
+    lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True))
+    assert ("set_residual_recipes_lms", (False,)) in calls
+    monkeypatch.delattr(torch.cuda, "set_residual_recipes_lms")
+    lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True))
+    with pytest.raises(lms_setup.LmsUnavailable, match="set_residual_recipes_lms"):
+        lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True, residual_recipes=True))
+    assert lms_setup.overridden_conf_keys({"PYTORCH_LMS_CONF": "lms_residual_recipes:True"}) == [
+        "PYTORCH_LMS_CONF: lms_residual_recipes"
+    ]
 
 
 def test_apply_lms_names_the_environment_settings_it_overrides(
