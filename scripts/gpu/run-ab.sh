@@ -17,8 +17,10 @@
 # --iterations 10 --profile-iterations 1"), AB_HOST_GIB (--host-budget-gib of no-cap calls,
 # default: compare.py's), AB_PAIRS (benchmarks.ab --pair options, e.g. "lms_residual=lms"),
 # AB_MAX_SLOWDOWN (benchmarks.ab --max-slowdown, a rule fixed before the run), CALL_TIMEOUT_S
-# (each compare.py call, default 300), AB_BASE_TREE (where the base is built, default
-# /tmp/lms-ab-base), OUT, PYTHON (python3), MAX_JOBS (compile jobs of each build, default 8).
+# (each compare.py call, default 300), TOTAL_S (default 540: a cell's pair of calls starts only
+# while the time left exceeds the longest pair so far; later cells are then skipped and say
+# so), AB_BASE_TREE (where the base is built, default /tmp/lms-ab-base), OUT, PYTHON (python3),
+# MAX_JOBS (compile jobs of each build, default 8).
 # Writes under OUT: run-ab.log, build-base.log, build-head.log, base/ and head/ (per cell
 # MODEL-REGIME-FACTOR/: compare.py's output and results), ab.md (benchmarks.ab's report) and
 # ab.tgz (all of it).
@@ -137,10 +139,19 @@ measure() { # SIDE TREE COMMIT DIRTY MODEL REGIME FACTOR METHODS
     "$out/compare.log" | cut -c1-240 || true
 }
 
+longest=0
 for cell in "$@"; do
   IFS=: read -r model regime factor methods base_methods <<<"$cell"
+  started=$(date +%s)
+  left=$((${TOTAL_S:-540} - (started - began)))
+  if ((left <= longest)); then
+    echo "== $cell: skipped, ${left} s left and the longest cell so far took ${longest} s"
+    continue
+  fi
   measure base "$BASE_TREE" "$BASE_COMMIT" 0 "$model" "$regime" "$factor" "${base_methods:-lms}"
   measure head "$ROOT" "$HEAD_COMMIT" "$HEAD_DIRTY" "$model" "$regime" "$factor" "$methods"
+  took=$(($(date +%s) - started))
+  ((took > longest)) && longest=$took
 done
 
 echo "== side by side"
