@@ -6,7 +6,8 @@ steady-state time per sample on each side (the median of the timed iterations ov
 batch: no-cap batches follow the memory free when each call started, so the two sides' may
 differ a little), the change from base to head, and, where both rows were profiled
 (``--profile-iterations``), each step phase's busy time and idle time while copying, per
-iteration. ``--pair A=B`` also sets method A against method B of the head's own run (a setting
+iteration, and each side's iteration 0 (with the time LMS spent pinning host memory in
+it). ``--pair A=B`` also sets method A against method B of the head's own run (a setting
 turned on against the default, in one process). Rows only one side has are listed.
 
   python -m benchmarks.ab BASE HEAD [--pair lms_residual=lms] [--max-slowdown 3] [--out FILE]
@@ -104,9 +105,22 @@ def _s(value: float | None, batch: int) -> str:
     return "" if value is None else f"{value * batch:.3f}"
 
 
+def first_iteration(row: dict[str, Any]) -> str:
+    """A row's iteration 0 where it trained: its seconds, and the milliseconds LMS spent
+    pinning host memory in it where the row has LMS's account of it."""
+    warm = row.get("warmup_times") or []
+    if row.get("status") != "ok" or (not warm and row.get("first_iteration_s") is None):
+        return ""
+    seconds = float(warm[0]) if warm else float(row["first_iteration_s"])
+    account = row.get("first_iteration") or {}
+    pinned = account.get("host_pin_ms")
+    return f"{seconds:.2f}" + ("" if pinned is None else f" ({float(pinned):.0f} ms pinning)")
+
+
 def comparison_row(label: str, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    """``label``, each side's batch and seconds per iteration, the change per sample, and
-    each phase's busy and idle-while-copying milliseconds, a side to b side."""
+    """``label``, each side's batch and seconds per iteration, the change per sample, each
+    side's iteration 0, and each phase's busy and idle-while-copying milliseconds, a side to
+    b side."""
     sa, sb = per_sample_s(a), per_sample_s(b)
     change = "" if sa is None or sb is None else f"{(sb / sa - 1) * 100:+.1f}%"
     pa, pb = phases(a), phases(b)
@@ -127,6 +141,7 @@ def comparison_row(label: str, a: dict[str, Any], b: dict[str, Any]) -> list[str
         f"{batch_a} / {batch_b}",
         f"{_s(sa, batch_a) or str(a.get('status'))} / {_s(sb, batch_b) or str(b.get('status'))}",
         change,
+        f"{first_iteration(a)} / {first_iteration(b)}",
         *cells,
     ]
 
@@ -136,6 +151,7 @@ HEADER = (
     "batch",
     "s/iter",
     "change per sample",
+    "iteration 0 (s)",
     *(f"{p}: busy; idle while copying (ms)" for p in PHASES),
 )
 

@@ -50,17 +50,17 @@ def _phase(busy: float, idle: float) -> dict[str, float]:
 def test_rows_are_set_side_by_side_per_sample_with_their_phases(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = _write(
-        tmp_path / "base",
-        "a" * 40,
-        [_row("lms", [1.0, 1.2, 1.1], phases={"forward": _phase(180, 88)})],
-    )
+    slow_start = _row("lms", [1.0, 1.2, 1.1], phases={"forward": _phase(180, 88)})
+    slow_start["warmup_times"] = [2.5, 1.2, 1.1]
+    slow_start["first_iteration"] = {"host_pin_ms": 1200.0}
+    base = _write(tmp_path / "base", "a" * 40, [slow_start])
     # The head got a larger batch (more memory free): compared per sample.
     head = _write(
         tmp_path / "head",
         "b" * 40,
         [
-            _row("lms", [1.2, 1.0, 1.0], batch=11, phases={"forward": _phase(181, 30)}),
+            _row("lms", [1.2, 1.0, 1.0], batch=11, phases={"forward": _phase(181, 30)})
+            | {"first_iteration_s": 1.5},
             _row("lms_residual", [0.9, 0.9, 0.9], batch=11),
             _row("checkpoint", [0.7, 0.7, 0.7], batch=11),
         ],
@@ -75,8 +75,11 @@ def test_rows_are_set_side_by_side_per_sample_with_their_phases(
     assert text == (tmp_path / "r.md").read_text()
     assert "Base engine aaaaaaa; head engine bbbbbbb" in text
     # 1.1 s for 10 samples against 1.0 s for 11: 0.11 against 0.0909 s per sample.
-    assert "| gpt nocap 1.5x lms | 10 / 11 | 1.100 / 1.000 | -17.4% | 180 / 181; 88 / 30 |" in text
-    assert "| gpt nocap 1.5x lms_residual against lms | 11 / 11 | 1.000 / 0.900 | -10.0% |" in text
+    assert (
+        "| gpt nocap 1.5x lms | 10 / 11 | 1.100 / 1.000 | -17.4% | 2.50 (1200 ms pinning) / "
+        "1.50 | 180 / 181; 88 / 30 |" in text
+    )
+    assert "| gpt nocap 1.5x lms_residual against lms | 11 / 11 | 1.000 / 0.900 | -10.0% | " in text
     assert "head only: gpt nocap 1.5x checkpoint" in text
     assert "head only: gpt nocap 1.5x lms_residual" in text
     assert "no_lms" not in text  # skipped rows are no rows
