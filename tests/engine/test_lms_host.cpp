@@ -76,6 +76,7 @@ __attribute__((weak)) void simgpu_inject_fault(
     cudaError_t error);
 __attribute__((weak)) void simgpu_clear_faults(void);
 __attribute__((weak)) void simgpu_set_copy_bandwidth(double bytes_per_second);
+__attribute__((weak)) size_t simgpu_call_count(const char* function);
 }
 
 namespace {
@@ -697,6 +698,31 @@ TEST_CASE(large_registered_buffers_are_counted_and_returned) {
     CHECK_EQ(st.host_ledger_bytes, int64_t(32 * kMiB));
     CHECK(matches(*more, 6));
     CHECK(matches(*big, 5));
+  }
+  env.checkBaseline();
+}
+
+// Buffers of 4 MiB and more (a first iteration under a cap pins hundreds of
+// tens of MiB) are pinned by populating and registering memory, on a thread
+// per 8 MiB; smaller ones with cudaHostAlloc. Both come back to zero.
+TEST_CASE(buffers_from_4_mib_are_registered_smaller_ones_allocated) {
+  if (simgpu_call_count == nullptr) {
+    SKIP("needs the simulated GPU's call counts");
+  }
+  HostEnv env(0);
+  {
+    const size_t registers = simgpu_call_count("cudaHostRegister");
+    const size_t allocs = simgpu_call_count("cudaHostAlloc");
+    auto mid = newStorage(4 * kMiB);
+    auto small = newStorage(2 * kMiB);
+    write(*mid, 3);
+    write(*small, 4);
+    CHECK_EQ(lms::reclaimInactive(0), 6 * kMiB);
+    CHECK_EQ(simgpu_call_count("cudaHostRegister") - registers, size_t(1));
+    CHECK_EQ(simgpu_call_count("cudaHostAlloc") - allocs, size_t(1));
+    CHECK_EQ(lms::getStats(0).host_ledger_bytes, int64_t(6 * kMiB));
+    CHECK(matches(*mid, 3));
+    CHECK(matches(*small, 4));
   }
   env.checkBaseline();
 }

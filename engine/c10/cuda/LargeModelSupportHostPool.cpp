@@ -24,11 +24,15 @@ namespace c10::cuda::lms {
 namespace {
 constexpr size_t kSmallPage = 4096;
 constexpr size_t kLargeChunk = 2 * 1024 * 1024;
-// Buffers of at least this size are pinned by registering memory that the
-// pool populated itself (populateAndRegister); smaller ones with
-// cudaHostAlloc, whose fixed cost is small next to theirs.
-constexpr size_t kRegisterMinBytes = 64 * 1024 * 1024;
-// Threads that fault in the pages of one large buffer.
+// Buffers of at least this size (two huge pages) are pinned by registering
+// memory that the pool populated itself (populateAndRegister); smaller ones
+// with cudaHostAlloc, whose fixed cost is small next to theirs. Under a cap
+// the first iteration pins hundreds of buffers of tens of MiB (GPT at half
+// its peak: 523 buffers, 2.4 s of a 2.85 s iteration with cudaHostAlloc).
+constexpr size_t kRegisterMinBytes = 4 * 1024 * 1024;
+// Threads that fault in the pages of one buffer: one per this many bytes,
+// at most kMaxPopulateThreads.
+constexpr size_t kPopulateBytesPerThread = 8 * 1024 * 1024;
 constexpr unsigned kMaxPopulateThreads = 8;
 
 // Cleared when the runtime refuses to register host memory (some platforms
@@ -73,8 +77,10 @@ bool registrationUsable() {
 // iteration of a model bigger than the device) waited for it page by page.
 void populate(char* ptr, size_t size) {
   const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-  const auto threads = static_cast<unsigned>(std::min<size_t>(
-      std::min(kMaxPopulateThreads, hw), size / kRegisterMinBytes + 1));
+  const auto threads = static_cast<unsigned>(std::max<size_t>(
+      1,
+      std::min<size_t>(
+          std::min(kMaxPopulateThreads, hw), size / kPopulateBytesPerThread)));
   const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   const auto touch = [ptr, page](size_t begin, size_t end) {
     for (size_t off = begin; off < end; off += page) {
