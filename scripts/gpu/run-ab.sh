@@ -4,11 +4,14 @@
 # benchmarks/compare.py on the base and right after on the head, so that both see the same
 # machine, driver and host memory. benchmarks/ab.py sets the rows side by side at the end.
 #
-#   scripts/gpu/run-ab.sh --prepare BASE   on a checkout with git: writes out/ab/base.diff
+#   scripts/gpu/run-ab.sh --prepare BASE   on a checkout with git: writes AB_DIR/base.diff
 #                                          (what turns this tree's engine into BASE's) and
-#                                          out/ab/commits.env; carry out/ab with the tree
+#                                          AB_DIR/commits.env; carry AB_DIR with the tree
 #   scripts/gpu/run-ab.sh CELL...          on the GPU host: results under $OUT (default
-#                                          out/ab/run)
+#                                          AB_DIR/run)
+#
+# AB_DIR (default out/ab, relative to the tree) holds one prepared base: two bases, two
+# folders.
 #
 # CELL is MODEL:REGIME:FACTOR:METHODS[:BASE_METHODS]: compare.py's --model, --regime, one
 # factor, and the methods the head runs (comma-separated); the base runs BASE_METHODS (default
@@ -33,7 +36,7 @@ if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
 fi
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd -P)
-PREPARED=$ROOT/out/ab
+PREPARED=$ROOT/${AB_DIR:-out/ab}
 # The sources an engine build reads (scripts/gpu/build-extension.sh hashes the same).
 ENGINE_PATHS=(engine extension/csrc extension/setup.py extension/setup.cfg)
 
@@ -56,7 +59,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
   } >"$PREPARED/commits.env"
   echo "wrote $PREPARED/base.diff ($(wc -l <"$PREPARED/base.diff") lines: this tree's engine" \
     "into ${base_commit:0:7}'s) and commits.env (head $(git rev-parse --short HEAD)," \
-    "dirty $dirty); carry out/ab to the GPU host"
+    "dirty $dirty); carry ${AB_DIR:-out/ab} to the GPU host"
   exit 0
 fi
 
@@ -66,7 +69,7 @@ fi
 }
 [[ -f "$PREPARED/base.diff" && -f "$PREPARED/commits.env" ]] || {
   echo "run-ab.sh: no $PREPARED/base.diff: run scripts/gpu/run-ab.sh --prepare BASE on a" \
-    "checkout with git first, and carry out/ab" >&2
+    "checkout with git first, and carry ${AB_DIR:-out/ab}" >&2
   exit 2
 }
 # shellcheck source=/dev/null
@@ -100,7 +103,7 @@ mkdir -p "$BASE_TREE"
 tar -C "$ROOT" -cf - --exclude=./out --exclude=./work --exclude=./.git --exclude=./.venv \
   --exclude=./extension/build --exclude='./extension/torch_lms/_C*.so' . | tar -C "$BASE_TREE" -xf -
 if ! (cd "$BASE_TREE" && patch -p1 -s --no-backup-if-mismatch <"$PREPARED/base.diff"); then
-  echo "run-ab.sh: out/ab/base.diff does not apply to this tree: prepare it again from the" \
+  echo "run-ab.sh: $PREPARED/base.diff does not apply to this tree: prepare it again from the" \
     "checkout this tree was sent from"
   exit 1
 fi

@@ -129,6 +129,17 @@ def test_run_ab_prepares_the_diff_that_turns_this_tree_into_the_base(tmp_path: P
     assert not (copy / "engine" / "new.cpp").exists()
     assert (copy / "README").read_text() == "changed, not the engine\n"
 
+    # Another base in a folder of its own.
+    subprocess.run(
+        ["bash", str(script), "--prepare", head[:7]],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "AB_DIR": "out/ab-head"},
+    )
+    assert f"BASE_COMMIT={head}" in (repo / "out" / "ab-head" / "commits.env").read_text()
+    assert f"BASE_COMMIT={base}" in (prepared / "commits.env").read_text()
+
     bad = subprocess.run(["bash", str(script), "gpt:nocap"], capture_output=True, text=True)
     assert bad.returncode == 2 and "is not MODEL:REGIME:FACTOR:METHODS" in bad.stderr
     missing = subprocess.run(
