@@ -431,7 +431,8 @@ bool isCopyStep(const c10::OperatorName& name) {
 
 // A sum into a storage of its own with a recipe's output as one side: the
 // residual stream of a transformer, `x + proj(a)`, which autocast leaves in
-// float32 (GPT, H100: 44 of 63 GiB an iteration paged out with no recipe).
+// float32 (GPT with no cap, H100: 44 of the 63 GiB of victims with no recipe
+// in a run).
 // The projection's output dies after the sum, so a recipe of the sum itself
 // (aten::add on the allow-list) would never be droppable: its arguments are
 // held weakly until the drop. Derived instead, as a copy of a recipe's output
