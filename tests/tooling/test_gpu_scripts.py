@@ -3,6 +3,7 @@ report (scripts/gpu/environment.sh) prints what a run depends on."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -146,3 +147,106 @@ def test_run_ab_prepares_the_diff_that_turns_this_tree_into_the_base(tmp_path: P
         ["bash", str(script), "--prepare", "no-such-commit"], capture_output=True, text=True
     )
     assert missing.returncode == 2 and "is no commit of this repository" in missing.stderr
+
+
+# The interpreter run-ab.sh is given in the end-to-end test: it stands in for the build
+# (setup.py build_ext makes the module file) and for compare.py (a record in its JSON
+# layout whose rows name the engine file of the tree they ran in), and runs everything else
+# (benchmarks.ab) with the real interpreter.
+STUB_PYTHON = """#!{python}
+import json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+if args[:1] == ["-"]:
+    sys.stdin.read()
+    print("engine stub")
+elif "setup.py" in args:
+    Path("torch_lms").mkdir(exist_ok=True)
+    Path("torch_lms/_C.stub.so").write_text("built")
+elif args and args[0].endswith("compare.py"):
+    opt = {{args[i]: args[i + 1] for i in range(1, len(args) - 1) if args[i].startswith("--")}}
+    engine = Path("engine/x.cpp").read_text().strip()
+    rows = [
+        {{"method": m, "factor": float(opt["--factors"]), "batch": 10, "status": "ok",
+          "iteration_times": [1.0 if engine == "int x = 1;" else 0.9], "detail": engine}}
+        for m in opt["--methods"].split(",")
+    ]
+    record = {{
+        "environment": {{"engine_commit": os.environ["LMS_ENGINE_COMMIT"],
+                         "engine_dirty": os.environ["LMS_ENGINE_DIRTY"] == "1"}},
+        "regime": opt["--regime"], "config": {{"model": opt["--model"]}}, "measurements": rows,
+    }}
+    out = Path(opt["--out"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"nocap-{{opt['--model']}}.json").write_text(json.dumps(record))
+    print(f"   {{rows[0]['method']}} x{{opt['--factors']}}        batch 10    stub")
+else:
+    os.execv({python!r}, [{python!r}, *args])
+"""
+
+
+def test_run_ab_runs_each_cell_on_the_base_then_the_head(tmp_path: Path) -> None:
+    """run-ab.sh on a copy of this repository with a stub interpreter: both extensions are
+    built, the base tree runs the base's engine and the head tree the head's, cell by cell,
+    and benchmarks.ab sets their rows side by side (base 1.0 s, head 0.9 s: -10%)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    # What the script, its build and benchmarks.ab read; no results, no build outputs.
+    subprocess.run(
+        [
+            "bash",
+            "-c",
+            'tar -C "$0" -cf - --exclude=benchmarks/results --exclude=extension/build '
+            "--exclude='*.so' --exclude=__pycache__ scripts benchmarks lmsbench extension "
+            '| tar -C "$1" -xf -',
+            str(REPO_ROOT),
+            str(repo),
+        ],
+        check=True,
+    )
+    (repo / "engine").mkdir()
+    (repo / "engine" / "x.cpp").write_text("int x = 1;\n")
+    (repo / ".gitignore").write_text("/out/\n__pycache__/\n*.so\n.sources.sha256\n")
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "base")
+    base = _git(repo, "rev-parse", "HEAD").strip()
+    (repo / "engine" / "x.cpp").write_text("int x = 2;\n")
+    _git(repo, "commit", "-q", "-am", "head")
+    script = repo / "scripts" / "gpu" / "run-ab.sh"
+    subprocess.run(["bash", str(script), "--prepare", base], check=True, capture_output=True)
+    stub = tmp_path / "python3"
+    stub.write_text(STUB_PYTHON.format(python=sys.executable))
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "PYTHON": str(stub),
+        "OUT": str(out),
+        "AB_BASE_TREE": str(tmp_path / "base-tree"),
+        "AB_PAIRS": "lms_residual=lms",
+        "AB_MAX_SLOWDOWN": "3",
+    }
+    run = subprocess.run(
+        ["bash", str(script), "gpt:nocap:1.5:lms,lms_residual", "resnet152:capped:2:lms"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = (out / "ab.md").read_text()
+    assert f"Base engine {base[:7]}" in report
+    assert "| gpt nocap 1.5x lms | 10 / 10 | 1.000 / 0.900 | -10.0% |" in report
+    assert "| resnet152 capped 2x lms | 10 / 10 | 1.000 / 0.900 | -10.0% |" in report
+    assert "| gpt nocap 1.5x lms_residual against lms | 10 / 10 | 0.900 / 0.900 | +0.0% |" in report
+    assert "Slower than 3% per sample on the head: none" in report
+    base_record = json.loads((out / "base" / "gpt-nocap-1.5" / "nocap-gpt.json").read_text())
+    head_record = json.loads((out / "head" / "gpt-nocap-1.5" / "nocap-gpt.json").read_text())
+    assert [m["detail"] for m in base_record["measurements"]] == ["int x = 1;"]
+    assert [m["detail"] for m in head_record["measurements"]] == ["int x = 2;", "int x = 2;"]
+    assert (out / "ab.tgz").stat().st_size > 0
+    log = (out / "run-ab.log").read_text()
+    assert "== both builds done" in log and f"base engine {base[:7]}" in log
+    # The base tree is a copy: this tree's engine is untouched.
+    assert (repo / "engine" / "x.cpp").read_text() == "int x = 2;\n"
