@@ -658,12 +658,11 @@ def test_lms_nopack_is_lms_with_packing_off_and_is_run_by_naming_it() -> None:
         assert settings is not None and settings.packing, method
 
 
-def test_apply_lms_sets_packing_and_refuses_to_turn_off_what_a_build_lacks(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _fake_lms_api(monkeypatch: pytest.MonkeyPatch, *switches: str) -> list[tuple[str, Any]]:
+    """torch.cuda's LMS functions that apply_lms calls always, and ``switches`` (the setters a
+    build may lack), as fakes that record their calls; the schedule and packing setters
+    absent unless named."""
     import torch
-
-    from lmsbench import lms_setup
 
     calls: list[tuple[str, Any]] = []
     for name in (
@@ -674,17 +673,25 @@ def test_apply_lms_sets_packing_and_refuses_to_turn_off_what_a_build_lacks(
         "set_enabled_lms",
         "reset_accumulated_lms_stats",
         "reset_peak_lms_stats",
+        *switches,
     ):
         monkeypatch.setattr(
             torch.cuda, name, lambda *a, _n=name: calls.append((_n, a)), raising=False
         )
-    monkeypatch.delattr(torch.cuda, "set_schedule_lms", raising=False)
-    monkeypatch.setattr(
-        torch.cuda,
-        "set_packing_lms",
-        lambda enabled: calls.append(("set_packing_lms", (enabled,))),
-        raising=False,
-    )
+    for name in ("set_schedule_lms", "set_packing_lms", "set_residual_recipes_lms"):
+        if name not in switches:
+            monkeypatch.delattr(torch.cuda, name, raising=False)
+    return calls
+
+
+def test_apply_lms_sets_packing_and_refuses_to_turn_off_what_a_build_lacks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    from lmsbench import lms_setup
+
+    calls = _fake_lms_api(monkeypatch, "set_packing_lms")
     lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True, packing=False))
     assert ("set_packing_lms", (False,)) in calls
     # Set before LMS is enabled, like every other knob.
@@ -707,22 +714,7 @@ def test_apply_lms_sets_residual_recipes_and_refuses_them_where_a_build_lacks_th
 
     from lmsbench import lms_setup
 
-    calls: list[tuple[str, Any]] = []
-    for name in (
-        "set_limit_lms",
-        "set_size_lms",
-        "set_prefetch_lms",
-        "set_speculative_lms",
-        "set_enabled_lms",
-        "reset_accumulated_lms_stats",
-        "reset_peak_lms_stats",
-        "set_residual_recipes_lms",
-    ):
-        monkeypatch.setattr(
-            torch.cuda, name, lambda *a, _n=name: calls.append((_n, a)), raising=False
-        )
-    monkeypatch.delattr(torch.cuda, "set_schedule_lms", raising=False)
-    monkeypatch.delattr(torch.cuda, "set_packing_lms", raising=False)
+    calls = _fake_lms_api(monkeypatch, "set_residual_recipes_lms")
     lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True, residual_recipes=True))
     names = [name for name, _ in calls]
     assert ("set_residual_recipes_lms", (True,)) in calls

@@ -80,6 +80,14 @@ def _git(repo: Path, *args: str) -> str:
     ).stdout
 
 
+def _first_commit(repo: Path) -> str:
+    """Makes ``repo`` a git repository with everything in it committed; the commit."""
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "base")
+    return _git(repo, "rev-parse", "HEAD").strip()
+
+
 def test_run_ab_prepares_the_diff_that_turns_this_tree_into_the_base(tmp_path: Path) -> None:
     """``run-ab.sh --prepare BASE`` writes what turns this tree's engine (uncommitted changes
     included) into BASE's, and the commits; applied with ``patch`` (as on the GPU host,
@@ -93,10 +101,7 @@ def test_run_ab_prepares_the_diff_that_turns_this_tree_into_the_base(tmp_path: P
     (repo / "engine" / "a.cpp").write_text("int a = 1;\n")
     (repo / "engine" / "gone.cpp").write_text("int gone = 1;\n")
     (repo / "README").write_text("not the engine\n")
-    _git(repo, "init", "-q")
-    _git(repo, "add", ".")
-    _git(repo, "commit", "-q", "-m", "base")
-    base = _git(repo, "rev-parse", "HEAD").strip()
+    base = _first_commit(repo)
     (repo / "engine" / "a.cpp").write_text("int a = 2;\n")
     (repo / "engine" / "gone.cpp").unlink()
     (repo / "engine" / "new.cpp").write_text("int n = 3;\n")
@@ -207,10 +212,7 @@ def test_run_ab_runs_each_cell_on_the_base_then_the_head(tmp_path: Path) -> None
     (repo / "engine").mkdir()
     (repo / "engine" / "x.cpp").write_text("int x = 1;\n")
     (repo / ".gitignore").write_text("/out/\n__pycache__/\n*.so\n.sources.sha256\n")
-    _git(repo, "init", "-q")
-    _git(repo, "add", ".")
-    _git(repo, "commit", "-q", "-m", "base")
-    base = _git(repo, "rev-parse", "HEAD").strip()
+    base = _first_commit(repo)
     (repo / "engine" / "x.cpp").write_text("int x = 2;\n")
     _git(repo, "commit", "-q", "-am", "head")
     script = repo / "scripts" / "gpu" / "run-ab.sh"
