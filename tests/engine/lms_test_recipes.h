@@ -150,6 +150,29 @@ inline void fakeInputs(
   }
 }
 
+// Gives `storage` a fake recipe: "replaying its operator" writes the pattern
+// of `seed` after pinning `input` (none: nullptr); then marks it recomputable.
+inline void giveRecipe(
+    c10::StorageImpl& storage,
+    uint64_t seed,
+    c10::StorageImpl* input) {
+  FakeRecipes& r = recipes();
+  {
+    std::lock_guard<std::mutex> lock(r.mutex);
+    r.seed[storage._mutable_data_ptr_no_checks().get_context()] = seed;
+    r.input_of[&storage] = input;
+  }
+  c10::cuda::lms::setRecomputable(storage, true);
+}
+
+// Forgets the input of `storage`'s fake recipe, before the storage is freed
+// (a later storage may get its address).
+inline void forgetInput(c10::StorageImpl& storage) {
+  FakeRecipes& r = recipes();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.input_of.erase(&storage);
+}
+
 inline const c10::cuda::lms::RecomputeHooks kFakeHooks{
     &fakeCost,
     &fakeRetain,

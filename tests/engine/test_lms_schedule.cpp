@@ -900,18 +900,9 @@ TEST_CASE(
     Model m = makeModel(run);
     LayerHooks recipes;
     recipes.made = [&](Tensor& a, Tensor& input) {
-      {
-        std::lock_guard<std::mutex> lock(fake.mutex);
-        fake.seed[a.storage->_mutable_data_ptr_no_checks().get_context()] =
-            a.seed;
-        fake.input_of[a.storage.get()] = input.storage.get();
-      }
-      lms::setRecomputable(*a.storage, true);
+      lms_test::giveRecipe(*a.storage, a.seed, input.storage.get());
     };
-    recipes.freed = [&](Tensor& a) {
-      std::lock_guard<std::mutex> lock(fake.mutex);
-      fake.input_of.erase(a.storage.get());
-    };
+    recipes.freed = [&](Tensor& a) { lms_test::forgetInput(*a.storage); };
     const auto train = [&](int iteration) {
       iterate(
           run, m, iteration, /*train=*/true, /*temporaries=*/false, recipes);
@@ -989,13 +980,7 @@ AheadSeen recomputeAheadLoop(size_t limit, int layers, int lookahead) {
   Model m = makeModel(run, layers);
   LayerHooks recipes;
   recipes.made = [&](Tensor& a, Tensor& input) {
-    {
-      std::lock_guard<std::mutex> lock(fake.mutex);
-      fake.seed[a.storage->_mutable_data_ptr_no_checks().get_context()] =
-          a.seed;
-      fake.input_of[a.storage.get()] = input.storage.get();
-    }
-    lms::setRecomputable(*a.storage, true);
+    lms_test::giveRecipe(*a.storage, a.seed, input.storage.get());
   };
   std::set<c10::StorageImpl*> unused; // replayed ahead, not pinned since
   bool watching = false;
@@ -1010,8 +995,7 @@ AheadSeen recomputeAheadLoop(size_t limit, int layers, int lookahead) {
     return made;
   };
   recipes.freed = [&](Tensor& a) {
-    std::lock_guard<std::mutex> lock(fake.mutex);
-    fake.input_of.erase(a.storage.get());
+    lms_test::forgetInput(*a.storage);
     seen.freed_unused += static_cast<int>(unused.erase(a.storage.get()));
   };
   run.after_begin = [&] {
@@ -1183,16 +1167,8 @@ TEST_CASE(recompute_ahead_of_use_is_bounded_per_operator_boundary) {
           made[k] = run.output(kActivation, base + k);
         }
       });
-      {
-        std::lock_guard<std::mutex> lock(fake.mutex);
-        for (const Tensor& a : made) {
-          fake.seed[a.storage->_mutable_data_ptr_no_checks().get_context()] =
-              a.seed;
-          fake.input_of[a.storage.get()] = w.storage.get();
-        }
-      }
       for (const Tensor& a : made) {
-        lms::setRecomputable(*a.storage, true);
+        lms_test::giveRecipe(*a.storage, a.seed, w.storage.get());
       }
       run.endOutputs();
       run.op("temporary", {&w}, [&] {
@@ -1207,9 +1183,8 @@ TEST_CASE(recompute_ahead_of_use_is_bounded_per_operator_boundary) {
         inputs.push_back(&a);
       }
       run.op("use", inputs);
-      std::lock_guard<std::mutex> lock(fake.mutex);
       for (const Tensor& a : made) {
-        fake.input_of.erase(a.storage.get());
+        lms_test::forgetInput(*a.storage);
       }
     };
     int i = 0;
@@ -1263,7 +1238,6 @@ TEST_CASE(recompute_ahead_of_use_is_bounded_per_operator_boundary) {
 // recompute first B, dropped and recomputed ahead of its use, and A never
 // leaves the device: no copy crosses the bus.
 TEST_CASE(early_page_outs_drop_storages_cheap_to_replay) {
-  lms_test::FakeRecipes& fake = lms_test::recipes();
   {
     const lms_test::FakeRecipesInstalled installed;
     Runner run(36 * kMiB);
@@ -1290,13 +1264,7 @@ TEST_CASE(early_page_outs_drop_storages_cheap_to_replay) {
         a = run.output(8 * kMiB, base + 1);
         b = run.output(4 * kMiB, base + 2);
       });
-      {
-        std::lock_guard<std::mutex> lock(fake.mutex);
-        fake.seed[b.storage->_mutable_data_ptr_no_checks().get_context()] =
-            b.seed;
-        fake.input_of[b.storage.get()] = w.storage.get();
-      }
-      lms::setRecomputable(*b.storage, true);
+      lms_test::giveRecipe(*b.storage, b.seed, w.storage.get());
       run.endOutputs();
       // 33 MiB allocated: 1 MiB more than the limit less the budget.
       Tensor t;
@@ -1309,10 +1277,7 @@ TEST_CASE(early_page_outs_drop_storages_cheap_to_replay) {
       }
       run.op("use_b", {&b});
       run.op("use_a", {&a});
-      {
-        std::lock_guard<std::mutex> lock(fake.mutex);
-        fake.input_of.erase(b.storage.get());
-      }
+      lms_test::forgetInput(*b.storage);
       a = Tensor{};
       b = Tensor{};
     };
@@ -1482,7 +1447,6 @@ struct FirstCopy {
 // them off the device. With `loss_scratch`, the loss allocates and frees a
 // scratch buffer of that many bytes inside itself (see iterate()).
 FirstCopy alternateRecipesLoop(size_t limit, size_t loss_scratch) {
-  lms_test::FakeRecipes& fake = lms_test::recipes();
   FirstCopy seen;
   const lms_test::FakeRecipesInstalled installed;
   Runner run(limit);
@@ -1494,18 +1458,9 @@ FirstCopy alternateRecipesLoop(size_t limit, size_t loss_scratch) {
     if (layer++ % 2 == 0) {
       return;
     }
-    {
-      std::lock_guard<std::mutex> lock(fake.mutex);
-      fake.seed[a.storage->_mutable_data_ptr_no_checks().get_context()] =
-          a.seed;
-      fake.input_of[a.storage.get()] = input.storage.get();
-    }
-    lms::setRecomputable(*a.storage, true);
+    lms_test::giveRecipe(*a.storage, a.seed, input.storage.get());
   };
-  recipes.freed = [&](Tensor& a) {
-    std::lock_guard<std::mutex> lock(fake.mutex);
-    fake.input_of.erase(a.storage.get());
-  };
+  recipes.freed = [&](Tensor& a) { lms_test::forgetInput(*a.storage); };
   const auto train = [&](int iteration) {
     layer = 0;
     iterate(
