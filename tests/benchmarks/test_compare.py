@@ -684,52 +684,36 @@ def _fake_lms_api(monkeypatch: pytest.MonkeyPatch, *switches: str) -> list[tuple
     return calls
 
 
-def test_apply_lms_sets_packing_and_refuses_to_turn_off_what_a_build_lacks(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("setter", "field", "default"),
+    [
+        # A build without the switch does not pack: on is what it does, off is refused.
+        ("set_packing_lms", "packing", True),
+        # One without residual recipes has none: off is what it does, on is refused.
+        ("set_residual_recipes_lms", "residual_recipes", False),
+    ],
+)
+def test_apply_lms_sets_a_switch_and_refuses_what_a_build_lacks(
+    monkeypatch: pytest.MonkeyPatch, setter: str, field: str, default: bool
 ) -> None:
     import torch
 
     from lmsbench import lms_setup
 
-    calls = _fake_lms_api(monkeypatch, "set_packing_lms")
-    lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True, packing=False))
-    assert ("set_packing_lms", (False,)) in calls
+    calls = _fake_lms_api(monkeypatch, setter)
+    lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True, **{field: not default}))
+    assert (setter, (not default,)) in calls
     # Set before LMS is enabled, like every other knob.
     names = [name for name, _ in calls]
-    assert names.index("set_packing_lms") < names.index("set_enabled_lms")
+    assert names.index(setter) < names.index("set_enabled_lms")
+    # Every row sets it, to its default unless asked (rows share a process).
     calls.clear()
     lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True))
-    assert ("set_packing_lms", (True,)) in calls
-    # A build without the switch does not pack: on is what it does, off is refused.
-    monkeypatch.delattr(torch.cuda, "set_packing_lms")
+    assert (setter, (default,)) in calls
+    monkeypatch.delattr(torch.cuda, setter)
     lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True))
-    with pytest.raises(lms_setup.LmsUnavailable, match="set_packing_lms"):
-        lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True, packing=False))
-
-
-def test_apply_lms_sets_residual_recipes_and_refuses_them_where_a_build_lacks_them(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import torch
-
-    from lmsbench import lms_setup
-
-    calls = _fake_lms_api(monkeypatch, "set_residual_recipes_lms")
-    lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True, residual_recipes=True))
-    names = [name for name, _ in calls]
-    assert ("set_residual_recipes_lms", (True,)) in calls
-    assert names.index("set_residual_recipes_lms") < names.index("set_enabled_lms")
-    # Every row sets them: off unless asked (rows share a process).
-    calls.clear()
-    lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True))
-    assert ("set_residual_recipes_lms", (False,)) in calls
-    monkeypatch.delattr(torch.cuda, "set_residual_recipes_lms")
-    lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True))
-    with pytest.raises(lms_setup.LmsUnavailable, match="set_residual_recipes_lms"):
-        lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True, residual_recipes=True))
-    assert lms_setup.overridden_conf_keys({"PYTORCH_LMS_CONF": "lms_residual_recipes:True"}) == [
-        "PYTORCH_LMS_CONF: lms_residual_recipes"
-    ]
+    with pytest.raises(lms_setup.LmsUnavailable, match=setter):
+        lms_setup.apply_lms(lms_setup.LmsSettings(enabled=True, **{field: not default}))
 
 
 def test_apply_lms_names_the_environment_settings_it_overrides(
@@ -748,6 +732,9 @@ def test_apply_lms_names_the_environment_settings_it_overrides(
         "PYTORCH_CUDA_ALLOC_CONF: lms_size_mb",
     ]
     assert lms_setup.overridden_conf_keys({"PYTORCH_LMS_CONF": "lms_host_limit_mb:64"}) == []
+    assert lms_setup.overridden_conf_keys({"PYTORCH_LMS_CONF": "lms_residual_recipes:True"}) == [
+        "PYTORCH_LMS_CONF: lms_residual_recipes"
+    ]
     for name in (
         "set_limit_lms",
         "set_size_lms",
