@@ -34,6 +34,7 @@
 #include <cstdio>
 #include <deque>
 #include <exception>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -446,18 +447,26 @@ bool isResidualAdd(const c10::OperatorName& name) {
 // At most this many steps extend one recipe.
 constexpr size_t kMaxSteps = 4;
 
+// A recipe whose output an argument is as the recipe made it (madeBy), its
+// output's version then, and its steps so far.
+struct Made {
+  std::shared_ptr<Recipe> recipe;
+  uint32_t version = 0;
+  size_t steps = 0;
+};
+
 // The recipe whose output `self` is as the recipe made it: the same view of
 // its storage, at the version the recipe (with its steps so far) produced,
-// with room for another step; its output's version then. Null otherwise.
-std::shared_ptr<Recipe> madeBy(const at::Tensor& self, uint32_t& version) {
+// with room for another step. No recipe otherwise.
+Made madeBy(const at::Tensor& self) {
   c10::StorageImpl* storage = cudaStorageOf(self);
   if (storage == nullptr || self.is_inference() ||
       !engine::isManaged(storage->_mutable_data_ptr_no_checks())) {
-    return nullptr;
+    return {};
   }
   std::shared_ptr<Recipe> recipe = find(contextOf(*storage));
   if (recipe == nullptr) {
-    return nullptr;
+    return {};
   }
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!outputHolds(*recipe) || recipe->retained ||
@@ -465,36 +474,50 @@ std::shared_ptr<Recipe> madeBy(const at::Tensor& self, uint32_t& version) {
       self.storage_offset() != recipe->out_offset ||
       !self.sizes().equals(recipe->out_sizes) ||
       !self.strides().equals(recipe->out_strides)) {
-    return nullptr;
+    return {};
   }
-  version = recipe->out_counter.current_version();
-  return recipe;
+  const uint32_t version = recipe->out_counter.current_version();
+  const size_t steps = recipe->steps.size();
+  return Made{std::move(recipe), version, steps};
 }
 
-// The capture of a step on argument `source` of an outermost in-place step,
-// copy or sum, when that argument is a recipe's output as the recipe made it
-// (madeBy). At the step's end, record() appends it to the recipe
-// (appendStep) or derives a recipe from it (deriveRecipe). Null otherwise:
-// an in-place write then invalidates the recipe, as any write to its output
-// does.
+// The capture of an outermost in-place step, copy or sum on the argument of
+// `sides` that is a recipe's output as the recipe made it (madeBy); of a sum
+// (isResidualAdd: sides 0 and 1) the side whose recipe has the fewest steps
+// (the projection's, not the residual stream's own derived one), the second
+// where both have as few (`x + f(x)`). At the step's end, record() appends
+// it to the recipe (appendStep) or derives a recipe from it (deriveRecipe).
+// Null where no side is one: an in-place write then invalidates the recipe,
+// as any write to its output does.
 CapturePtr captureStep(
     const at::RecordFunction& fn,
     bool derives,
-    size_t source = 0) {
+    std::initializer_list<size_t> sides = {0}) {
   const OperatorInfo& info = infoOf(*fn.operator_name());
   const auto inputs = fn.inputs();
   if (!info.handle.has_value() ||
-      inputs.size() != info.handle->schema().arguments().size() ||
-      inputs.size() <= source || !inputs[source].isTensor() ||
-      !inputs[source].toTensor().defined()) {
+      inputs.size() != info.handle->schema().arguments().size()) {
     return nullptr;
   }
-  const at::Tensor& self = inputs[source].toTensor();
-  c10::StorageImpl* storage = cudaStorageOf(self);
-  if (storage == nullptr ||
-      !engine::isManaged(storage->_mutable_data_ptr_no_checks())) {
+  size_t source = 0;
+  Made made;
+  for (const size_t side : sides) {
+    if (side >= inputs.size() || !inputs[side].isTensor() ||
+        !inputs[side].toTensor().defined()) {
+      continue;
+    }
+    Made here = madeBy(inputs[side].toTensor());
+    if (here.recipe != nullptr &&
+        (made.recipe == nullptr || here.steps <= made.steps)) {
+      source = side;
+      made = std::move(here);
+    }
+  }
+  if (made.recipe == nullptr) {
     return nullptr;
   }
+  // Managed CUDA memory: madeBy found its recipe.
+  c10::StorageImpl* storage = cudaStorageOf(inputs[source].toTensor());
   // The step's other arguments: tensors on the output's device, held as a
   // recipe's arguments are (argOf), none of them a view of the output.
   CapturePtr capture(new Capture(*info.handle));
@@ -520,56 +543,12 @@ CapturePtr captureStep(
     capture->tensors.push_back(std::move(*arg));
     capture->args.emplace_back(at::Tensor());
   }
-  uint32_t version = 0;
-  std::shared_ptr<Recipe> recipe = madeBy(self, version);
-  if (recipe == nullptr) {
-    return nullptr;
-  }
   capture->device = storage->device().index();
-  capture->extends = std::move(recipe);
-  capture->extends_version = version;
+  capture->extends = std::move(made.recipe);
+  capture->extends_version = made.version;
   capture->derives = derives;
   capture->source = source;
   return capture;
-}
-
-// The capture of a residual sum (isResidualAdd) that derives a recipe from
-// one of its sides: the side that is a recipe's output with the fewest steps
-// (the projection's, not the residual stream's own derived one), the second
-// where both have as few (`x + f(x)`). Null where neither side is one, and
-// for an add autocast casts for (none in PyTorch today: its replay would
-// need autocast's state).
-CapturePtr captureResidualAdd(const at::RecordFunction& fn) {
-  const OperatorInfo& info = infoOf(*fn.operator_name());
-  const auto inputs = fn.inputs();
-  if (!info.cast_free || inputs.size() < 2) {
-    return nullptr;
-  }
-  size_t best = 0;
-  size_t fewest = kMaxSteps;
-  for (size_t side = 0; side < 2; ++side) {
-    if (!inputs[side].isTensor() || !inputs[side].toTensor().defined()) {
-      continue;
-    }
-    uint32_t version = 0;
-    std::shared_ptr<Recipe> recipe = madeBy(inputs[side].toTensor(), version);
-    if (recipe == nullptr) {
-      continue;
-    }
-    size_t steps = 0;
-    {
-      std::lock_guard<std::mutex> lock(g_mutex);
-      steps = recipe->steps.size();
-    }
-    if (steps <= fewest) {
-      best = side;
-      fewest = steps;
-    }
-  }
-  if (fewest >= kMaxSteps) {
-    return nullptr;
-  }
-  return captureStep(fn, /*derives=*/true, best);
 }
 
 // At the end of a step captureStep() took: when the step wrote its recipe's
@@ -725,8 +704,12 @@ CapturePtr capture(const at::RecordFunction& fn) {
     // Not of a recipe's output: a recipe of its own, below.
   }
   if (name.has_value() && isResidualAdd(*name)) {
-    return engine::isResidualRecipesEnabled() ? captureResidualAdd(fn)
-                                              : nullptr;
+    // Not for an add autocast casts for (none in PyTorch today): its replay
+    // would need autocast's state.
+    if (!engine::isResidualRecipesEnabled() || !infoOf(*name).cast_free) {
+      return nullptr;
+    }
+    return captureStep(fn, /*derives=*/true, {0, 1});
   }
   if (!name.has_value() || !onAllowList(name->name)) {
     return nullptr;
